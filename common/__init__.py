@@ -1,0 +1,1 @@
+"""Shared, unit-tested building blocks of the RL-for-flow-matching scripts."""

@@ -1,0 +1,237 @@
+"""SD3/SD3.5 and FLUX.1 behind one small interface, loaded from a local diffusers folder.
+
+The training scripts never touch a pipeline's `__call__`: they run their own sampler (common/sampler.py)
+and need only five things from a backbone, all here:
+    encode(prompts)                      -> PromptEmbeds   (no grad: text encoders stay frozen)
+    initial_noise(n, generator)          -> x_1            (SD3: [B,C,h,w]; FLUX: packed [B, h*w/4, 4C])
+    velocity(x, sigma, embeds, ...)      -> v              (CFG for SD3, guidance embedding for FLUX.1-dev)
+    decode(x)                            -> images in [0,1], [B,3,H,W] float32
+    schedule(num_steps)                  -> sigmas         (static shift for SD3, dynamic for FLUX)
+Everything else (tokenizers, model classes, the VAE, latent packing) is diffusers' own code.
+tests/test_backbones.py checks that our sampler at zero noise reproduces the stock pipelines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from common.sampler import sigma_schedule
+
+PIPELINES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
+HUB_HINT = ("e.g. `huggingface-cli download stabilityai/stable-diffusion-3.5-medium --local-dir DIR` or "
+            "black-forest-labs/FLUX.1-dev, or the shipped toy model common/toyworld/model")
+
+# LoRA targets. "attention" is Flow-GRPO's SD3 set (train_sd3.py); SD3.5's second attention (attn2) is
+# matched too because peft matches suffixes. FLUX uses the same projection names in its double blocks;
+# its single blocks have attn.to_q/k/v as well.
+LORA_TARGETS = {
+    "attention": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                  "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"],
+    "all-linear": "all-linear",
+}
+
+
+class ConfigError(SystemExit):
+    """Bad user input: printed as one line (no traceback) and the process exits with status 2."""
+
+    def __init__(self, message: str):
+        super().__init__(f"error: {message}")
+        self.code_message = message
+
+
+@dataclass
+class PromptEmbeds:
+    """Text conditioning for a batch of prompts (rows align with the prompts)."""
+
+    embeds: torch.Tensor                       # [B, L, D]
+    pooled: torch.Tensor                       # [B, P]
+    neg_embeds: torch.Tensor | None = None     # [1, L, D]: the "" prompt, SD3 classifier-free guidance
+    neg_pooled: torch.Tensor | None = None     # [1, P]
+    text_ids: torch.Tensor | None = None       # [L, 3]: FLUX text position ids
+
+    def __getitem__(self, idx) -> "PromptEmbeds":
+        return replace(self, embeds=self.embeds[idx], pooled=self.pooled[idx])
+
+
+def torch_dtype_for(device: torch.device) -> torch.dtype:
+    # bf16 on GPUs (what SD3.5/FLUX were trained in); fp32 on CPU, where bf16 is slow and lossy.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def check_model_path(path: str) -> str:
+    """Fail fast, in one line, when `path` is not a diffusers SD3/FLUX folder. Returns the backbone kind."""
+    index = os.path.join(path, "model_index.json")
+    if not os.path.isdir(path):
+        raise ConfigError(f"--model-path '{path}' is not a folder: expected a diffusers SD3/SD3.5/FLUX.1 "
+                          f"folder with model_index.json ({HUB_HINT})")
+    if not os.path.isfile(index):
+        raise ConfigError(f"--model-path '{path}' has no model_index.json: expected a diffusers-layout "
+                          f"pipeline folder ({HUB_HINT})")
+    try:
+        with open(index) as f:
+            name = json.load(f).get("_class_name")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model-path '{path}': model_index.json is unreadable ({e}); re-download it ({HUB_HINT})")
+    if name not in PIPELINES:
+        raise ConfigError(f"--model-path '{path}' holds a {name}; expected one of {sorted(PIPELINES)} ({HUB_HINT})")
+    return PIPELINES[name]
+
+
+class Backbone:
+    """A loaded pipeline plus the few operations the RL scripts need. Use `load_backbone`."""
+
+    def __init__(self, pipe, kind: str, device: torch.device, dtype: torch.dtype, max_sequence_length: int):
+        self.pipe, self.kind, self.device, self.dtype = pipe, kind, device, dtype
+        self.max_sequence_length = max_sequence_length
+        self.transformer = pipe.transformer
+        self.vae_scale_factor = pipe.vae_scale_factor
+        self.patch_size = self.transformer.config.patch_size * (2 if kind == "flux" else 1)
+        for module in (pipe.vae, pipe.text_encoder, getattr(pipe, "text_encoder_2", None),
+                       getattr(pipe, "text_encoder_3", None)):
+            if module is not None:
+                module.requires_grad_(False)  # frozen: only the transformer (or its LoRA) is trained
+
+    # ---- shapes and schedule -------------------------------------------------------------------------
+    def check_resolution(self, height: int, width: int) -> None:
+        unit = self.vae_scale_factor * self.patch_size
+        if height % unit or width % unit:
+            raise ConfigError(f"resolution {height}x{width} is not a multiple of {unit} (VAE factor "
+                              f"{self.vae_scale_factor} x patch {self.patch_size}); pick e.g. "
+                              f"{max(unit, height // unit * unit)}")
+
+    def latent_hw(self, height: int, width: int) -> tuple[int, int]:
+        return height // self.vae_scale_factor, width // self.vae_scale_factor
+
+    def schedule(self, num_steps: int, height: int, width: int, shift: float | None = None) -> torch.Tensor:
+        """σ_0=1 > ... > σ_T=0 exactly as the stock pipeline would use (FLUX: shift from the image length)."""
+        cfg = self.pipe.scheduler.config
+        shift = cfg.shift if shift is None else shift
+        if self.kind == "flux" and cfg.use_dynamic_shifting:
+            h, w = self.latent_hw(height, width)
+            return sigma_schedule(num_steps, shift, image_seq_len=(h // 2) * (w // 2))
+        return sigma_schedule(num_steps, shift)
+
+    # ---- text ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> PromptEmbeds:
+        """Prompt embeddings without a graph (a graph here breaks multi-timestep backward passes)."""
+        p = self.pipe
+        if self.kind == "sd3":
+            emb, _, pooled, _ = p.encode_prompt(prompts, None, None, device=self.device,
+                                                do_classifier_free_guidance=False,
+                                                max_sequence_length=self.max_sequence_length)
+            # Flow-GRPO's negative prompt is the empty string, encoded once and broadcast.
+            neg, _, neg_pooled, _ = p.encode_prompt([""], None, None, device=self.device,
+                                                    do_classifier_free_guidance=False,
+                                                    max_sequence_length=self.max_sequence_length)
+            return PromptEmbeds(emb.to(self.dtype), pooled.to(self.dtype), neg.to(self.dtype),
+                                neg_pooled.to(self.dtype))
+        emb, pooled, text_ids = p.encode_prompt(prompts, None, device=self.device,
+                                                max_sequence_length=self.max_sequence_length)
+        return PromptEmbeds(emb.to(self.dtype), pooled.to(self.dtype), text_ids=text_ids)
+
+    # ---- latents ------------------------------------------------------------------------------------
+    def initial_noise(self, n: int, height: int, width: int, generator=None) -> torch.Tensor:
+        """x_1 ~ N(0, I) in float32, drawn exactly as the stock pipeline draws it (same generator, same shape)."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        h, w = self.latent_hw(height, width)
+        c = self.pipe.vae.config.latent_channels
+        x = randn_tensor((n, c, h, w), generator=generator, device=self.device, dtype=torch.float32)
+        if self.kind == "flux":
+            self.set_image_size(height, width)
+        return self.pipe._pack_latents(x, n, c, h, w) if self.kind == "flux" else x
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Latents -> images in [0, 1], float32 [B, 3, H, W]."""
+        vae = self.pipe.vae
+        if self.kind == "flux":
+            latents = self.pipe._unpack_latents(latents, height, width, self.vae_scale_factor)
+        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    # ---- the policy network -------------------------------------------------------------------------
+    def velocity(self, latents, sigma, emb: PromptEmbeds, guidance_scale: float = 1.0, model=None,
+                 detach_uncond: bool = False) -> torch.Tensor:
+        """v_θ(x_σ, σ, c) in float32. `sigma` is a float or a per-sample tensor [B].
+
+        SD3: classifier-free guidance v = v_u + w (v_c - v_u) with the "" prompt, both branches in one batch
+        (as the pipeline does). `detach_uncond=True` lets gradients flow only through the conditional branch
+        (Flow-GRPO's training forward). FLUX.1-dev: the guidance scale is an input of the network instead.
+        `model` is the module to call (e.g. the DDP-wrapped transformer); default the bare transformer.
+        """
+        model = self.transformer if model is None else model
+        b = latents.shape[0]
+        sigma = torch.as_tensor(sigma, device=self.device, dtype=torch.float32).expand(b)
+        x = latents.to(self.dtype)
+        if self.kind == "flux":
+            guidance = None
+            if self.transformer.config.guidance_embeds:
+                guidance = torch.full((b,), float(guidance_scale), device=self.device, dtype=torch.float32)
+            gh, gw = self._packed_grid(latents.shape[1])
+            img_ids = self.pipe._prepare_latent_image_ids(b, gh, gw, self.device, self.dtype)
+            v = model(hidden_states=x, timestep=(sigma * 1000).to(self.dtype) / 1000, guidance=guidance,
+                      pooled_projections=emb.pooled, encoder_hidden_states=emb.embeds, txt_ids=emb.text_ids,
+                      img_ids=img_ids, return_dict=False)[0]
+            return v.float()
+        if guidance_scale <= 1.0:
+            return model(hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=emb.embeds,
+                         pooled_projections=emb.pooled, return_dict=False)[0].float()
+        embeds = torch.cat([emb.neg_embeds.expand(b, -1, -1), emb.embeds])
+        pooled = torch.cat([emb.neg_pooled.expand(b, -1), emb.pooled])
+        v = model(hidden_states=torch.cat([x, x]), timestep=torch.cat([sigma, sigma]) * 1000,
+                  encoder_hidden_states=embeds, pooled_projections=pooled, return_dict=False)[0].float()
+        v_u, v_c = v.chunk(2)
+        if detach_uncond:
+            v_u = v_u.detach()
+        return v_u + guidance_scale * (v_c - v_u)
+
+    def set_image_size(self, height: int, width: int) -> None:
+        """Remember the packed FLUX grid (needed for the position ids of non-square images)."""
+        h, w = self.latent_hw(height, width)
+        self._flux_grid = (h // 2, w // 2)
+
+    def _packed_grid(self, seq_len: int) -> tuple[int, int]:
+        grid = getattr(self, "_flux_grid", None)
+        if grid and grid[0] * grid[1] == seq_len:
+            return grid
+        side = int(round(seq_len ** 0.5))
+        assert side * side == seq_len, "non-square FLUX latents: call backbone.set_image_size(height, width)"
+        return side, side
+
+
+def load_backbone(path: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                  max_sequence_length: int | None = None, gradient_checkpointing: bool = False) -> Backbone:
+    """Load an SD3/SD3.5/FLUX.1 diffusers folder. Bad paths stop with one clear line before any heavy work."""
+    kind = check_model_path(path)
+    device = torch.device(device)
+    dtype = dtype or torch_dtype_for(device)
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+
+    cls = StableDiffusion3Pipeline if kind == "sd3" else FluxPipeline
+    try:
+        pipe = cls.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"--model-path '{path}' could not be loaded as a {cls.__name__}: {first} ({HUB_HINT})")
+    if max_sequence_length is None:
+        # T5 tokens in the context. Flow-GRPO uses 128 for SD3.5; FLUX was trained with 512. Without a T5
+        # encoder (the toy model) SD3 feeds zeros, so one such token is enough.
+        has_t5 = getattr(pipe, "text_encoder_3", None) is not None or kind == "flux"
+        max_sequence_length = (128 if kind == "sd3" else 512) if has_t5 else 1
+        tok = getattr(pipe, "tokenizer_3", None) if kind == "sd3" else pipe.tokenizer_2
+        if tok is not None and tok.model_max_length < max_sequence_length:
+            max_sequence_length = tok.model_max_length
+    if gradient_checkpointing:
+        pipe.transformer.enable_gradient_checkpointing()
+    if kind == "flux" and device.type == "cuda":
+        # A FLUX.1-dev LoRA backward crashed (CUBLAS_STATUS_EXECUTION_FAILED / illegal memory access) on an
+        # H200 with the cuDNN SDPA backend and ran fine without it (../shared/reference/gpu_anchor.md).
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    return Backbone(pipe, kind, device, dtype, max_sequence_length)

@@ -1,0 +1,182 @@
+"""Random-weight SD3 / SD3.5 / FLUX.1 pipelines written to disk in diffusers layout, fully offline.
+
+Tests, the toy-world pretraining script and the GPU benchmark build their models here and then load
+them through `common.backbones.load_backbone(path)`: the very same `from_pretrained(folder)` path a user
+takes with real SD3.5 / FLUX.1 weights. Nothing downloads anything: both tokenizers are built in memory
+from a word list (transformers 5 accepts `vocab=`/`merges=` directly).
+
+Shape rules (see ../shared/reference/offline.md §2):
+- SD3: the two CLIP hidden states are concatenated and padded to the T5 width, so
+  `joint_attention_dim == t5_dim >= 2 * clip_dim`; `pooled_projection_dim == 2 * clip_dim`.
+- FLUX: CLIP pooled output -> `pooled_projection_dim`; T5 width -> `joint_attention_dim`;
+  the transformer sees 2x2-packed latents, so `in_channels == 4 * latent_channels`.
+- CLIP pools at the first eos token only when the config's eos id equals the tokenizer's (1 here).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+)
+
+# A small vocabulary: every word is one token; unknown words still tokenize (CLIP falls back to bytes).
+WORDS = (
+    "a an the of in on with and photo picture red green blue yellow magenta cyan black white "
+    "circle circles square squares triangle triangles two three four left right above below "
+    "cat dog house tree car sky sun flower"
+).split()
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP byte -> printable character table (transformers 5 no longer exports it)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def make_clip_tokenizer(words=WORDS, model_max_length: int = 16) -> CLIPTokenizer:
+    """Byte-level BPE whose merges turn every listed word into a single token (word-level in practice)."""
+    chars = list(bytes_to_unicode().values())
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for suffix in ("", "</w>"):
+        for c in chars:
+            vocab.setdefault(c + suffix, len(vocab))
+    merges, seen = [], set()
+    for w in words:
+        syms = list(w[:-1]) + [w[-1] + "</w>"]
+        cur = syms[0]
+        for s in syms[1:]:
+            if (cur, s) not in seen:
+                seen.add((cur, s))
+                merges.append((cur, s))
+            cur += s
+            vocab.setdefault(cur, len(vocab))
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
+
+
+def make_t5_tokenizer(words=WORDS, model_max_length: int = 512) -> T5Tokenizer:
+    """Unigram tokenizer: <pad>=0, </s>=1, <unk>=2, one piece per word, then single characters."""
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [("\u2581" + w, -3.0) for w in dict.fromkeys(words)]
+    seen = {p for p, _ in pieces}
+    for c in map(chr, range(33, 127)):
+        for p in (c, "\u2581" + c):
+            if p not in seen:
+                seen.add(p)
+                pieces.append((p, -8.0))
+    # extra_ids=0: no 100 sentinel tokens, which would dwarf the tiny vocabulary.
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+
+
+def clip_text_config(vocab_size, hidden=32, layers=2, heads=4, max_len=16) -> CLIPTextConfig:
+    return CLIPTextConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, projection_dim=hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, max_position_embeddings=max_len,
+        layer_norm_eps=1e-5, hidden_act="gelu", bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+
+
+def t5_config(vocab_size, d_model=64, layers=1, heads=4) -> T5Config:
+    return T5Config(
+        vocab_size=vocab_size, d_model=d_model, d_kv=8, d_ff=2 * min(d_model, 64), num_layers=layers,
+        num_heads=heads, relative_attention_num_buckets=8, relative_attention_max_distance=32,
+        dropout_rate=0.0, feed_forward_proj="relu", is_encoder_decoder=False, use_cache=False,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )
+
+
+def tiny_vae(latent_channels=4, block_out_channels=(8, 16), layers_per_block=1, norm_groups=4,
+             scaling_factor=1.5035, shift_factor=0.0609):
+    """AutoencoderKL with vae_scale_factor = 2 ** (len(block_out_channels) - 1)."""
+    from diffusers import AutoencoderKL
+
+    n = len(block_out_channels)
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n, block_out_channels=tuple(block_out_channels),
+        layers_per_block=layers_per_block, latent_channels=latent_channels, norm_num_groups=norm_groups,
+        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=scaling_factor,
+        shift_factor=shift_factor, mid_block_add_attention=False,
+    )
+
+
+def build_sd3(path: str | None = None, seed: int = 0, sd35: bool = False, latent_channels: int = 4,
+              num_layers: int = 2, heads: int = 4, head_dim: int = 8, patch_size: int = 2,
+              clip_dim: int = 32, clip_layers: int = 2, t5_dim: int | None = 64, max_len: int = 16,
+              vae=None, words=WORDS, transformer_kwargs: dict | None = None):
+    """A StableDiffusion3Pipeline with random weights; saved to `path` (diffusers layout) if given.
+
+    `sd35=True` adds what SD3.5 adds to the block: dual attention in the first layer and RMS qk-norm.
+    `t5_dim=None` leaves out the T5 encoder; the SD3 pipeline then feeds zeros in its place.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    torch.manual_seed(seed)
+    joint = t5_dim if t5_dim is not None else 2 * clip_dim
+    assert joint >= 2 * clip_dim, "SD3 pads the two CLIP states to the T5 width: t5_dim >= 2 * clip_dim"
+    tok, tok2 = make_clip_tokenizer(words, max_len), make_clip_tokenizer(words, max_len)
+    te = CLIPTextModelWithProjection(clip_text_config(len(tok), clip_dim, clip_layers, max_len=max_len))
+    te2 = CLIPTextModelWithProjection(clip_text_config(len(tok2), clip_dim, clip_layers, max_len=max_len))
+    tok3 = make_t5_tokenizer(words) if t5_dim is not None else None
+    te3 = T5EncoderModel(t5_config(len(tok3), t5_dim)) if t5_dim is not None else None
+    vae = vae if vae is not None else tiny_vae(latent_channels)
+    extra = dict(dual_attention_layers=(0,), qk_norm="rms_norm") if sd35 else {}
+    transformer = SD3Transformer2DModel(
+        sample_size=32, patch_size=patch_size, in_channels=latent_channels, out_channels=latent_channels,
+        num_layers=num_layers, attention_head_dim=head_dim, num_attention_heads=heads,
+        caption_projection_dim=heads * head_dim, joint_attention_dim=joint, pooled_projection_dim=2 * clip_dim,
+        pos_embed_max_size=64, **extra, **(transformer_kwargs or {}),
+    )
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=te, tokenizer=tok, text_encoder_2=te2, tokenizer_2=tok2, text_encoder_3=te3, tokenizer_3=tok3,
+    )
+    if path is not None:
+        pipe.save_pretrained(path)
+    return pipe
+
+
+def build_flux(path: str | None = None, seed: int = 0, guidance_embeds: bool = True, latent_channels: int = 4,
+               num_layers: int = 1, num_single_layers: int = 1, heads: int = 2, head_dim: int = 16,
+               clip_dim: int = 32, t5_dim: int = 32, max_len: int = 16, vae=None, words=WORDS,
+               transformer_kwargs: dict | None = None):
+    """A FluxPipeline with random weights (FLUX.1-dev style when `guidance_embeds`), saved to `path` if given."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    tok, tok2 = make_clip_tokenizer(words, max_len), make_t5_tokenizer(words)
+    te = CLIPTextModel(clip_text_config(len(tok), clip_dim, 2, max_len=max_len))
+    te2 = T5EncoderModel(t5_config(len(tok2), t5_dim))
+    rope = (head_dim // 4, head_dim // 4, head_dim // 2)  # the rope axes must sum to the head dim
+    kw = dict(patch_size=1, in_channels=4 * latent_channels, num_layers=num_layers,
+              num_single_layers=num_single_layers, attention_head_dim=head_dim, num_attention_heads=heads,
+              joint_attention_dim=t5_dim, pooled_projection_dim=clip_dim, guidance_embeds=guidance_embeds,
+              axes_dims_rope=rope)
+    kw.update(transformer_kwargs or {})
+    transformer = FluxTransformer2DModel(**kw)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    vae = vae if vae is not None else tiny_vae(latent_channels)
+    pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=te, tokenizer=tok, text_encoder_2=te2,
+                        tokenizer_2=tok2, transformer=transformer)
+    if path is not None:
+        pipe.save_pretrained(path)
+    return pipe

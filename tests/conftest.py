@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny random-weight pipelines written to disk once per test session.
+
+Every test loads them back with `load_backbone(path)`, the same `from_pretrained(folder)` path that real
+SD3.5 / FLUX.1 weights take.
+"""
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3(tmp_path_factory):
+    from common.tiny import build_sd3
+
+    path = str(tmp_path_factory.mktemp("tiny-sd3"))
+    build_sd3(path, seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_sd35(tmp_path_factory):
+    from common.tiny import build_sd3
+
+    path = str(tmp_path_factory.mktemp("tiny-sd35"))
+    build_sd3(path, seed=1, sd35=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_flux(tmp_path_factory):
+    from common.tiny import build_flux
+
+    path = str(tmp_path_factory.mktemp("tiny-flux"))
+    build_flux(path, seed=0, guidance_embeds=True)
+    return path
