@@ -51,22 +51,36 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def make_clip_tokenizer(words=WORDS, model_max_length: int = 16) -> CLIPTokenizer:
-    """Byte-level BPE whose merges turn every listed word into a single token (word-level in practice)."""
+    """Byte-level BPE whose merges turn every listed word into a single token (word-level in practice).
+
+    The merges are learned as BPE learns them (repeatedly merge the most frequent adjacent pair over the word
+    list), so applying them in rank order rebuilds every listed word; unknown words fall back to pieces.
+    """
     chars = list(bytes_to_unicode().values())
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for suffix in ("", "</w>"):
         for c in chars:
             vocab.setdefault(c + suffix, len(vocab))
-    merges, seen = [], set()
-    for w in words:
-        syms = list(w[:-1]) + [w[-1] + "</w>"]
-        cur = syms[0]
-        for s in syms[1:]:
-            if (cur, s) not in seen:
-                seen.add((cur, s))
-                merges.append((cur, s))
-            cur += s
-            vocab.setdefault(cur, len(vocab))
+    symbols = [list(w[:-1]) + [w[-1] + "</w>"] for w in dict.fromkeys(words)]
+    merges = []
+    while any(len(s) > 1 for s in symbols):
+        counts: dict[tuple[str, str], int] = {}
+        for s in symbols:
+            for pair in zip(s, s[1:]):
+                counts[pair] = counts.get(pair, 0) + 1
+        best = max(counts, key=lambda p: (counts[p], p))
+        merges.append(best)
+        vocab.setdefault(best[0] + best[1], len(vocab))
+        for k, s in enumerate(symbols):
+            out, i = [], 0
+            while i < len(s):
+                if i + 1 < len(s) and (s[i], s[i + 1]) == best:
+                    out.append(s[i] + s[i + 1])
+                    i += 2
+                else:
+                    out.append(s[i])
+                    i += 1
+            symbols[k] = out
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
 
 
@@ -137,12 +151,12 @@ def build_sd3(path: str | None = None, seed: int = 0, sd35: bool = False, latent
     te3 = T5EncoderModel(t5_config(len(tok3), t5_dim)) if t5_dim is not None else None
     vae = vae if vae is not None else tiny_vae(latent_channels)
     extra = dict(dual_attention_layers=(0,), qk_norm="rms_norm") if sd35 else {}
-    transformer = SD3Transformer2DModel(
-        sample_size=32, patch_size=patch_size, in_channels=latent_channels, out_channels=latent_channels,
-        num_layers=num_layers, attention_head_dim=head_dim, num_attention_heads=heads,
-        caption_projection_dim=heads * head_dim, joint_attention_dim=joint, pooled_projection_dim=2 * clip_dim,
-        pos_embed_max_size=64, **extra, **(transformer_kwargs or {}),
-    )
+    kw = dict(sample_size=32, patch_size=patch_size, in_channels=latent_channels, out_channels=latent_channels,
+              num_layers=num_layers, attention_head_dim=head_dim, num_attention_heads=heads,
+              caption_projection_dim=heads * head_dim, joint_attention_dim=joint, pooled_projection_dim=2 * clip_dim,
+              pos_embed_max_size=64, **extra)
+    kw.update(transformer_kwargs or {})
+    transformer = SD3Transformer2DModel(**kw)
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
         text_encoder=te, tokenizer=tok, text_encoder_2=te2, tokenizer_2=tok2, text_encoder_3=te3, tokenizer_3=tok3,

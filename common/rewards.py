@@ -1,0 +1,445 @@
+"""Reward registry: every reward the papers train or evaluate with, behind one flag.
+
+    --reward pickscore                         one reward
+    --reward "pickscore:1.0,clipscore:0.5"     a weighted mix (weights multiply the scores below)
+    --reward-mix score | advantage             Flow-GRPO mixes raw scores: A = norm(scores @ w);
+                                               G²RPO normalises each reward and sums: A = norm(s_k) @ w
+    --guard-rewards "pickscore,aesthetic"      same registry, logged beside the target at evaluation
+    --model-paths "pickscore=/ckpt/PickScore_v1,aesthetic=/ckpt/aesthetic"
+
+Each reward maps (images [B,3,H,W] float in [0,1], prompts) to one float per image:
+
+| name                   | source                                                | score              | range         |
+|------------------------|-------------------------------------------------------|--------------------|---------------|
+| toyworld               | common.toyworld.score, a pixel-exact GenEval stand-in | partial credit S²  | [0, 1]        |
+| jpeg_compressibility   | DDPO; PIL JPEG q95 (512²: flat ≈ 5 kB, noise ≈ 310)   | -size in kB        | -310 .. -5    |
+| jpeg_incompressibility | DDPO                                                  | +size in kB        | 5 .. 310      |
+| aesthetic              | LAION improved-aesthetic-predictor (CLIP L/14 + MLP)  | raw MLP output     | ~1 .. 10      |
+| pickscore              | PickScore_v1 (CLIP ViT-H/14), scaled as Flow-GRPO     | logit_scale·cos/26 | ~0.8 .. 0.9   |
+| clipscore              | any CLIP, default openai/clip-vit-large-patch14       | cos                | ~0.15 .. 0.35 |
+| hpsv2                  | HPS-v2.1, open_clip ViT-H-14 (needs open_clip_torch)  | cos                | ~0.2 .. 0.35  |
+| imagereward            | ImageReward-v1.0 (needs image-reward)                 | package's z-score  | ~-2 .. 2      |
+
+Scales of the papers, to reproduce them with weights: Flow-GRPO's jpeg_compressibility is -kB/500
+(`jpeg_compressibility:0.002`), its clipscore 100·cos/30 (`clipscore:3.333`); PickScore papers report
+100·cos ≈ 21-23 (`pickscore:26`), G²RPO reports cos ≈ 0.23 (`pickscore:0.26`); the CLIPScore metric
+is 100·cos or 2.5·max(cos, 0).
+
+Weights (--model-paths KEY=PATH; PATH is a local folder/file or a hub id, default in DEFAULT_PATHS):
+- pickscore, clipscore: a transformers CLIP checkpoint folder; its processor (tokenizer +
+  preprocessor_config.json) comes from `<name>_processor`, else the checkpoint folder if it holds one,
+  else laion/CLIP-ViT-H-14-laion2B-s32B-b79K (pickscore) or the checkpoint itself (clipscore).
+- aesthetic: a folder holding `sac+logos+ava1-l14-linearMSE.pth` and, optionally, the CLIP ViT-L/14
+  checkpoint; else that CLIP comes from `aesthetic_clip` (default openai/clip-vit-large-patch14).
+- hpsv2: `HPS_v2.1_compressed.pt`, a folder holding it, or the hub repo xswu/HPSv2.
+- imagereward: a folder holding `ImageReward.pt` + `med_config.json` (hub repo THUDM/ImageReward;
+  `ImageReward.load("ImageReward-v1.0")` puts them in ~/.cache/ImageReward). Needs bert-base-uncased.
+
+Preprocessing stays on the reward's device, on tensors: bicubic (antialiased) resize of the shortest
+side to the processor's size, centre crop to its crop size, normalise with its mean/std: the
+CLIPImageProcessor recipe without the uint8/PIL round trip, so scores differ slightly from those of
+PIL-preprocessed images. Models load lazily (nothing heavy is imported before a reward is built), once per
+(name, device, paths): guard rewards reuse the target's instances.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import os
+import pickle
+import re
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import nn
+
+REWARD_NAMES: tuple[str, ...] = (
+    "toyworld", "jpeg_compressibility", "jpeg_incompressibility",
+    "aesthetic", "pickscore", "clipscore", "hpsv2", "imagereward",
+)
+DEFAULT_PATHS = {
+    "pickscore": "yuvalkirstain/PickScore_v1",
+    "clipscore": "openai/clip-vit-large-patch14",
+    "hpsv2": "xswu/HPSv2",
+    "imagereward": "THUDM/ImageReward",
+}
+DEFAULT_PROCESSORS = {"pickscore": "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"}
+AESTHETIC_CLIP = "openai/clip-vit-large-patch14"  # used when neither aesthetic_clip nor the aesthetic folder has one
+PATH_KEYS = ("aesthetic", "aesthetic_clip", "pickscore", "pickscore_processor",
+             "clipscore", "clipscore_processor", "hpsv2", "imagereward")
+PICKSCORE_DIVISOR = 26.0  # Flow-GRPO pickscore_scorer.py: reward = logit_scale * cos / 26
+AESTHETIC_MLP_FILE = "sac+logos+ava1-l14-linearMSE.pth"
+HPSV2_FILE, HPSV2_ARCH = "HPS_v2.1_compressed.pt", "ViT-H-14"
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+OPTIONAL = {  # reward -> (module, package, install command (torchvision pinned to torch 2.13), note)
+    "hpsv2": ("open_clip", "open_clip_torch", "pip install open_clip_torch==3.3.0 torchvision==0.28.0", ""),
+    "imagereward": ("ImageReward", "image-reward", "pip install image-reward",
+                    "; note image-reward 1.5 does not import under transformers 5"),
+}
+
+
+class RewardLoadError(ValueError):
+    """A reward's weights could not be found or loaded; the message says what was expected."""
+
+
+class MissingRewardPackage(ImportError):
+    """An optional package a reward needs is not installed; the message gives the pip command."""
+
+
+# ----------------------------------------------------------------------------- parsing
+def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
+    """'pickscore:1.0,clipscore:0.5' or 'pickscore' (weight 1) -> [(name, weight), ...]. No imports."""
+    choices = (f"choose from {', '.join(REWARD_NAMES)}; "
+               "or a weighted mix like 'pickscore:1.0,clipscore:0.5'")
+    items = [s.strip() for s in spec.split(",") if s.strip()]
+    if not items:
+        raise ValueError(f"empty reward spec {spec!r}: {choices}")
+    out: list[tuple[str, float]] = []
+    for item in items:
+        name, _, weight = (p.strip() for p in item.partition(":"))
+        if name not in REWARD_NAMES:
+            raise ValueError(f"unknown reward '{name}': {choices}")
+        if name in (n for n, _ in out):
+            raise ValueError(f"reward '{name}' appears twice in {spec!r}")
+        try:
+            w = float(weight) if ":" in item else 1.0
+        except ValueError:
+            w = float("nan")
+        if not np.isfinite(w):
+            raise ValueError(f"bad weight '{weight}' for reward '{name}' in {spec!r}: "
+                             "expected a finite number, e.g. 'pickscore:1.0'")
+        out.append((name, w))
+    return out
+
+
+def parse_model_paths(s: str) -> dict[str, str]:
+    """'pickscore=/x/y,clipscore=/z' -> {'pickscore': '/x/y', 'clipscore': '/z'}; '' -> {}."""
+    out = {}
+    for item in (p.strip() for p in s.split(",")):
+        if not item:
+            continue
+        key, eq, path = (p.strip() for p in item.partition("="))
+        if not eq or not path or key not in PATH_KEYS:
+            raise ValueError(f"bad model path '{item}': expected KEY=PATH with KEY one of {', '.join(PATH_KEYS)}")
+        out[key] = path
+    return out
+
+
+# ----------------------------------------------------------------------------- loading helpers
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+
+
+def _is_hub_id(path: str) -> bool:
+    return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) is not None and not path.startswith(".")
+
+
+def _require(name: str):
+    """Import an optional package, or fail with one line naming it and its pip command."""
+    module, package, command, note = OPTIONAL[name]
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise MissingRewardPackage(f"{name}: needs the optional package '{package}' ({_first_line(e)}); install it "
+                                   f"with `{command}` (see requirements-optional.txt){note}") from None
+
+
+def _find_file(name: str, path: str, filename: str, hint: str) -> str:
+    """`path` is the file itself, a folder holding `filename`, or a hub repo id (fetched to the HF cache)."""
+    if os.path.isfile(path):
+        return path
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, filename)):
+            return os.path.join(path, filename)
+        raise RewardLoadError(f"{name}: no {filename} in '{path}': expected {hint}")
+    if not _is_hub_id(path):
+        raise RewardLoadError(f"{name}: '{path}' does not exist: expected {hint}")
+    try:
+        from huggingface_hub import hf_hub_download
+        return hf_hub_download(path, filename)
+    except Exception as e:  # offline, unknown repo, missing file: all end here
+        raise RewardLoadError(f"{name}: could not get {filename} from hub repo '{path}' ({_first_line(e)}): "
+                              f"expected {hint}") from None
+
+
+def _from_pretrained(name: str, cls, path: str, hint: str):
+    """`cls.from_pretrained(path)` (local folder or hub id) with one clear line on failure."""
+    if not os.path.isdir(path) and not _is_hub_id(path):
+        raise RewardLoadError(f"{name}: '{path}' does not exist: expected {hint}")
+    try:
+        return cls.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise RewardLoadError(f"{name}: could not load '{path}': expected {hint} ({_first_line(e)})") from None
+
+
+def _torch_load(path: str):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # old checkpoints pickle more than tensors; trust the user's file
+        warnings.warn(f"{path}: not a plain tensor file, loading it with weights_only=False")
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _hub_hint(what: str, hub_id: str, key: str, files: str = "") -> str:
+    return (f"{what} (e.g. the hub id {hub_id} downloaded with `hf download {hub_id}{files}`; "
+            f"set with --model-paths {key}=PATH)")
+
+
+# ----------------------------------------------------------------------------- shared preprocessing
+def clip_preprocess(images: torch.Tensor, shortest_edge: int, crop: tuple[int, int], mean, std) -> torch.Tensor:
+    """[B,3,H,W] in [0,1] -> CLIP pixel values, on the images' device: bicubic resize of the shortest
+    side, centre crop, normalise (the CLIPImageProcessor / open_clip recipe, done on tensors)."""
+    h, w = images.shape[-2:]
+    scale = shortest_edge / min(h, w)
+    size = (max(crop[0], int(h * scale)), max(crop[1], int(w * scale)))
+    if size != (h, w):
+        images = F.interpolate(images, size=size, mode="bicubic", align_corners=False, antialias=True)
+    top, left = (size[0] - crop[0]) // 2, (size[1] - crop[1]) // 2
+    images = images[..., top:top + crop[0], left:left + crop[1]].clamp(0, 1)
+    mean = torch.tensor(mean, device=images.device, dtype=images.dtype).view(1, 3, 1, 1)
+    std = torch.tensor(std, device=images.device, dtype=images.dtype).view(1, 3, 1, 1)
+    return (images - mean) / std
+
+
+def _size(d, key):  # transformers 5 gives a SizeDict, 4.x a dict
+    return d.get(key) if isinstance(d, dict) else getattr(d, key, None)
+
+
+def _features(out) -> torch.Tensor:  # transformers 5 returns a ModelOutput, 4.x a tensor
+    return F.normalize(out if isinstance(out, torch.Tensor) else out.pooler_output, dim=-1)
+
+
+# ----------------------------------------------------------------------------- rewards
+def _jpeg_kb(images: torch.Tensor) -> torch.Tensor:
+    """Size of each image as a quality-95 JPEG, in kB (1000 bytes), as DDPO (`buffer.tell() / 1000`)."""
+    arrays = (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    sizes = []
+    for a in arrays:
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, format="JPEG", quality=95)
+        sizes.append(buf.tell() / 1000)
+    return torch.tensor(sizes, dtype=torch.float32)
+
+
+def _toyworld(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """The toy world's pixel-exact GenEval stand-in: partial credit S² in [0, 1], 1 exactly when correct."""
+    from common.toyworld import score  # lazy: only needed when the toy world is used
+
+    reward, _correct = score(images.cpu(), prompts)
+    return torch.as_tensor(np.asarray(reward), dtype=torch.float32)
+
+
+class CLIPReward:
+    """A transformers CLIP checkpoint + its processor. score = cos(image, text), in [-1, 1]."""
+
+    def __init__(self, name: str, paths: dict, device, model_key: str | None = None, text: bool = True):
+        from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
+
+        model_key = model_key or name
+        model_path = paths[model_key]
+        proc_path = paths.get(f"{name}_processor") or (
+            model_path if os.path.isfile(os.path.join(model_path, "preprocessor_config.json"))
+            else DEFAULT_PROCESSORS.get(name, model_path))
+        default = DEFAULT_PATHS.get(model_key, AESTHETIC_CLIP if model_key == "aesthetic_clip" else model_path)
+        self.device = device
+        model = _from_pretrained(name, CLIPModel, model_path, _hub_hint("a CLIP checkpoint folder", default, model_key))
+        self.model = model.to(device=device, dtype=torch.float32).eval()  # fp16 checkpoints too: pixels are fp32
+        proc_hint = _hub_hint("a processor folder with the tokenizer and preprocessor_config.json",
+                              DEFAULT_PROCESSORS.get(name, default), f"{name}_processor", " --include '*.json' '*.txt'")
+        proc = _from_pretrained(name, AutoImageProcessor, proc_path, proc_hint)
+        self.geometry = (_size(proc.size, "shortest_edge") or _size(proc.crop_size, "height"),
+                         (_size(proc.crop_size, "height"), _size(proc.crop_size, "width")),
+                         proc.image_mean, proc.image_std)
+        self.tokenizer = _from_pretrained(name, AutoTokenizer, proc_path, proc_hint) if text else None
+
+    def image_embeds(self, images: torch.Tensor) -> torch.Tensor:
+        pixels = clip_preprocess(images, *self.geometry)
+        return _features(self.model.get_image_features(pixel_values=pixels))
+
+    def cosine(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        max_len = min(self.tokenizer.model_max_length, self.model.config.text_config.max_position_embeddings)
+        tok = self.tokenizer(prompts, padding="max_length", truncation=True, max_length=max_len, return_tensors="pt")
+        text = _features(self.model.get_text_features(input_ids=tok.input_ids.to(self.device),
+                                                      attention_mask=tok.attention_mask.to(self.device)))
+        return (self.image_embeds(images) * text).sum(-1)
+
+    __call__ = cosine
+
+
+class PickScore(CLIPReward):
+    """PickScore_v1 (Kirstain et al. 2023): logit_scale·cos (≈ 100·cos ≈ 17-24), divided by 26 as in
+    Flow-GRPO, so the training reward is ≈ 0.8-0.9."""
+
+    def __call__(self, images, prompts):
+        return self.model.logit_scale.exp() * self.cosine(images, prompts) / PICKSCORE_DIVISOR
+
+
+class AestheticMLP(nn.Module):
+    """The LAION improved-aesthetic-predictor head (its `MLP` class: no activations, dropout only)."""
+
+    def __init__(self, dim: int = 768):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(dim, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
+                                    nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class Aesthetic:
+    """LAION aesthetic score (christophschuhmann/improved-aesthetic-predictor, used by DDPO and
+    Flow-GRPO): MLP on the L2-normalised CLIP ViT-L/14 image embedding. Raw output, AVA-like 1-10 scale."""
+
+    def __init__(self, paths: dict, device):
+        folder = paths.get("aesthetic")
+        hint = (f"{AESTHETIC_MLP_FILE} (from github.com/christophschuhmann/improved-aesthetic-predictor), "
+                "or a folder holding it and optionally the CLIP ViT-L/14 checkpoint: --model-paths aesthetic=PATH")
+        if not folder:
+            raise RewardLoadError(f"aesthetic: no weights given: expected {hint}")
+        state = _torch_load(_find_file("aesthetic", folder, AESTHETIC_MLP_FILE, hint))
+        if not isinstance(state, dict) or "layers.0.weight" not in state:
+            raise RewardLoadError(f"aesthetic: '{folder}' is not the LAION MLP state dict (no layers.0.weight)")
+        self.mlp = AestheticMLP(state["layers.0.weight"].shape[1])
+        self.mlp.load_state_dict(state)
+        self.mlp.to(device).eval()
+        if "aesthetic_clip" not in paths:  # the CLIP checkpoint lives in the same folder, or on the hub
+            has_clip = os.path.isfile(os.path.join(folder, "config.json"))
+            paths = {**paths, "aesthetic_clip": folder if has_clip else AESTHETIC_CLIP}
+        self.clip = CLIPReward("aesthetic", paths, device, model_key="aesthetic_clip", text=False)
+        if self.clip.model.config.projection_dim != self.mlp.layers[0].in_features:
+            raise RewardLoadError(f"aesthetic: the MLP expects {self.mlp.layers[0].in_features}-d embeddings but "
+                                  f"the CLIP gives {self.clip.model.config.projection_dim}-d: use CLIP ViT-L/14")
+
+    def __call__(self, images, prompts):
+        return self.mlp(self.clip.image_embeds(images)).squeeze(-1)
+
+
+class HPSv2:
+    """HPS-v2.1 (Wu et al. 2023; G²RPO's and DanceGRPO's reward): open_clip ViT-H-14 fine-tuned on HPD v2.
+    score = cos(image, text) of its normalised features, ≈ 0.2-0.35 (reported ×100 in papers)."""
+
+    def __init__(self, paths: dict, device):
+        open_clip = _require("hpsv2")
+        hint = _hub_hint(f"{HPSV2_FILE} or a folder holding it", "xswu/HPSv2", "hpsv2")
+        ckpt = _find_file("hpsv2", paths["hpsv2"], HPSV2_FILE, hint)
+        self.model = open_clip.create_model(HPSV2_ARCH, pretrained=None)
+        try:
+            open_clip.load_checkpoint(self.model, ckpt)
+        except (RuntimeError, KeyError) as e:
+            msg = f"hpsv2: '{ckpt}' is not an open_clip {HPSV2_ARCH} checkpoint ({_first_line(e)})"
+            raise RewardLoadError(msg) from None
+        self.model.to(device=device, dtype=torch.float32).eval()
+        self.tokenizer, self.device = open_clip.get_tokenizer(HPSV2_ARCH), device
+        cfg = getattr(self.model.visual, "preprocess_cfg", {})
+        size = cfg.get("size", self.model.visual.image_size)
+        size = (size, size) if isinstance(size, int) else tuple(size)
+        self.geometry = (min(size), size, cfg.get("mean", CLIP_MEAN), cfg.get("std", CLIP_STD))
+
+    def __call__(self, images, prompts):
+        image = self.model.encode_image(clip_preprocess(images, *self.geometry), normalize=True)
+        text = self.model.encode_text(self.tokenizer(prompts).to(self.device), normalize=True)
+        return (image * text).sum(-1)
+
+
+class ImageRewardScore:
+    """ImageReward-v1.0 (Xu et al. 2023): BLIP + MLP, standardised by the package (mean 0, std 1 on its
+    data). Scored batched through the package's differentiable `score_gard` on tensors; Flow-GRPO scores
+    PIL images one by one (`inference_rank`), which differs only by the uint8 round trip."""
+
+    def __init__(self, paths: dict, device):
+        rm = _require("imagereward")
+        path = paths["imagereward"]
+        hint = _hub_hint("a folder holding ImageReward.pt and med_config.json", "THUDM/ImageReward", "imagereward")
+        ckpt = _find_file("imagereward", path, "ImageReward.pt", hint)
+        folder = os.path.dirname(ckpt) if os.path.isfile(path) else path
+        med = _find_file("imagereward", folder, "med_config.json", hint)
+        self.model, self.device = rm.load(ckpt, device=device, med_config=med).eval(), device
+
+    def __call__(self, images, prompts):
+        tok = self.model.blip.tokenizer(prompts, padding="max_length", truncation=True, max_length=35,
+                                        return_tensors="pt").to(self.device)
+        pixels = clip_preprocess(images, 224, (224, 224), CLIP_MEAN, CLIP_STD)
+        return self.model.score_gard(tok.input_ids, tok.attention_mask, pixels).squeeze(-1)
+
+
+_LOADERS = {  # name -> (paths, device) -> callable(images on device [b,3,H,W], prompts) -> [b]
+    "toyworld": lambda paths, device: _toyworld,
+    "jpeg_compressibility": lambda paths, device: lambda images, prompts: -_jpeg_kb(images),
+    "jpeg_incompressibility": lambda paths, device: lambda images, prompts: _jpeg_kb(images),
+    "aesthetic": Aesthetic,
+    "pickscore": lambda paths, device: PickScore("pickscore", paths, device),
+    "clipscore": lambda paths, device: CLIPReward("clipscore", paths, device),
+    "hpsv2": HPSv2,
+    "imagereward": ImageRewardScore,
+}
+_CACHE: dict[tuple, object] = {}
+
+
+def _load(name: str, device: torch.device, paths: dict):
+    """Build a reward once per (name, device, its paths); later calls (guard rewards) reuse it."""
+    mine = sorted((k, v) for k, v in paths.items() if k == name or k.startswith(name + "_"))
+    key = (name, str(device), tuple(mine))
+    if key not in _CACHE:
+        _CACHE[key] = _LOADERS[name](paths, device)
+    return _CACHE[key]
+
+
+# ----------------------------------------------------------------------------- combined model
+class RewardModel:
+    """Several rewards scored together. `__call__` gives raw scores [B, K]; `mix` the weighted sum [B]."""
+
+    def __init__(self, names: list[str], weights: torch.Tensor, fns: list, device, batch_size: int):
+        self.names, self.weights, self.fns = names, weights, fns
+        self.device, self.batch_size = device, batch_size
+
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """images [B,3,H,W] float in [0,1] (any device/dtype) -> float32 CPU scores [B, K], chunked by batch_size."""
+        if images.ndim != 4 or images.shape[1] != 3 or len(prompts) != len(images):
+            raise ValueError(f"expected images [B,3,H,W] and B prompts, got {tuple(images.shape)} and {len(prompts)}")
+        prompts, rows = list(prompts), []
+        with torch.inference_mode():
+            for i in range(0, len(images), self.batch_size):
+                chunk = images[i:i + self.batch_size].to(self.device, torch.float32)
+                chunk_prompts = prompts[i:i + self.batch_size]
+                rows.append(torch.stack([fn(chunk, chunk_prompts).float().cpu() for fn in self.fns], dim=1))
+        return torch.cat(rows).clone()  # clone outside inference mode: a normal tensor, usable in autograd
+
+    def mix(self, scores: torch.Tensor) -> torch.Tensor:
+        """'score' mix mode (Flow-GRPO): [B, K] raw scores -> [B] weighted sum."""
+        return scores.float() @ self.weights
+
+    def means(self, scores: torch.Tensor, prefix: str = "") -> dict[str, float]:
+        """{prefix + name: mean score}: one line to log target or guard rewards."""
+        return {f"{prefix}{n}": scores[:, k].mean().item() for k, n in enumerate(self.names)}
+
+    def __repr__(self):
+        return f"RewardModel({', '.join(f'{n}:{w:g}' for n, w in zip(self.names, self.weights.tolist()))})"
+
+
+def build_reward(spec: str, device="cpu", model_paths: dict[str, str] | None = None,
+                 batch_size: int = 32) -> RewardModel:
+    """`spec` as in parse_reward_spec; `model_paths` as parse_model_paths returns (defaults: DEFAULT_PATHS)."""
+    pairs = parse_reward_spec(spec)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    bad = set(model_paths or {}) - set(PATH_KEYS)
+    if bad:
+        raise ValueError(f"unknown model path keys {sorted(bad)}: expected some of {', '.join(PATH_KEYS)}")
+    paths = {**DEFAULT_PATHS, **{k: os.path.expanduser(v) for k, v in (model_paths or {}).items()}}
+    device = torch.device(device)
+    for name in (n for n, _ in pairs if n in OPTIONAL):
+        _require(name)  # a missing optional package fails before any model is loaded
+    fns = [_load(name, device, paths) for name, _ in pairs]
+    return RewardModel([n for n, _ in pairs], torch.tensor([w for _, w in pairs], dtype=torch.float32),
+                       fns, device, batch_size)
+
+
+def advantage_mix(advantages_per_reward: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """'advantage' mix mode (G²RPO: A = A_HPS + A_CLIP): [N, K] per-reward advantages -> [N] weighted sum."""
+    if advantages_per_reward.ndim != 2 or advantages_per_reward.shape[1] != len(weights):
+        raise ValueError(f"expected advantages [N, {len(weights)}], got {tuple(advantages_per_reward.shape)}")
+    return advantages_per_reward.float() @ weights.to(advantages_per_reward.device, torch.float32)

@@ -1,0 +1,132 @@
+"""Sampler math for rectified-flow models (SD3 / FLUX) and the Flow-GRPO SDE step.
+
+Conventions (rectified flow, as in diffusers): sigma = 1 is pure noise, sigma = 0 is data,
+    x = (1 - sigma) x0 + sigma eps,   velocity v = eps - x0.
+Sampling walks sigma from 1 down to 0, so every step dt = sigma_next - sigma is negative.
+The equations used below (Flow-GRPO = Liu et al., arXiv 2505.05470, Sec. 4 and App. A):
+  (E1) ODE            dx = v dt
+  (E2) SDE, same marginals as (E1):
+                      dx = [v + std_dev_t^2 / (2 sigma) (x + (1 - sigma) v)] dt + std_dev_t dw,
+                      std_dev_t = noise_level * sqrt(sigma / (1 - sigma))
+  (E3) Euler-Maruyama step of (E2): x_next ~ N(mu, std_dev_t^2 |dt|),  mu = x + [ ... ] dt
+  (E4) x0_hat = x - sigma v
+  (E5) KL of two Gaussians with one std s: |mean - mean_ref|^2 / (2 s^2)
+All math runs in float32 whatever the model dtype: bf16 loses too much precision in the
+mean and in the log-density (Flow-GRPO casts to fp32 for the same reason).
+"""
+import math
+
+import numpy as np
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+
+def _per_sample(x, like: torch.Tensor) -> torch.Tensor:
+    """Float, 0-dim or [B] tensor -> float32 [B (or 1), 1, ..., 1], which broadcasts against `like`."""
+    return torch.as_tensor(x, dtype=torch.float32, device=like.device).reshape(-1, *[1] * (like.ndim - 1))
+
+
+def _mean_non_batch(t: torch.Tensor) -> torch.Tensor:
+    """Average over every dimension except the first -> shape [B]."""
+    return t.mean(dim=tuple(range(1, t.ndim))) if t.ndim > 1 else t
+
+
+def sigma_schedule(num_steps: int, shift: float = 3.0, image_seq_len: int | None = None,
+                   base_shift: float = 0.5, max_shift: float = 1.15,
+                   base_seq_len: int = 256, max_seq_len: int = 4096) -> torch.Tensor:
+    """The sigma grid (num_steps + 1 values, the last one 0) that the diffusers pipelines sample on.
+
+    SD3 (image_seq_len None): static shift s' = shift s / (1 + (shift - 1) s), the timestep shift of
+    the SD3 paper (arXiv 2403.03206, "resolution-dependent shifting"). A larger shift spends more
+    steps at high noise. Like FlowMatchEulerDiscreteScheduler(shift).set_timesteps(n), the linspace
+    runs from 1 to the *already shifted* smallest training sigma shift(1/1000) and is then shifted
+    again; we copy that quirk so that our grid is the pipeline's (last non-zero sigma 0.0089 for
+    10 steps at shift 3).
+    FLUX (image_seq_len given): exponential time shift s' = e^mu / (e^mu + (1/s - 1)) on
+    s = linspace(1, 1/n, n) (what FluxPipeline passes), with mu linear in the number of image tokens
+    (FluxPipeline's calculate_shift): bigger images get noisier schedules. `shift` is unused here.
+    """
+    def static(s):
+        return shift * s / (1 + (shift - 1) * s)
+
+    if image_seq_len is None:
+        s_end = float(static(np.float32(1 / 1000)))  # diffusers computes this end value in fp32
+        s = static(np.linspace(1.0, s_end, num_steps))
+    else:
+        slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+        mu = base_shift + slope * (image_seq_len - base_seq_len)
+        s = np.linspace(1.0, 1 / num_steps, num_steps).astype(np.float32)  # diffusers shifts in fp32
+        s = math.exp(mu) / (math.exp(mu) + (1 / s - 1))
+    return torch.cat([torch.as_tensor(s, dtype=torch.float32), torch.zeros(1)])
+
+
+def ode_step(velocity, sample, sigma, sigma_next) -> torch.Tensor:
+    """Euler step of the ODE (E1): x_next = x + (sigma_next - sigma) v. Sigmas: float or per-sample [B]."""
+    x = sample.float()
+    dt = _per_sample(sigma_next, x) - _per_sample(sigma, x)
+    return x + dt * velocity.float()
+
+
+def x0_prediction(velocity, sample, sigma) -> torch.Tensor:
+    """Predicted clean sample (E4): x0_hat = x - sigma v (from x = (1-sigma) x0 + sigma eps, v = eps - x0)."""
+    x = sample.float()
+    return x - _per_sample(sigma, x) * velocity.float()
+
+
+def sde_step_with_logprob(velocity, sample, sigma, sigma_next, noise_level,
+                          prev_sample=None, generator=None, sigma_max=None):
+    """One step (E3) of the Flow-GRPO SDE (E2), and the log-prob of where it lands.
+
+    sigma, sigma_next, noise_level: floats, 0-dim tensors or per-sample [B] tensors.
+    At sigma == 1 the std_dev_t of (E2) is infinite, so, like Flow-GRPO's code, we put sigma_max
+    (the schedule's second value) in place of sigma in the denominator 1 - sigma.
+    prev_sample: if given, only score it (training recomputes the log-prob of a stored step);
+    otherwise sample it. generator: None, a torch.Generator or a list (one per sample), as in diffusers.
+    Returns (prev_sample, log_prob [B], prev_sample_mean, std_dev_t [B or 1, 1, ...]), all float32.
+    log_prob is the Gaussian log-density averaged (not summed) over non-batch dims, as in Flow-GRPO.
+    noise_level == 0 gives exactly the Euler step of (E1); the step is then deterministic, its
+    density a point mass, and log_prob is defined as 0 (nothing uses it).
+    """
+    x, v = sample.float(), velocity.float()
+    sigma, sigma_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
+    noise_level = _per_sample(noise_level, x)
+    dt = sigma_next - sigma
+    noisy = noise_level > 0
+
+    at_one = sigma == 1
+    if sigma_max is None and bool((at_one & noisy).any()):
+        raise ValueError("sigma == 1 with noise_level > 0 needs sigma_max (the schedule's second sigma)")
+    sigma_den = torch.where(at_one, _per_sample(sigma_max if sigma_max is not None else 0.0, x), sigma)
+    # torch.where keeps noise-free samples at exactly 0 instead of 0 * inf = NaN.
+    std_dev_t = torch.where(noisy, noise_level * torch.sqrt(sigma / (1 - sigma_den)), 0.0)
+
+    # The score-correction term std^2 / (2 sigma) (x + (1 - sigma) v) is what keeps the marginals of
+    # the noisy chain equal to the ODE's. Guard sigma == 0 (std_dev_t is 0 there anyway).
+    safe_sigma = torch.where(sigma > 0, sigma, 1.0)
+    mean = x + (v + std_dev_t**2 / (2 * safe_sigma) * (x + (1 - sigma) * v)) * dt
+    step_std = std_dev_t * torch.sqrt((-dt).clamp_min(0))  # std of x_next given x: std_dev_t sqrt|dt|
+
+    if prev_sample is None:
+        eps = randn_tensor(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+        prev_sample = mean + step_std * eps
+    prev_sample = prev_sample.float()
+
+    # log N(prev_sample; mean, step_std^2). prev_sample is detached, so gradients reach the policy
+    # only through mean, i.e. through v.
+    safe_std = torch.where(step_std > 0, step_std, 1.0)
+    log_prob = (-((prev_sample.detach() - mean) ** 2) / (2 * safe_std**2)
+                - torch.log(safe_std) - 0.5 * math.log(2 * math.pi))
+    log_prob = torch.where(step_std.reshape(-1) > 0, _mean_non_batch(log_prob), 0.0)
+    return prev_sample, log_prob, mean, std_dev_t
+
+
+def gaussian_kl(mean, mean_ref, std_dev_t) -> torch.Tensor:
+    """KL (E5) between the policy's and the reference's step Gaussians, per sample -> shape [B].
+
+    Both share one std, so KL = |mean - mean_ref|^2 / (2 s^2). The paper's closed form takes the
+    step variance s^2 = std_dev_t^2 |dt| and sums over elements; Flow-GRPO's code (and we) average
+    over elements and divide by std_dev_t^2 only. Dropping |dt| changes the weight beta gets at
+    each step (Flow-GRPO issue #78). Undefined for noise_level == 0 (std 0), where nothing is trained.
+    """
+    sq = (mean.float() - mean_ref.float()) ** 2
+    return _mean_non_batch(sq) / (2 * _per_sample(std_dev_t, sq).reshape(-1) ** 2)

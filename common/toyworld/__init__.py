@@ -1,0 +1,17 @@
+"""The toy world: a GenEval-like world of coloured shapes, the default world of every training script.
+
+    from common import toyworld
+    img = toyworld.render("a photo of a red circle left of a blue square", seed=0)   # PIL, 32x32
+    reward, correct = toyworld.score([img], ["a photo of a red circle left of a blue square"])
+
+`prompts.py` is the grammar and the train/test split, `render.py` draws correct scenes (the pretraining
+data), `scorer.py` is the reward (a pixel-exact GenEval stand-in). See each module's docstring.
+"""
+
+from .prompts import (CATEGORIES, COLORS, NUMBERS, OPPOSITE, PROMPT_DIR, RELATIONS, SHAPES, Spec, all_prompts,
+                      category_of, in_grammar, load_prompts, parse, split_prompts, write_prompt_files)
+from .render import RESOLUTION, render, render_array, render_batch
+from .scorer import detect, image_grid, relation_holds, score, to_uint8
+
+TRAIN_FILE = PROMPT_DIR / "prompts_train.txt"
+TEST_FILE = PROMPT_DIR / "prompts_test.txt"

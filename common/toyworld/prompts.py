@@ -1,0 +1,176 @@
+"""Prompt grammar of the toy world: GenEval's phrasing, restricted to 6 colours x 3 shapes.
+
+Four GenEval task categories, each an exact template:
+
+    single      a photo of a red circle
+    counting    a photo of three red circles
+    two_object  a photo of a red circle and a blue square
+    position    a photo of a red circle left of a blue square   ("A left of B": A's centroid is left of B's)
+
+The train/test split is a *compositional* hold-out: a test prompt never appears in training, but every
+colour, shape and number word does, so the test measures whether the model can recombine known parts.
+"""
+
+import functools
+import itertools
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+COLORS = {
+    "red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255),
+    "yellow": (255, 255, 0), "magenta": (255, 0, 255), "cyan": (0, 255, 255),
+}
+SHAPES = ("circle", "square", "triangle")
+CATEGORIES = ("single", "counting", "two_object", "position")
+NUMBERS = {"two": 2, "three": 3, "four": 4}
+RELATIONS = ("left of", "right of", "above", "below")
+OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+
+PROMPT_DIR = Path(__file__).parent
+TEST_COUNTS = {"single": 12, "counting": 24, "two_object": 32, "position": 32}
+SPLIT_SEED = 0
+
+_C, _S = "|".join(COLORS), "|".join(SHAPES)
+_OBJ = rf"a ({_C}) ({_S})"
+_PATTERNS = {
+    "single": re.compile(rf"a photo of {_OBJ}"),
+    "counting": re.compile(rf"a photo of ({'|'.join(NUMBERS)}) ({_C}) ({_S})s"),
+    "two_object": re.compile(rf"a photo of {_OBJ} and {_OBJ}"),
+    "position": re.compile(rf"a photo of {_OBJ} ({'|'.join(RELATIONS)}) {_OBJ}"),
+}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a prompt asks for. `objects` is a tuple of (color, shape, count); for position prompts
+    objects[0] is A and objects[1] is B in "A <relation> B"."""
+
+    category: str
+    objects: tuple
+    relation: str | None = None
+
+    @property
+    def prompt(self) -> str:
+        """The prompt string (inverse of `parse`)."""
+        (c0, s0, n0), *rest = self.objects
+        if self.category == "single":
+            return f"a photo of a {c0} {s0}"
+        if self.category == "counting":
+            word = {v: k for k, v in NUMBERS.items()}[n0]
+            return f"a photo of {word} {c0} {s0}s"
+        (c1, s1, _), = rest
+        middle = "and" if self.category == "two_object" else self.relation
+        return f"a photo of a {c0} {s0} {middle} a {c1} {s1}"
+
+
+@functools.lru_cache(maxsize=16384)  # prompts repeat a lot in training; Spec is immutable
+def parse(prompt: str) -> Spec:
+    """Parse a prompt of the grammar into a Spec; raise ValueError for anything else."""
+    for category, pattern in _PATTERNS.items():
+        m = pattern.fullmatch(prompt)
+        if m is None:
+            continue
+        g = m.groups()
+        if category == "single":
+            return Spec(category, ((g[0], g[1], 1),))
+        if category == "counting":
+            return Spec(category, ((g[1], g[2], NUMBERS[g[0]]),))
+        a, b = (g[0], g[1]), (g[-2], g[-1])
+        if a == b:
+            raise ValueError(f"prompt {prompt!r}: the two objects must differ in colour or shape")
+        relation = g[2] if category == "position" else None
+        return Spec(category, ((*a, 1), (*b, 1)), relation)
+    raise ValueError(
+        f"prompt {prompt!r} is not in the toy-world grammar; expected one of "
+        "'a photo of a red circle', 'a photo of three red circles', "
+        "'a photo of a red circle and a blue square', 'a photo of a red circle left of a blue square' "
+        f"(colours {list(COLORS)}, shapes {list(SHAPES)}, relations {list(RELATIONS)})"
+    )
+
+
+def category_of(prompt: str) -> str:
+    return parse(prompt).category
+
+
+def in_grammar(prompt: str) -> bool:
+    """True if `prompt` is a toy-world prompt (the scripts then also report GenEval-style accuracy)."""
+    try:
+        parse(prompt)
+        return True
+    except ValueError:
+        return False
+
+
+def all_prompts(category: str) -> list[str]:
+    """Every prompt of one category, in a fixed order (18 / 54 / 306 / 1224 prompts)."""
+    pairs = list(itertools.product(COLORS, SHAPES))
+    if category == "single":
+        return [Spec(category, ((c, s, 1),)).prompt for c, s in pairs]
+    if category == "counting":
+        return [Spec(category, ((c, s, n),)).prompt for n in NUMBERS.values() for c, s in pairs]
+    ordered = [(a, b) for a in pairs for b in pairs if a != b]
+    if category == "two_object":
+        return [Spec(category, ((*a, 1), (*b, 1))).prompt for a, b in ordered]
+    if category == "position":
+        return [Spec(category, ((*a, 1), (*b, 1)), r).prompt for r in RELATIONS for a, b in ordered]
+    raise ValueError(f"unknown category {category!r}; expected one of {CATEGORIES}")
+
+
+def split_prompts() -> tuple[list[str], list[str]]:
+    """The fixed, seeded (train, test) split.
+
+    * single: keep 6 of 18 for training, one per colour with each shape twice, so every colour and
+      every shape is still seen on its own; the other 12 are held out.
+    * counting: hold out 24 of 54, but keep every (colour, shape), (number, colour) and (number, shape)
+      combination in training.
+    * two_object / position: "A and B" shows the same scene as "B and A", and "A left of B" the same
+      as "B right of A", so held-out prompts are chosen in such equivalence groups: 16 unordered
+      pairs (x2 orders) and 8 (unordered pair, axis) groups (x4 phrasings).
+    """
+    rng = random.Random(SPLIT_SEED)
+    colors, shapes = list(COLORS), list(SHAPES)
+    rng.shuffle(colors)
+    rng.shuffle(shapes)
+    keep = {Spec("single", ((c, shapes[i % 3], 1),)).prompt for i, c in enumerate(colors)}
+    test = {"single": [p for p in all_prompts("single") if p not in keep]}
+
+    counting = all_prompts("counting")
+    while True:
+        held = set(rng.sample(counting, TEST_COUNTS["counting"]))
+        train = [parse(p).objects[0] for p in counting if p not in held]
+        if all(len({key(o) for o in train}) == n for key, n in
+               [(lambda o: o[:2], 18), (lambda o: (o[2], o[0]), 18), (lambda o: (o[2], o[1]), 9)]):
+            break
+    test["counting"] = [p for p in counting if p in held]
+
+    pairs = [frozenset(ab) for ab in itertools.combinations(itertools.product(COLORS, SHAPES), 2)]
+    held_pairs = set(rng.sample(pairs, TEST_COUNTS["two_object"] // 2))
+    test["two_object"] = [p for p in all_prompts("two_object")
+                          if frozenset(o[:2] for o in parse(p).objects) in held_pairs]
+    axis = {"left of": "x", "right of": "x", "above": "y", "below": "y"}
+    groups = [(pair, ax) for pair in pairs for ax in "xy"]
+    held_groups = set(rng.sample(groups, TEST_COUNTS["position"] // 4))
+    test["position"] = [p for p in all_prompts("position")
+                        if (frozenset(o[:2] for o in parse(p).objects), axis[parse(p).relation]) in held_groups]
+
+    test_all = [p for c in CATEGORIES for p in test[c]]
+    held_set = set(test_all)
+    train_all = [p for c in CATEGORIES for p in all_prompts(c) if p not in held_set]
+    return train_all, test_all
+
+
+def write_prompt_files(directory: str | Path = PROMPT_DIR) -> None:
+    """Write prompts_train.txt and prompts_test.txt (run once; the files are committed)."""
+    train, test = split_prompts()
+    for name, prompts in (("prompts_train.txt", train), ("prompts_test.txt", test)):
+        (Path(directory) / name).write_text("\n".join(prompts) + "\n")
+
+
+def load_prompts(path: str | Path) -> list[str]:
+    """Read one prompt per line, skipping blank lines."""
+    prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"prompt file {path} is empty: expected one prompt per line")
+    return prompts

@@ -1,0 +1,295 @@
+"""Tests for common/sampler.py: each one recomputes the math independently, so a wrong formula fails."""
+import math
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # repo root, for `import common`
+
+from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
+
+from common.sampler import (  # noqa: E402
+    gaussian_kl,
+    ode_step,
+    sde_step_with_logprob,
+    sigma_schedule,
+    x0_prediction,
+)
+
+SHAPE = (3, 4, 5, 6)  # [B, C, H, W]
+DIMS = (1, 2, 3)
+
+
+def _inputs(seed=0, shape=SHAPE):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)  # velocity, sample
+
+
+def _reference_step(v, x, sigma, sigma_next, a):
+    """Flow-GRPO mean and std written out from the formulas, for sigma < 1, broadcast per sample."""
+    s = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1, 1, 1, 1)
+    sn = torch.as_tensor(sigma_next, dtype=torch.float32).reshape(-1, 1, 1, 1)
+    a = torch.as_tensor(a, dtype=torch.float32).reshape(-1, 1, 1, 1)
+    dt = sn - s
+    std_dev_t = a * torch.sqrt(s / (1 - s))
+    mean = x + v * dt + std_dev_t**2 / (2 * s) * (x + (1 - s) * v) * dt
+    return mean, std_dev_t, std_dev_t * torch.sqrt(-dt)
+
+
+# --------------------------------------------------------------------------- SDE step
+
+
+def test_log_prob_matches_torch_normal():
+    v, x = _inputs()
+    sigma, sigma_next, a = torch.tensor([0.9, 0.5, 0.2]), torch.tensor([0.8, 0.45, 0.1]), 0.7
+    mean_ref, std_ref, step_std = _reference_step(v, x, sigma, sigma_next, a)
+
+    prev, log_prob, mean, std_dev_t = sde_step_with_logprob(v, x, sigma, sigma_next, a)
+    assert log_prob.shape == (3,)
+    torch.testing.assert_close(mean, mean_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(std_dev_t, std_ref)
+    expected = torch.distributions.Normal(mean_ref, step_std).log_prob(prev).mean(DIMS)
+    torch.testing.assert_close(log_prob, expected, rtol=1e-5, atol=1e-5)
+
+    # Scoring a given next sample (what training does) uses that sample, not a fresh draw.
+    other = torch.randn(SHAPE, generator=torch.Generator().manual_seed(5))
+    prev2, log_prob2, _, _ = sde_step_with_logprob(v, x, sigma, sigma_next, a, prev_sample=other)
+    assert torch.equal(prev2, other)
+    expected2 = torch.distributions.Normal(mean_ref, step_std).log_prob(other).mean(DIMS)
+    torch.testing.assert_close(log_prob2, expected2, rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_uses_generator_and_step_std():
+    v, x = _inputs()
+    sigma, sigma_next, a = 0.6, 0.5, 0.7
+    mean_ref, _, step_std = _reference_step(v, x, sigma, sigma_next, a)
+    prev, _, _, _ = sde_step_with_logprob(v, x, sigma, sigma_next, a, generator=torch.Generator().manual_seed(3))
+    eps = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(prev, mean_ref + step_std * eps, rtol=1e-5, atol=1e-6)
+
+    # A list of generators seeds each sample on its own, as diffusers' randn_tensor does.
+    gens = [torch.Generator().manual_seed(10 + i) for i in range(3)]
+    prev, _, _, _ = sde_step_with_logprob(v, x, sigma, sigma_next, a, generator=gens)
+    for i in range(3):
+        eps_i = torch.randn((1, *SHAPE[1:]), generator=torch.Generator().manual_seed(10 + i))
+        torch.testing.assert_close(prev[i : i + 1], mean_ref[i : i + 1] + step_std * eps_i, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_flows_through_mean_only():
+    """prev_sample is treated as data: d log_prob / dv comes from the mean alone, even when just sampled."""
+    v, x = _inputs()
+    v.requires_grad_(True)
+    prev, log_prob, _, _ = sde_step_with_logprob(v, x, 0.7, 0.6, 0.7, generator=torch.Generator().manual_seed(0))
+    (grad,) = torch.autograd.grad(log_prob.sum(), v)
+    mean_ref, _, step_std = _reference_step(v, x, 0.7, 0.6, 0.7)
+    expected_lp = torch.distributions.Normal(mean_ref, step_std).log_prob(prev.detach()).mean(DIMS)
+    (expected,) = torch.autograd.grad(expected_lp.sum(), v)
+    assert grad.abs().sum() > 0
+    torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("sigma, sigma_next, sigma_max", [(0.7, 0.6, None), (1.0, 0.96, None), (1.0, 0.96, 0.96),
+                                                          (0.01, 0.0, None), (0.0, 0.0, None)])
+def test_noise_zero_is_exact_euler(sigma, sigma_next, sigma_max):
+    v, x = _inputs()
+    dt = torch.tensor(sigma_next, dtype=torch.float32) - torch.tensor(sigma, dtype=torch.float32)
+    euler = x + dt * v
+    prev, log_prob, mean, std_dev_t = sde_step_with_logprob(
+        v, x, sigma, sigma_next, 0.0, generator=torch.Generator().manual_seed(0), sigma_max=sigma_max)
+    for t in (prev, log_prob, mean, std_dev_t):
+        assert torch.isfinite(t).all()
+    assert torch.equal(prev, euler) and torch.equal(mean, euler)
+    assert torch.equal(prev, ode_step(v, x, sigma, sigma_next))
+    assert torch.equal(log_prob, torch.zeros(3)) and torch.all(std_dev_t == 0)
+
+
+def test_mixed_per_sample_noise_at_sigma_one():
+    """Sample 0 is deterministic (noise 0), sample 1 noisy; both start at sigma = 1."""
+    v, x = _inputs(shape=(2, 4, 5, 6))
+    sched = sigma_schedule(10, 3.0)
+    prev, log_prob, _, std_dev_t = sde_step_with_logprob(
+        v, x, 1.0, sched[1], torch.tensor([0.0, 0.7]), sigma_max=sched[1], generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(prev).all() and torch.isfinite(log_prob).all()
+    assert torch.equal(prev[0], ode_step(v, x, 1.0, sched[1])[0])
+    assert log_prob[0] == 0 and log_prob[1] != 0
+    assert std_dev_t.flatten()[0] == 0 and std_dev_t.flatten()[1] > 0
+
+
+def test_sigma_one_uses_sigma_max():
+    v, x = _inputs()
+    sched = sigma_schedule(10, 3.0)
+    sigma_max = sched[1].item()
+    assert sigma_max == pytest.approx(0.9601, abs=1e-4)
+    _, _, _, std_dev_t = sde_step_with_logprob(v, x, 1.0, sigma_max, 0.7, sigma_max=sigma_max)
+    assert torch.isfinite(std_dev_t).all()
+    assert std_dev_t.item() == pytest.approx(0.7 * math.sqrt(1 / (1 - sigma_max)), rel=1e-5)
+    assert std_dev_t.item() == pytest.approx(3.51, abs=0.01)
+    # This choice makes the first step's std exactly noise_level: std_dev_t * sqrt(1 - sigma_max) = 0.7.
+    assert (std_dev_t * math.sqrt(1 - sigma_max)).item() == pytest.approx(0.7, rel=1e-5)
+    with pytest.raises(ValueError, match="sigma_max"):
+        sde_step_with_logprob(v, x, 1.0, sigma_max, 0.7)
+
+
+def test_bf16_inputs_give_fp32_outputs():
+    v, x = _inputs()
+    v16, x16 = v.bfloat16(), x.bfloat16()
+    gen = lambda: torch.Generator().manual_seed(1)  # noqa: E731
+    out16 = sde_step_with_logprob(v16, x16, 0.8, 0.7, 0.7, generator=gen())
+    out32 = sde_step_with_logprob(v, x, 0.8, 0.7, 0.7, generator=gen())
+    exact = sde_step_with_logprob(v16.float(), x16.float(), 0.8, 0.7, 0.7, generator=gen())
+    for a, b, c in zip(out16, out32, exact):
+        assert a.dtype == torch.float32
+        assert torch.equal(a, c)  # the math itself runs in fp32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    assert ode_step(v16, x16, 0.8, 0.7).dtype == torch.float32
+    assert x0_prediction(v16, x16, 0.8).dtype == torch.float32
+
+
+def test_per_sample_tensors_equal_loop_over_floats():
+    v, x = _inputs()
+    other = torch.randn(SHAPE, generator=torch.Generator().manual_seed(7))
+    sched = sigma_schedule(10, 3.0)
+    sigma, sigma_next, a = sched[[0, 4, 8]], sched[[1, 5, 9]], torch.tensor([0.7, 0.0, 0.9])
+    _, log_prob, mean, std_dev_t = sde_step_with_logprob(v, x, sigma, sigma_next, a, prev_sample=other,
+                                                         sigma_max=sched[1])
+    ode, x0 = ode_step(v, x, sigma, sigma_next), x0_prediction(v, x, sigma)
+    for i in range(3):
+        sl = slice(i, i + 1)
+        _, lp_i, mean_i, std_i = sde_step_with_logprob(v[sl], x[sl], sigma[i].item(), sigma_next[i].item(),
+                                                       a[i].item(), prev_sample=other[sl], sigma_max=sched[1].item())
+        torch.testing.assert_close(log_prob[sl], lp_i)
+        torch.testing.assert_close(mean[sl], mean_i)
+        torch.testing.assert_close(std_dev_t.flatten()[i], std_i.flatten()[0])
+        torch.testing.assert_close(ode[sl], ode_step(v[sl], x[sl], sigma[i].item(), sigma_next[i].item()))
+        torch.testing.assert_close(x0[sl], x0_prediction(v[sl], x[sl], sigma[i].item()))
+    # 0-dim tensors behave like floats.
+    out0 = sde_step_with_logprob(v, x, torch.tensor(0.5), torch.tensor(0.4), torch.tensor(0.7), prev_sample=other)
+    outf = sde_step_with_logprob(v, x, 0.5, 0.4, 0.7, prev_sample=other)
+    for a0, af in zip(out0, outf):
+        torch.testing.assert_close(a0, af)
+
+
+def test_x0_prediction_recovers_data():
+    g = torch.Generator().manual_seed(0)
+    x0, eps, sigma = torch.randn(SHAPE, generator=g), torch.randn(SHAPE, generator=g), torch.tensor([0.1, 0.5, 0.9])
+    s = sigma.reshape(-1, 1, 1, 1)
+    torch.testing.assert_close(x0_prediction(eps - x0, (1 - s) * x0 + s * eps, sigma), x0, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- KL
+
+
+def test_gaussian_kl():
+    g = torch.Generator().manual_seed(0)
+    mean, mean_ref = torch.randn(SHAPE, generator=g), torch.randn(SHAPE, generator=g)
+    std = torch.tensor([0.5, 1.0, 2.0])
+    assert torch.equal(gaussian_kl(mean, mean, std), torch.zeros(3))
+    expected = ((mean - mean_ref) ** 2).mean(DIMS) / (2 * std**2)
+    torch.testing.assert_close(gaussian_kl(mean, mean_ref, std), expected)
+    torch.testing.assert_close(gaussian_kl(mean, mean_ref, std.reshape(-1, 1, 1, 1)), expected)  # as returned
+    torch.testing.assert_close(gaussian_kl(mean, mean_ref, 0.5), ((mean - mean_ref) ** 2).mean(DIMS) / 0.5)
+    # It is the per-element average of the exact Gaussian KL with std std_dev_t (the code's convention).
+    p = torch.distributions.Normal(mean, std.reshape(-1, 1, 1, 1))
+    q = torch.distributions.Normal(mean_ref, std.reshape(-1, 1, 1, 1))
+    torch.testing.assert_close(gaussian_kl(mean, mean_ref, std), torch.distributions.kl_divergence(p, q).mean(DIMS))
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+@pytest.mark.parametrize("num_steps", [1, 2, 10, 16, 28, 40])
+@pytest.mark.parametrize("shift", [1.0, 2.5, 3.0, 5.0])
+def test_sigma_schedule_matches_diffusers_sd3(num_steps, shift):
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    scheduler.set_timesteps(num_steps)  # what StableDiffusion3Pipeline does (no sigmas, no mu)
+    ours = sigma_schedule(num_steps, shift)
+    assert ours.dtype == torch.float32 and ours.shape == (num_steps + 1,)
+    assert ours[0] == 1 and ours[-1] == 0
+    assert torch.allclose(ours, scheduler.sigmas, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("num_steps", [1, 4, 16, 28, 50])
+@pytest.mark.parametrize("image_seq_len", [64, 256, 1024, 4096, 6400])
+def test_sigma_schedule_matches_diffusers_flux(num_steps, image_seq_len):
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096)
+    mu = calculate_shift(image_seq_len, 256, 4096, 0.5, 1.15)
+    # what FluxPipeline passes
+    scheduler.set_timesteps(num_steps, sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+    ours = sigma_schedule(num_steps, image_seq_len=image_seq_len)
+    assert ours.dtype == torch.float32 and ours.shape == (num_steps + 1,) and ours[-1] == 0
+    assert torch.allclose(ours, scheduler.sigmas, atol=1e-6, rtol=0)
+
+
+# --------------------------------------------------------------------------- marginal preservation
+#
+# Data x0 ~ N(M, S^2) in 1-D, eps ~ N(0, 1), x_t = (1 - t) x0 + t eps. Then x_t ~ N(mu_t, V_t) with
+# mu_t = (1 - t) M, V_t = (1 - t)^2 S^2 + t^2, Cov(x0, x_t) = (1 - t) S^2, Cov(eps, x_t) = t, so by
+# Gaussian conditioning
+#   E[x0 | x_t]  = M + (1 - t) S^2 / V_t (x_t - mu_t),   E[eps | x_t] = t / V_t (x_t - mu_t),
+#   v*(x_t, t)   = E[eps - x0 | x_t] = -M + (t - (1 - t) S^2) / V_t (x_t - mu_t).
+# With this exact velocity both the ODE and the SDE must carry N(0, 1) at t = 1 to N(M, S^2) at t = 0.
+
+M, S, N = 1.5, 0.5, 20_000
+
+
+def _true_velocity(x, t):
+    var = (1 - t) ** 2 * S**2 + t**2
+    return -M + (t - (1 - t) * S**2) / var * (x - (1 - t) * M)
+
+
+def _run_chain(step, num_steps, shift, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sched = sigma_schedule(num_steps, shift)
+    x = torch.randn(N, 1, generator=g)
+    for i in range(num_steps):
+        s, s_next = sched[i].item(), sched[i + 1].item()
+        x = step(_true_velocity(x, s), x, s, s_next, sched[1].item(), g)
+    return x.mean().item(), x.var().item()
+
+
+def _sde(v, x, s, s_next, sigma_max, g):
+    return sde_step_with_logprob(v, x, s, s_next, 0.7, generator=g, sigma_max=sigma_max)[0]
+
+
+def _ode(v, x, s, s_next, sigma_max, g):
+    return ode_step(v, x, s, s_next)
+
+
+def _sde_without_correction(v, x, s, s_next, sigma_max, g):
+    """The common mistake: Euler drift v plus noise, without the score term that compensates the noise."""
+    std_dev_t = sde_step_with_logprob(v, x, s, s_next, 0.7, sigma_max=sigma_max, prev_sample=x)[3]
+    return ode_step(v, x, s, s_next) + std_dev_t * math.sqrt(s - s_next) * torch.randn(x.shape, generator=g)
+
+
+def _sde_double_correction(v, x, s, s_next, sigma_max, g):
+    """Score term twice as strong: shrinks the distribution."""
+    _, _, mean, std_dev_t = sde_step_with_logprob(v, x, s, s_next, 0.7, sigma_max=sigma_max, prev_sample=x)
+    mean = 2 * mean - ode_step(v, x, s, s_next)
+    return mean + std_dev_t * math.sqrt(s - s_next) * torch.randn(x.shape, generator=g)
+
+
+# Euler(-Maruyama) is first order: with these step counts the variance bias is < 0.01 (measured with
+# 400k particles: ODE 0.243 / SDE 0.250 at (100, 1.0); 0.243 / 0.246 at (200, 3.0)).
+TOL_MEAN = 4 * S / math.sqrt(N) + 0.005
+TOL_VAR = 4 * S**2 * math.sqrt(2 / N) + 0.01
+
+
+@pytest.mark.parametrize("num_steps, shift", [(100, 1.0), (200, 3.0)])
+@pytest.mark.parametrize("step", [_sde, _ode], ids=["sde", "ode"])
+def test_marginals_preserved(step, num_steps, shift):
+    mean, var = _run_chain(step, num_steps, shift)
+    assert abs(mean - M) < TOL_MEAN, mean
+    assert abs(var - S**2) < TOL_VAR, var
+
+
+@pytest.mark.parametrize("wrong_step", [_sde_without_correction, _sde_double_correction])
+def test_marginal_check_detects_wrong_drift(wrong_step):
+    _, var = _run_chain(wrong_step, 100, 1.0)
+    assert abs(var - S**2) > 5 * TOL_VAR, var
