@@ -350,6 +350,7 @@ if __name__ == "__main__":
                total=args.num_iterations + 1, desc=args.exp_name)
     for iteration in bar:
         metrics, grid_img = {"iteration": iteration}, None
+        timer.times.clear()
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
             with timer("eval"):
                 eval_metrics, grid_img = evaluate(iteration)
@@ -361,7 +362,6 @@ if __name__ == "__main__":
             metrics["nfe"] = nfe
             logger.log(metrics, {"eval/samples": grid_img} if grid_img else None)
             break
-        timer.times.clear()
 
         # ================================ ROLLOUT: sample groups and build transitions ================================
         # ALGO LOGIC. Flow-GRPO spreads each group over the ranks: all ranks draw the same prompts and the same
