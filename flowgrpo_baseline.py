@@ -24,7 +24,7 @@ import tyro
 from tqdm import tqdm
 
 from common import toyworld
-from common.backbones import LORA_TARGETS, ConfigError, check_model_path, load_backbone
+from common.backbones import LORA_TARGETS, ConfigError, check_model_path, check_resolution, load_backbone
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
 from common.sampler import gaussian_kl, ode_step, sde_step_with_logprob
 from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, line_plot, rng_state,
@@ -202,11 +202,14 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, global_std: boo
 if __name__ == "__main__":
     args = tyro.cli(Args)
     # ---- cheap checks first: bad input costs one line, not a model load
-    reward_spec = parse_reward_spec(args.reward)
-    guard_names = [n for n, _ in parse_reward_spec(args.guard_rewards)] if args.guard_rewards else []
-    train_prompts = toyworld.load_prompts(args.prompts_file)
-    eval_prompts = toyworld.load_prompts(args.eval_prompts)
-    check_model_path(args.model_path)
+    try:
+        parse_reward_spec(args.reward)
+        guard_names = [n for n, _ in parse_reward_spec(args.guard_rewards)] if args.guard_rewards else []
+        train_prompts = toyworld.load_prompts(args.prompts_file)
+        eval_prompts = toyworld.load_prompts(args.eval_prompts)
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e))
+    check_resolution(args.model_path, check_model_path(args.model_path), args.resolution, args.resolution)
     rank, world_size, device = setup_distributed()
     check_args(args, world_size)
     is_main = rank == 0
@@ -223,7 +226,6 @@ if __name__ == "__main__":
     # ---- backbone, trainable weights, optimizer
     backbone = load_backbone(args.model_path, device, max_sequence_length=args.max_sequence_length,
                              gradient_checkpointing=args.gradient_checkpointing)
-    backbone.check_resolution(args.resolution, args.resolution)
     transformer = backbone.transformer
     ref_model = None
     if args.full_finetune:
@@ -541,6 +543,9 @@ if __name__ == "__main__":
             if world_size > 1:
                 dist.barrier()
 
+    # Every rank prints a checksum of its trained weights: under DDP they must be identical on all ranks.
+    digest = __import__("hashlib").sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in params.values()))
+    print(f"final weights: rank {rank} sha256 {digest.hexdigest()[:16]}", flush=True)
     if is_main:
         hist = logger.history()
         tr_pts = [(h["iteration"], h["train/reward_mean"]) for h in hist if "train/reward_mean" in h]

@@ -81,6 +81,18 @@ def check_model_path(path: str) -> str:
     return PIPELINES[name]
 
 
+def check_resolution(path: str, kind: str, height: int, width: int) -> None:
+    """Fail fast (from the config files alone) when the image size does not fit the VAE and the patching."""
+    with open(os.path.join(path, "vae", "config.json")) as f:
+        vae_factor = 2 ** (len(json.load(f)["block_out_channels"]) - 1)
+    with open(os.path.join(path, "transformer", "config.json")) as f:
+        patch = json.load(f).get("patch_size", 1) * (2 if kind == "flux" else 1)  # FLUX packs 2x2 latents
+    unit = vae_factor * patch
+    if height % unit or width % unit:
+        raise ConfigError(f"resolution {height}x{width} is not a multiple of {unit} (VAE factor {vae_factor} x "
+                          f"patch {patch}); pick e.g. {max(unit, height // unit * unit)}")
+
+
 class Backbone:
     """A loaded pipeline plus the few operations the RL scripts need. Use `load_backbone`."""
 
@@ -89,20 +101,12 @@ class Backbone:
         self.max_sequence_length = max_sequence_length
         self.transformer = pipe.transformer
         self.vae_scale_factor = pipe.vae_scale_factor
-        self.patch_size = self.transformer.config.patch_size * (2 if kind == "flux" else 1)
         for module in (pipe.vae, pipe.text_encoder, getattr(pipe, "text_encoder_2", None),
                        getattr(pipe, "text_encoder_3", None)):
             if module is not None:
                 module.requires_grad_(False)  # frozen: only the transformer (or its LoRA) is trained
 
     # ---- shapes and schedule -------------------------------------------------------------------------
-    def check_resolution(self, height: int, width: int) -> None:
-        unit = self.vae_scale_factor * self.patch_size
-        if height % unit or width % unit:
-            raise ConfigError(f"resolution {height}x{width} is not a multiple of {unit} (VAE factor "
-                              f"{self.vae_scale_factor} x patch {self.patch_size}); pick e.g. "
-                              f"{max(unit, height // unit * unit)}")
-
     def latent_hw(self, height: int, width: int) -> tuple[int, int]:
         return height // self.vae_scale_factor, width // self.vae_scale_factor
 

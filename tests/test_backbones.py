@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from common.backbones import ConfigError, load_backbone
+from common.backbones import ConfigError, check_resolution, load_backbone
 from common.sampler import ode_step, sde_step_with_logprob
 
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
@@ -50,11 +50,12 @@ def test_sde_sampling_runs_and_differs_from_ode(tiny_sd3):
     assert torch.isfinite(sde).all() and not torch.allclose(ode, sde)
 
 
-def test_resolution_check(tiny_sd3):
-    bb = load_backbone(tiny_sd3, "cpu")
-    bb.check_resolution(64, 64)
+def test_resolution_check(tiny_sd3, tiny_flux):
+    check_resolution(tiny_sd3, "sd3", 64, 64)
     with pytest.raises(ConfigError, match="not a multiple of 4"):
-        bb.check_resolution(66, 64)
+        check_resolution(tiny_sd3, "sd3", 66, 64)
+    with pytest.raises(ConfigError, match="not a multiple of 4"):  # FLUX: VAE 2 x 2x2 packing
+        check_resolution(tiny_flux, "flux", 64, 62)
 
 
 def test_bad_model_path_is_one_clear_line(tmp_path, capsys):
