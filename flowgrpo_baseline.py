@@ -347,7 +347,7 @@ if __name__ == "__main__":
             metrics["eval/accuracy"] = float(np.mean([np.mean(v) for v in per_cat.values()]))  # mean of categories
         return metrics, toyworld.image_grid(torch.stack(images[:64]), nrow=8, scale=max(1, 128 // args.resolution))
 
-    timer = Timer()
+    timer, t_start = Timer(), time.time()
     bar = tqdm(range(start_iteration, args.num_iterations + 1), disable=not is_main, initial=start_iteration,
                total=args.num_iterations + 1, desc=args.exp_name)
     for iteration in bar:
@@ -361,7 +361,7 @@ if __name__ == "__main__":
                 os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
                 grid_img.save(os.path.join(run_dir, "samples", f"eval_{iteration:05d}.png"))
         if iteration == args.num_iterations:
-            metrics["nfe"] = nfe
+            metrics.update({"nfe": nfe, "time/elapsed_s": time.time() - t_start})
             logger.log(metrics, {"eval/samples": grid_img} if grid_img else None)
             break
 
@@ -463,7 +463,7 @@ if __name__ == "__main__":
                         _, log_prob, mean, std_dev_t = sde_step_with_logprob(
                             v, x, sig, sig_next, tr["noise_level"][idx], prev_sample=tr["next_latents"][idx],
                             sigma_max=sigmas[1])
-                        # PPO clipped objective (Flow-GRPO Eq. 8): ratio of new to rollout policy on the same step.
+                        # GRPO objective (Flow-GRPO §4): PPO-clipped ratio of the new to the rollout policy on one step.
                         ratio = torch.exp(log_prob - tr["log_prob"][idx])
                         adv = tr["advantage"][idx]
                         policy_loss = torch.maximum(-adv * ratio,
@@ -522,7 +522,8 @@ if __name__ == "__main__":
             "clipfrac": (red[2] / count).item(), "approx_kl": (red[3] / count).item(), "kl": (red[4] / count).item(),
             "policy_loss": (red[5] / count).item(), "train/kept_transitions": int(red[1]),
             "time/rollout_s": timer.times.get("rollout", 0.0), "time/reward_s": timer.times.get("reward", 0.0),
-            "time/train_s": timer.times.get("train", 0.0), "time/eval_s": timer.times.get("eval", 0.0)})
+            "time/train_s": timer.times.get("train", 0.0), "time/eval_s": timer.times.get("eval", 0.0),
+            "time/elapsed_s": time.time() - t_start})
         if device.type == "cuda":
             metrics["mem/max_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
         logger.log(metrics, {"eval/samples": grid_img} if grid_img else None)

@@ -101,11 +101,11 @@ class RunLogger:
 
 
 def truncate_metrics(run_dir: str, iteration: int) -> None:
-    """On resume, drop metric lines written after the checkpoint (they will be produced again)."""
+    """On resume, drop metric lines of iterations >= the checkpoint's (they will be produced again)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(path):
         with open(path) as f:
-            keep = [line for line in f if line.strip() and json.loads(line)["iteration"] <= iteration]
+            keep = [line for line in f if line.strip() and json.loads(line)["iteration"] < iteration]
         with open(path, "w") as f:
             f.writelines(keep)
 

@@ -22,6 +22,20 @@ def run_script(script: str, *flags: str, nproc: int = 1, check: bool = True, tim
     return r
 
 
+def run_main(script: str, *flags: str) -> None:
+    """Run `script` as __main__ inside this process (the imports are already paid: much faster than a
+    subprocess on 2 cores). A clean exit returns; an error exit raises."""
+    import runpy
+    from unittest import mock
+
+    with mock.patch.object(sys, "argv", [script, *flags]):
+        try:
+            runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                raise
+
+
 def read_metrics(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, read_metrics, run_script, tiny_flags, write_prompts
+from helpers import ROOT, read_metrics, run_main, run_script, tiny_flags, write_prompts
 
 SCRIPT = "flowgrpo_baseline.py"
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
@@ -23,8 +23,7 @@ def prompts_file(tmp_path):
 def test_smoke_one_iteration_and_ratio_is_one(request, fixture, tmp_path, prompts_file):
     model = request.getfixturevalue(fixture)
     guidance = ["--guidance-scale", "4.5"] if fixture == "tiny_sd3" else ["--guidance-scale", "3.5"]
-    run_script(SCRIPT, *tiny_flags(model, tmp_path, prompts_file), "--num-iterations", "1", "--beta", "0.04",
-               *guidance)
+    run_main(SCRIPT, *tiny_flags(model, tmp_path, prompts_file), "--num-iterations", "1", "--beta", "0.04", *guidance)
     m = read_metrics(tmp_path / "run")
     assert [x["iteration"] for x in m] == [0, 1]
     first = m[0]
@@ -52,10 +51,10 @@ def test_ddp_two_ranks_end_with_identical_weights(tiny_sd3, tmp_path, prompts_fi
 
 def test_resume_is_exact(tiny_sd3, tmp_path, prompts_file):
     common = ["--learning-rate", "1e-2", "--eval-every", "100", "--ema-decay", "0.5"]
-    run_script(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "straight"), "--num-iterations", "4", *common)
-    run_script(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "split"), "--num-iterations", "2", *common)
-    run_script(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "split"), "--num-iterations", "4",
-               "--resume", str(tmp_path / "split" / "checkpoint"), *common)
+    run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "straight"), "--num-iterations", "4", *common)
+    run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "split"), "--num-iterations", "2", *common)
+    run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "split"), "--num-iterations", "4",
+             "--resume", str(tmp_path / "split" / "checkpoint"), *common)
     a = torch.load(tmp_path / "straight" / "checkpoint" / "trainer_state.pt", weights_only=False)
     b = torch.load(tmp_path / "split" / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert a["iteration"] == b["iteration"] == 4 and a["nfe"] == b["nfe"]
@@ -69,8 +68,8 @@ def test_resume_is_exact(tiny_sd3, tmp_path, prompts_file):
 def test_saved_lora_loads_into_stock_pipeline(tiny_sd3, tmp_path, prompts_file):
     from diffusers import StableDiffusion3Pipeline
 
-    run_script(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file), "--num-iterations", "2",
-               "--learning-rate", "5e-2", "--eval-every", "100")
+    run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file), "--num-iterations", "2",
+             "--learning-rate", "5e-2", "--eval-every", "100")
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
     kw = dict(height=64, width=64, num_inference_steps=2, guidance_scale=1.0, max_sequence_length=8,
               output_type="pt")
@@ -87,9 +86,9 @@ def test_learning_on_the_toy_world(tmp_path):
     identical, so this fails when learning is broken."""
     prompts = write_prompts(tmp_path / "p.txt", ["a photo of three red squares", "a photo of three blue squares",
                                                  "a photo of three green triangles", "a photo of three red triangles"])
-    run_script(SCRIPT, "--prompts-file", prompts, "--eval-prompts", prompts, "--eval-seeds-per-prompt", "4",
+    run_main(SCRIPT, "--prompts-file", prompts, "--eval-prompts", prompts, "--eval-seeds-per-prompt", "4",
                "--groups-per-iteration", "4", "--group-size", "8", "--num-iterations", "8", "--eval-every", "8",
-               "--learning-rate", "3e-3", "--output-dir", str(tmp_path), "--run-name", "toy", timeout=600)
+             "--learning-rate", "1e-3", "--output-dir", str(tmp_path), "--run-name", "toy")
     m = read_metrics(tmp_path / "toy")
     start, end = m[0]["eval/reward_mean"], m[-1]["eval/reward_mean"]
     assert end > start + 0.05, (start, end)

@@ -1,0 +1,77 @@
+"""Benchmark (not a test): the shipped toy model's load time, CPU sampling time, and its base accuracy.
+
+    python tests/bench_toy_model.py            # ~1-2 minutes on 2 CPU cores; writes docs/img/toy_base_grid.png
+
+Prints load time (cold: first load in the process; warm: second), the time to sample a 16-image grid
+(20 ODE steps, fixed seeds), and strict accuracy per category on the test prompts under the evaluation
+protocol of the training scripts (deterministic ODE, 2 fixed seeds per prompt, 20 steps), at guidance 1 and 3.
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from common import toyworld  # noqa: E402
+from common.backbones import load_backbone  # noqa: E402
+from common.sampler import ode_step  # noqa: E402
+
+MODEL = os.path.join(ROOT, "common", "toyworld", "model")
+GRID_PROMPTS = ["a photo of a red circle", "a photo of a blue triangle", "a photo of a yellow square",
+                "a photo of a green circle", "a photo of two red squares", "a photo of three cyan circles",
+                "a photo of four blue triangles", "a photo of two magenta circles",
+                "a photo of a red circle and a blue square", "a photo of a green triangle and a yellow circle",
+                "a photo of a cyan square and a magenta triangle", "a photo of a blue circle and a red triangle",
+                "a photo of a red square left of a blue circle", "a photo of a green circle above a yellow square",
+                "a photo of a magenta triangle below a cyan circle", "a photo of a blue square right of a red circle"]
+
+
+@torch.no_grad()
+def sample(bb, prompts, seeds, steps=20, cfg=1.0):
+    res = toyworld.RESOLUTION
+    sigmas = bb.schedule(steps, res, res)
+    x = bb.initial_noise(len(prompts), res, res, generator=[torch.Generator().manual_seed(s) for s in seeds])
+    emb = bb.encode(prompts)
+    for i in range(steps):
+        x = ode_step(bb.velocity(x, sigmas[i], emb, cfg), x, sigmas[i], sigmas[i + 1])
+    return bb.decode(x, res, res)
+
+
+def main():
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    t = time.perf_counter()
+    bb = load_backbone(MODEL, "cpu")
+    cold = time.perf_counter() - t
+    t = time.perf_counter()
+    bb = load_backbone(MODEL, "cpu")
+    warm = time.perf_counter() - t
+    sample(bb, GRID_PROMPTS[:2], [0, 1], steps=2)  # warm-up
+    t = time.perf_counter()
+    images = sample(bb, GRID_PROMPTS, list(range(16)))
+    grid_s = time.perf_counter() - t
+    os.makedirs(os.path.join(ROOT, "docs", "img"), exist_ok=True)
+    toyworld.image_grid(images, nrow=4, scale=4).save(os.path.join(ROOT, "docs", "img", "toy_base_grid.png"))
+    result = {"load_cold_s": round(cold, 3), "load_warm_s": round(warm, 3), "grid16_20steps_s": round(grid_s, 3)}
+
+    test = toyworld.load_prompts(toyworld.TEST_FILE)
+    jobs = [(p, 10_000 * s + i) for i, p in enumerate(test) for s in range(2)]  # the scripts' eval seeds
+    for cfg in (1.0, 3.0):
+        correct = []
+        for b in range(0, len(jobs), 100):
+            ps, ss = zip(*jobs[b:b + 100])
+            correct += list(toyworld.score(sample(bb, list(ps), list(ss), cfg=cfg), list(ps))[1])
+        per_cat = {}
+        for (p, _), ok in zip(jobs, correct):
+            per_cat.setdefault(toyworld.category_of(p), []).append(float(ok))
+        acc = {c: round(sum(v) / len(v), 3) for c, v in per_cat.items()}
+        acc["overall (mean of categories)"] = round(sum(acc.values()) / len(acc), 3)
+        result[f"accuracy_cfg{cfg:g}"] = acc
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
