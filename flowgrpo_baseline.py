@@ -10,6 +10,7 @@ Docs: docs/flowgrpo.md.  Run: `python flowgrpo_baseline.py` (toy world, CPU, min
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -436,12 +437,22 @@ if __name__ == "__main__":
             mb, n_opt = args.train_batch_size, args.optimizer_steps_per_iteration
             # Every backward pass is a DDP all-reduce, so all ranks must run the same number of them: ranks with fewer
             # kept transitions pad with weight-0 ones (they cost compute, not gradient).
-            n_micro = int(all_reduce(torch.tensor([math.ceil(int(keep.sum()) / mb)], device=device), world_size,
-                                     dist.ReduceOp.MAX if world_size > 1 else None))
+            # Optional transitions["update_group"] (G²RPO's one-optimizer-step-per-branch-step): each group in turn
+            # gets its own optimizer step(s); without the key, everything is one group.
+            group_of = tr.get("update_group", torch.zeros(n, dtype=torch.long, device=device))
+            n_groups = int(all_reduce(group_of.max().reshape(1) + 1, world_size,
+                                      dist.ReduceOp.MAX if world_size > 1 else None))
             stats = {k: [] for k in ("ratio", "clipfrac", "kl", "approx_kl", "loss", "weight")}
             first_ratio_dev = None
-            for epoch in range(args.num_inner_epochs):
-                kept, dropped = keep.nonzero().squeeze(1), (~keep).nonzero().squeeze(1)
+            nfe_train = 0
+            for epoch, u in itertools.product(range(args.num_inner_epochs), range(n_groups)):
+                sel = keep & (group_of == u)
+                n_micro = int(all_reduce(torch.tensor([math.ceil(int(sel.sum()) / mb)], device=device), world_size,
+                                         dist.ReduceOp.MAX if world_size > 1 else None))
+                if n_micro == 0:  # nothing kept in this group on any rank (e.g. every group's rewards tied)
+                    continue
+                nfe_train += n_micro * mb * (2 if args.beta > 0 else 1)
+                kept, dropped = sel.nonzero().squeeze(1), (~sel).nonzero().squeeze(1)
                 order = torch.cat([kept[torch.randperm(len(kept), device=device)], dropped])
                 order = torch.cat([order, order.new_zeros(max(0, n_micro * mb - len(order)))])[: n_micro * mb]
                 weight = torch.zeros(n_micro * mb, device=device)
@@ -500,11 +511,10 @@ if __name__ == "__main__":
                             for k, p in params.items():
                                 ema[k].lerp_(p.detach(), 1 - args.ema_decay)
                         metrics["grad_norm"] = grad_norm.item()
-            nfe_train = n_micro * mb * args.num_inner_epochs * (2 if args.beta > 0 else 1)
         # ============================================ END OF TRAINING ============================================
 
         # ---- logging (global numbers: sums over ranks)
-        ratio = torch.cat(stats["ratio"]) if stats["ratio"] else torch.ones(1, device=device)
+        ratio = torch.cat(stats["ratio"]) if stats["ratio"] else torch.ones(0, device=device)
         red = all_reduce(torch.stack([
             ratio.sum(), torch.tensor(float(len(ratio)), device=device),
             torch.cat(stats["clipfrac"]).sum() if stats["clipfrac"] else torch.zeros((), device=device),
@@ -512,6 +522,7 @@ if __name__ == "__main__":
             torch.stack(stats["kl"]).sum() if stats["kl"] else torch.zeros((), device=device),
             torch.stack(stats["loss"]).sum() if stats["loss"] else torch.zeros((), device=device),
             torch.tensor(float(nfe_rollout + nfe_train), device=device)]), world_size)
+        ratio = ratio if len(ratio) else torch.ones(1, device=device)  # nothing trained: report 1
         rmin = all_reduce(ratio.min().reshape(1), world_size, dist.ReduceOp.MIN if world_size > 1 else None)
         rmax = all_reduce(ratio.max().reshape(1), world_size, dist.ReduceOp.MAX if world_size > 1 else None)
         count = red[1].clamp_min(1)

@@ -5,7 +5,7 @@
     --reward-mix score | advantage             Flow-GRPO mixes raw scores: A = norm(scores @ w);
                                                G²RPO normalises each reward and sums: A = norm(s_k) @ w
     --guard-rewards "pickscore,aesthetic"      same registry, logged beside the target at evaluation
-    --model-paths "pickscore=/ckpt/PickScore_v1,aesthetic=/ckpt/aesthetic"
+    --reward-model-paths "pickscore=/ckpt/PickScore_v1,aesthetic=/ckpt/aesthetic"
 
 Each reward maps (images [B,3,H,W] float in [0,1], prompts) to one float per image:
 
@@ -25,7 +25,7 @@ Scales of the papers, to reproduce them with weights: Flow-GRPO's jpeg_compressi
 100·cos ≈ 21-23 (`pickscore:26`), G²RPO reports cos ≈ 0.23 (`pickscore:0.26`); the CLIPScore metric
 is 100·cos or 2.5·max(cos, 0).
 
-Weights (--model-paths KEY=PATH; PATH is a local folder/file or a hub id, default in DEFAULT_PATHS):
+Weights (--reward-model-paths KEY=PATH; PATH is a local folder/file or a hub id, default in DEFAULT_PATHS):
 - pickscore, clipscore: a transformers CLIP checkpoint folder; its processor (tokenizer +
   preprocessor_config.json) comes from `<name>_processor`, else the checkpoint folder if it holds one,
   else laion/CLIP-ViT-H-14-laion2B-s32B-b79K (pickscore) or the checkpoint itself (clipscore).
@@ -186,7 +186,7 @@ def _torch_load(path: str):
 
 def _hub_hint(what: str, hub_id: str, key: str, files: str = "") -> str:
     return (f"{what} (e.g. the hub id {hub_id} downloaded with `hf download {hub_id}{files}`; "
-            f"set with --model-paths {key}=PATH)")
+            f"set with --reward-model-paths {key}=PATH)")
 
 
 # ----------------------------------------------------------------------------- shared preprocessing
@@ -297,7 +297,7 @@ class Aesthetic:
     def __init__(self, paths: dict, device):
         folder = paths.get("aesthetic")
         hint = (f"{AESTHETIC_MLP_FILE} (from github.com/christophschuhmann/improved-aesthetic-predictor), "
-                "or a folder holding it and optionally the CLIP ViT-L/14 checkpoint: --model-paths aesthetic=PATH")
+                "or a folder holding it and optionally the CLIP ViT-L/14 checkpoint: --reward-model-paths aesthetic=PATH")
         if not folder:
             raise RewardLoadError(f"aesthetic: no weights given: expected {hint}")
         state = _torch_load(_find_file("aesthetic", folder, AESTHETIC_MLP_FILE, hint))

@@ -58,7 +58,7 @@ def load(out, name):
 def report(out, algos, seeds, variants):
     lines = ["| algorithm | variant | seed | iterations | start acc. | final acc. | best acc. | NFE at final eval | "
              "wall-clock s at final eval |", "|---|---|---|---|---|---|---|---|---|"]
-    by_nfe, by_time = {}, {}
+    by_nfe, by_time, by_acc = {}, {}, {}
     for algo, variant, seed in itertools.product(algos, variants, seeds):
         rows = load(out, f"{algo}__{variant}__{seed}")
         # an eval row is logged before the iteration's training: its NFE/time are the previous row's
@@ -69,13 +69,21 @@ def report(out, algos, seeds, variants):
             nfe, elapsed = r.get("nfe", nfe), r.get("time/elapsed_s", elapsed)
         if not evals:
             continue
-        label = f"{algo} {variant} s{seed}" if len(variants) > 1 else f"{algo} s{seed}"
-        by_nfe[label] = ([e[0] for e in evals], [e[2] for e in evals])
-        by_time[label] = ([e[1] for e in evals], [e[2] for e in evals])
+        label = f"{algo} {variant}" if len(variants) > 1 else algo
+        by_nfe.setdefault(label, []).append([e[0] for e in evals])
+        by_time.setdefault(label, []).append([e[1] for e in evals])
+        by_acc.setdefault(label, []).append([e[2] for e in evals])
         lines.append(f"| {algo} | {variant} | {seed} | {len(rows)} | {evals[0][2]:.3f} | {evals[-1][2]:.3f} | "
                      f"{max(e[2] for e in evals):.3f} | {evals[-1][0]} | {evals[-1][1]:.0f} |")
-    line_plot(by_nfe, os.path.join(out, "accuracy_vs_nfe.png"), "NFE (cumulative)", "eval/accuracy")
-    line_plot(by_time, os.path.join(out, "accuracy_vs_wallclock.png"), "seconds", "eval/accuracy")
+
+    def mean_curve(curves):  # mean over seeds, up to the shortest run
+        n = min(len(c) for c in curves)
+        return [sum(c[i] for c in curves) / len(curves) for i in range(n)]
+
+    by_nfe = {k: (mean_curve(v), mean_curve(by_acc[k])) for k, v in by_nfe.items()}
+    by_time = {k: (mean_curve(v), mean_curve(by_acc[k])) for k, v in by_time.items()}
+    line_plot(by_nfe, os.path.join(out, "accuracy_vs_nfe.png"), "NFE (cumulative)", "eval/accuracy", "mean over seeds")
+    line_plot(by_time, os.path.join(out, "accuracy_vs_wallclock.png"), "seconds", "eval/accuracy", "mean over seeds")
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
