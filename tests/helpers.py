@@ -54,3 +54,23 @@ def tiny_flags(model_path: str, out_dir: str, prompts_file: str, run_name: str =
             "--groups-per-iteration", "2", "--group-size", "2", "--rollout-batch-size", "2",
             "--prompts-file", prompts_file, "--eval-prompts", prompts_file, "--eval-seeds-per-prompt", "1",
             "--reward", "jpeg_compressibility", "--timestep-fraction", "0.99", "--lora-rank", "4"]
+
+
+def assert_resume_is_exact(script: str, flags_for, total: int, extra) -> None:
+    """Run `total` iterations straight, and total // 2 + resume + the rest; the trained weights (and the EMA,
+    when there is one) must be bit-identical. `flags_for(run_name)` gives a run's base flags."""
+    import torch
+
+    run_main(script, *flags_for("straight"), "--num-iterations", str(total), *extra)
+    run_main(script, *flags_for("split"), "--num-iterations", str(total // 2), *extra)
+    out = flags_for("split")[flags_for("split").index("--output-dir") + 1]
+    ckpt = os.path.join(out, "split", "checkpoint")
+    run_main(script, *flags_for("split"), "--num-iterations", str(total), "--resume", ckpt, *extra)
+    a = torch.load(os.path.join(out, "straight", "checkpoint", "trainer_state.pt"), weights_only=False)
+    b = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+    assert a["iteration"] == b["iteration"] == total and a["nfe"] == b["nfe"]
+    for k in a["params"]:
+        assert torch.equal(a["params"][k], b["params"][k]), k
+        if a["ema"] is not None:
+            assert torch.equal(a["ema"][k], b["ema"][k]), k
+    assert any(v.abs().sum() > 0 for k, v in a["params"].items() if "lora_B" in k)  # it did train

@@ -20,7 +20,7 @@ import densegrpo as D  # noqa: E402
 from common.backbones import load_backbone  # noqa: E402
 from common.rewards import RewardModel  # noqa: E402
 from common.sampler import ode_step, sde_step_with_logprob  # noqa: E402
-from helpers import read_metrics, run_main, run_script, tiny_flags, write_prompts  # noqa: E402
+from helpers import assert_resume_is_exact, read_metrics, run_main, run_script, tiny_flags, write_prompts  # noqa: E402
 
 SCRIPT = "densegrpo.py"
 RES = 64  # tiny pipelines: VAE factor 2
@@ -258,15 +258,8 @@ def test_ddp_two_ranks_agree_on_psi_and_weights(tiny_sd3, tmp_path, prompts_file
 
 
 def test_resume_reuses_the_runs_psi(tiny_sd3, tmp_path, prompts_file):
-    common = ["--learning-rate", "1e-2", "--eval-every", "100", *CALIB]
-    run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "straight"), "--num-iterations", "2", *common)
-    run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "split"), "--num-iterations", "1", *common)
-    run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "split"), "--num-iterations", "2",
-             "--resume", str(tmp_path / "split" / "checkpoint"), *common)
-    a = torch.load(tmp_path / "straight" / "checkpoint" / "trainer_state.pt", weights_only=False)
-    b = torch.load(tmp_path / "split" / "checkpoint" / "trainer_state.pt", weights_only=False)
-    for k in a["params"]:
-        assert torch.equal(a["params"][k], b["params"][k]), k
+    assert_resume_is_exact(SCRIPT, lambda name: tiny_flags(tiny_sd3, tmp_path, prompts_file, name), 2,
+                           ["--learning-rate", "1e-2", "--eval-every", "100", *CALIB])
 
 
 @pytest.mark.parametrize("flags,expect", [

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, read_metrics, run_main, run_script, tiny_flags, write_prompts
+from helpers import ROOT, assert_resume_is_exact, read_metrics, run_main, run_script, tiny_flags, write_prompts
 
 SCRIPT = "flowgrpo_baseline.py"
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
@@ -50,18 +50,8 @@ def test_ddp_two_ranks_end_with_identical_weights(tiny_sd3, tmp_path, prompts_fi
 
 
 def test_resume_is_exact(tiny_sd3, tmp_path, prompts_file):
-    common = ["--learning-rate", "1e-2", "--eval-every", "100", "--ema-decay", "0.5"]
-    run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "straight"), "--num-iterations", "4", *common)
-    run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "split"), "--num-iterations", "2", *common)
-    run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "split"), "--num-iterations", "4",
-             "--resume", str(tmp_path / "split" / "checkpoint"), *common)
-    a = torch.load(tmp_path / "straight" / "checkpoint" / "trainer_state.pt", weights_only=False)
-    b = torch.load(tmp_path / "split" / "checkpoint" / "trainer_state.pt", weights_only=False)
-    assert a["iteration"] == b["iteration"] == 4 and a["nfe"] == b["nfe"]
-    for k in a["params"]:
-        assert torch.equal(a["params"][k], b["params"][k]), k
-        assert torch.equal(a["ema"][k], b["ema"][k]), k
-    assert any(v.abs().sum() > 0 for k, v in a["params"].items() if "lora_B" in k)  # it did train
+    assert_resume_is_exact(SCRIPT, lambda name: tiny_flags(tiny_sd3, tmp_path, prompts_file, name), 4,
+                           ["--learning-rate", "1e-2", "--eval-every", "100", "--ema-decay", "0.5"])
     assert [x["iteration"] for x in read_metrics(tmp_path / "split")] == [0, 1, 2, 3, 4]
 
 

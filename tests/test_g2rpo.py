@@ -18,7 +18,7 @@ import g2rpo  # noqa: E402
 from common.backbones import load_backbone  # noqa: E402
 from common.rewards import build_reward  # noqa: E402
 from common.sampler import ode_step, sde_step_with_logprob  # noqa: E402
-from helpers import read_metrics, run_main, run_script, write_prompts  # noqa: E402
+from helpers import assert_resume_is_exact, read_metrics, run_main, run_script, write_prompts  # noqa: E402
 
 RES = 64  # tiny pipelines: VAE factor 2, so 32x32 latents
 
@@ -262,17 +262,8 @@ def test_ddp_two_ranks_end_with_identical_weights(tiny_sd3, tmp_path):
 
 
 def test_resume_is_exact(tiny_sd3, tmp_path):
-    common = ["--learning-rate", "1e-2", "--eval-every", "100", "--save-every", "2"]
-    run_main(SCRIPT, *_flags(tiny_sd3, tmp_path, "straight"), "--num-iterations", "4", *common)
-    run_main(SCRIPT, *_flags(tiny_sd3, tmp_path, "split"), "--num-iterations", "2", *common)
-    run_main(SCRIPT, *_flags(tiny_sd3, tmp_path, "split"), "--num-iterations", "4",
-             "--resume", str(tmp_path / "split" / "checkpoint"), *common)
-    a = torch.load(tmp_path / "straight" / "checkpoint" / "trainer_state.pt", weights_only=False)
-    b = torch.load(tmp_path / "split" / "checkpoint" / "trainer_state.pt", weights_only=False)
-    assert a["iteration"] == b["iteration"] == 4 and a["nfe"] == b["nfe"]
-    for k in a["params"]:
-        assert torch.equal(a["params"][k], b["params"][k]), k
-    assert any(v.abs().sum() > 0 for k, v in a["params"].items() if "lora_B" in k)  # it did train
+    assert_resume_is_exact(SCRIPT, lambda name: _flags(tiny_sd3, tmp_path, name), 4,
+                           ["--learning-rate", "1e-2", "--eval-every", "100", "--save-every", "2"])
 
 
 # ---------------------------------------------------------------------------------------------- learning
