@@ -23,8 +23,18 @@ def prompts_file(tmp_path):
 def test_smoke_one_iteration_and_ratio_is_one(request, fixture, tmp_path, prompts_file):
     model = request.getfixturevalue(fixture)
     guidance = ["--guidance-scale", "4.5"] if fixture == "tiny_sd3" else ["--guidance-scale", "3.5"]
-    run_main(SCRIPT, *tiny_flags(model, tmp_path, prompts_file), "--num-iterations", "1", "--beta", "0.04", *guidance)
+    # FLUX also exercises --track (wandb, offline) and a guard reward logged at evaluation.
+    extra = ["--track", "--guard-rewards", "jpeg_incompressibility"] if fixture == "tiny_flux" else []
+    os.environ["WANDB_MODE"], saved = "offline", os.environ.get("WANDB_MODE")
+    try:
+        run_main(SCRIPT, *tiny_flags(model, tmp_path, prompts_file), "--num-iterations", "1", "--beta", "0.04",
+                 *guidance, *extra)
+    finally:
+        os.environ["WANDB_MODE"] = saved or "disabled"
     m = read_metrics(tmp_path / "run")
+    if extra:
+        assert "eval/guard/jpeg_incompressibility" in m[0]
+        assert any(n.startswith("offline-run") for n in os.listdir(tmp_path / "run" / "wandb"))
     assert [x["iteration"] for x in m] == [0, 1]
     first = m[0]
     # On-policy: the training forward recomputes the rollout's log-probs before any update.
