@@ -156,7 +156,6 @@ def main():
           f"{sum(p.numel() for m in trainables[1:] for p in m.parameters())/1e6:.2f}M", flush=True)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     ema = [copy.deepcopy(m).requires_grad_(False) for m in trainables]
-    backbone = Backbone(pipe, "sd3", device, torch.float32, max_sequence_length=1)
     # Same VAE, scheduler and tokenizers; the transformer and text encoders are the EMA copies.
     ema_pipe = type(pipe)(transformer=ema[0], text_encoder=ema[1], text_encoder_2=ema[2], vae=pipe.vae,
                           scheduler=pipe.scheduler, tokenizer=pipe.tokenizer, tokenizer_2=pipe.tokenizer_2,
