@@ -569,4 +569,5 @@ if __name__ == "__main__":
         print(f"run folder: {run_dir}")
     logger.close()
     if world_size > 1:
+        dist.barrier()  # leave together: tearing gloo down while a peer still runs can abort that peer
         dist.destroy_process_group()
