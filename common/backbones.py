@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from common.sampler import sigma_schedule
+from common.sampler import ode_step, sigma_schedule
 
 PIPELINES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
 HUB_HINT = ("e.g. `huggingface-cli download stabilityai/stable-diffusion-3.5-medium --local-dir DIR` or "
@@ -62,8 +62,8 @@ def torch_dtype_for(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def check_model_path(path: str) -> str:
-    """Fail fast, in one line, when `path` is not a diffusers SD3/FLUX folder. Returns the backbone kind."""
+def read_model_index(path: str) -> dict:
+    """model_index.json of a diffusers SD3/FLUX folder; fails fast, in one line, when `path` is not one."""
     index = os.path.join(path, "model_index.json")
     if not os.path.isdir(path):
         raise ConfigError(f"--model-path '{path}' is not a folder: expected a diffusers SD3/SD3.5/FLUX.1 "
@@ -73,12 +73,18 @@ def check_model_path(path: str) -> str:
                           f"pipeline folder ({HUB_HINT})")
     try:
         with open(index) as f:
-            name = json.load(f).get("_class_name")
+            info = json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--model-path '{path}': model_index.json is unreadable ({e}); re-download it ({HUB_HINT})")
+    name = info.get("_class_name")
     if name not in PIPELINES:
         raise ConfigError(f"--model-path '{path}' holds a {name}; expected one of {sorted(PIPELINES)} ({HUB_HINT})")
-    return PIPELINES[name]
+    return info
+
+
+def check_model_path(path: str) -> str:
+    """Fail fast when `path` is not a diffusers SD3/FLUX folder. Returns the backbone kind ("sd3" or "flux")."""
+    return PIPELINES[read_model_index(path)["_class_name"]]
 
 
 def check_resolution(path: str, kind: str, height: int, width: int) -> None:
@@ -213,14 +219,13 @@ class Backbone:
 def load_backbone(path: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                   max_sequence_length: int | None = None, gradient_checkpointing: bool = False) -> Backbone:
     """Load an SD3/SD3.5/FLUX.1 diffusers folder. Bad paths stop with one clear line before any heavy work."""
-    kind = check_model_path(path)
+    index = read_model_index(path)
+    kind = PIPELINES[index["_class_name"]]
     device = torch.device(device)
     dtype = dtype or torch_dtype_for(device)
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
     cls = StableDiffusion3Pipeline if kind == "sd3" else FluxPipeline
-    with open(os.path.join(path, "model_index.json")) as f:
-        index = json.load(f)
     # A pipeline saved without a T5 encoder (the toy model) records it as null; diffusers then wants it passed.
     absent = {k: None for k in ("text_encoder_3", "tokenizer_3") if kind == "sd3" and index.get(k, [None])[0] is None}
     try:
@@ -243,3 +248,17 @@ def load_backbone(path: str, device: torch.device | str = "cpu", dtype: torch.dt
         # H200 with the cuDNN SDPA backend and ran fine without it (../shared/reference/gpu_anchor.md).
         torch.backends.cuda.enable_cudnn_sdp(False)
     return Backbone(pipe, kind, device, dtype, max_sequence_length)
+
+
+@torch.no_grad()
+def sample_ode(backbone: Backbone, prompts: list[str], seeds: list[int], steps: int, height: int, width: int,
+               guidance_scale: float = 1.0) -> torch.Tensor:
+    """The evaluation protocol outside the training scripts (pretraining, benchmarks): deterministic Euler ODE
+    from one fixed seed per image -> images in [0, 1]. (The scripts spell the same loop out in `evaluate`.)"""
+    sigmas = backbone.schedule(steps, height, width)
+    gens = [torch.Generator(backbone.device).manual_seed(s) for s in seeds]
+    x = backbone.initial_noise(len(prompts), height, width, generator=gens)
+    emb = backbone.encode(prompts)
+    for i in range(steps):
+        x = ode_step(backbone.velocity(x, sigmas[i], emb, guidance_scale), x, sigmas[i], sigmas[i + 1])
+    return backbone.decode(x, height, width)

@@ -17,8 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from common import toyworld  # noqa: E402
-from common.backbones import load_backbone  # noqa: E402
-from common.sampler import ode_step  # noqa: E402
+from common.backbones import load_backbone, sample_ode  # noqa: E402
 
 MODEL = os.path.join(ROOT, "common", "toyworld", "model")
 GRID_PROMPTS = ["a photo of a red circle", "a photo of a blue triangle", "a photo of a yellow square",
@@ -30,15 +29,8 @@ GRID_PROMPTS = ["a photo of a red circle", "a photo of a blue triangle", "a phot
                 "a photo of a magenta triangle below a cyan circle", "a photo of a blue square right of a red circle"]
 
 
-@torch.no_grad()
 def sample(bb, prompts, seeds, steps=20, cfg=1.0):
-    res = toyworld.RESOLUTION
-    sigmas = bb.schedule(steps, res, res)
-    x = bb.initial_noise(len(prompts), res, res, generator=[torch.Generator().manual_seed(s) for s in seeds])
-    emb = bb.encode(prompts)
-    for i in range(steps):
-        x = ode_step(bb.velocity(x, sigmas[i], emb, cfg), x, sigmas[i], sigmas[i + 1])
-    return bb.decode(x, res, res)
+    return sample_ode(bb, prompts, seeds, steps, toyworld.RESOLUTION, toyworld.RESOLUTION, cfg)
 
 
 def main():

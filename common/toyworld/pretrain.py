@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from common import toyworld
-from common.backbones import Backbone
-from common.sampler import ode_step
+from common.backbones import Backbone, sample_ode
 from common.tiny import build_sd3, tiny_vae
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -92,18 +91,9 @@ def encode_latents(vae, images_u8, device) -> torch.Tensor:
 def evaluate(backbone: Backbone, prompts: list[str], seeds: list[int], steps: int, cfg: float,
              batch: int = 256) -> dict:
     """The RL scripts' evaluation protocol: ODE sampling from fixed per-image seeds, strict accuracy."""
-    sigmas = backbone.schedule(steps, toyworld.RESOLUTION, toyworld.RESOLUTION)
-    images = []
-    for s in range(0, len(prompts), batch):
-        ps, ss = prompts[s:s + batch], seeds[s:s + batch]
-        gens = [torch.Generator(backbone.device).manual_seed(x) for x in ss]
-        x = backbone.initial_noise(len(ps), toyworld.RESOLUTION, toyworld.RESOLUTION, generator=gens)
-        emb = backbone.encode(ps)
-        for i in range(steps):
-            v = backbone.velocity(x, sigmas[i], emb, cfg)
-            x = ode_step(v, x, sigmas[i], sigmas[i + 1])
-        images.append(backbone.decode(x, toyworld.RESOLUTION, toyworld.RESOLUTION).cpu())
-    images = torch.cat(images)
+    res = toyworld.RESOLUTION
+    images = torch.cat([sample_ode(backbone, prompts[s:s + batch], seeds[s:s + batch], steps, res, res, cfg).cpu()
+                        for s in range(0, len(prompts), batch)])
     reward, correct = toyworld.score(images, prompts)
     cats = [toyworld.category_of(p) for p in prompts]
     per_cat = {c: float(np.mean([k for k, cc in zip(correct, cats) if cc == c])) for c in toyworld.CATEGORIES}
