@@ -233,6 +233,14 @@ def main():
         ("flowgrpo 24GB", "flowgrpo_baseline.py", "sd35", sd35 + [
             "--group-size", "4", "--groups-per-iteration", "1", "--rollout-batch-size", "4",
             "--train-batch-size", "1", "--gradient-checkpointing"]),
+        # the compute table: which micro-batch / checkpointing fits which card, and what it costs
+        ("flowgrpo 24GB b4", "flowgrpo_baseline.py", "sd35", sd35 + [
+            "--group-size", "4", "--groups-per-iteration", "1", "--rollout-batch-size", "4",
+            "--train-batch-size", "4", "--gradient-checkpointing"]),
+        ("flowgrpo b1 no-ckpt", "flowgrpo_baseline.py", "sd35", sd35 + [
+            "--group-size", "4", "--groups-per-iteration", "1", "--rollout-batch-size", "4", "--train-batch-size", "1"]),
+        ("flowgrpo 141GB", "flowgrpo_baseline.py", "sd35", sd35 + ["--group-size", "16", "--groups-per-iteration", "1",
+                                                                  "--rollout-batch-size", "16", "--beta", "0.04"]),
         ("flux flowgrpo", "flowgrpo_baseline.py", "flux", flux + ["--group-size", "4", "--groups-per-iteration", "1",
                                                                   "--rollout-batch-size", "4", "--train-batch-size", "2"]),
         ("flux g2rpo", "g2rpo.py", "flux", flux + ["--num-steps", "16", "--branch-steps", "0", "--granularities",
