@@ -18,7 +18,7 @@ Each reward maps (images [B,3,H,W] float in [0,1], prompts) to one float per ima
 | pickscore              | PickScore_v1 (CLIP ViT-H/14), scaled as Flow-GRPO     | logit_scale·cos/26 | ~0.8 .. 0.9   |
 | clipscore              | any CLIP, default openai/clip-vit-large-patch14       | cos                | ~0.15 .. 0.35 |
 | hpsv2                  | HPS-v2.1, open_clip ViT-H-14 (needs open_clip_torch)  | cos                | ~0.2 .. 0.35  |
-| imagereward            | ImageReward-v1.0 (needs image-reward)                 | package's z-score  | ~-2 .. 2      |
+| imagereward            | ImageReward-v1.0 (BLIP ViT-L + BERT + MLP)            | package's z-score  | ~-2 .. 2      |
 
 Scales of the papers, to reproduce them with weights: Flow-GRPO's jpeg_compressibility is -kB/500
 (`jpeg_compressibility:0.002`), its clipscore 100·cos/30 (`clipscore:3.333`); PickScore papers report
@@ -33,7 +33,9 @@ Weights (--reward-model-paths KEY=PATH; PATH is a local folder/file or a hub id,
   checkpoint; else that CLIP comes from `aesthetic_clip` (default openai/clip-vit-large-patch14).
 - hpsv2: `HPS_v2.1_compressed.pt`, a folder holding it, or the hub repo xswu/HPSv2.
 - imagereward: a folder holding `ImageReward.pt` + `med_config.json` (hub repo THUDM/ImageReward;
-  `ImageReward.load("ImageReward-v1.0")` puts them in ~/.cache/ImageReward). Needs bert-base-uncased.
+  `ImageReward.load("ImageReward-v1.0")` puts them in ~/.cache/ImageReward), scored with transformers' BLIP
+  classes (no `image-reward` package); its tokenizer (bert-base-uncased) comes from `imagereward_tokenizer`,
+  else the ImageReward folder if it holds a vocab.txt, else the hub id bert-base-uncased.
 
 Preprocessing stays on the reward's device, on tensors: bicubic (antialiased) resize of the shortest
 side to the processor's size, centre crop to its crop size, normalise with its mean/std: the
@@ -46,6 +48,8 @@ from __future__ import annotations
 
 import importlib
 import io
+import json
+import math
 import os
 import pickle
 import re
@@ -70,15 +74,13 @@ DEFAULT_PATHS = {
 DEFAULT_PROCESSORS = {"pickscore": "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"}
 AESTHETIC_CLIP = "openai/clip-vit-large-patch14"  # used when neither aesthetic_clip nor the aesthetic folder has one
 PATH_KEYS = ("aesthetic", "aesthetic_clip", "pickscore", "pickscore_processor",
-             "clipscore", "clipscore_processor", "hpsv2", "imagereward")
+             "clipscore", "clipscore_processor", "hpsv2", "imagereward", "imagereward_tokenizer")
 PICKSCORE_DIVISOR = 26.0  # Flow-GRPO pickscore_scorer.py: reward = logit_scale * cos / 26
 AESTHETIC_MLP_FILE = "sac+logos+ava1-l14-linearMSE.pth"
 HPSV2_FILE, HPSV2_ARCH = "HPS_v2.1_compressed.pt", "ViT-H-14"
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 OPTIONAL = {  # reward -> (module, package, install command (torchvision pinned to torch 2.13), note)
     "hpsv2": ("open_clip", "open_clip_torch", "pip install open_clip_torch==3.3.0 torchvision==0.28.0", ""),
-    "imagereward": ("ImageReward", "image-reward", "pip install image-reward",
-                    "; note image-reward 1.5 does not import under transformers 5"),
 }
 
 
@@ -345,25 +347,123 @@ class HPSv2:
         return (image * text).sum(-1)
 
 
+IMAGEREWARD_MEAN, IMAGEREWARD_STD = 0.16717362830052426, 1.0333394966054072  # the package's ImageReward.py
+IMAGEREWARD_TOKENIZER, IMAGEREWARD_MAX_TOKENS = "bert-base-uncased", 35  # its init_tokenizer() and score()
+_BLIP_VIT_RENAMES = (  # BLIP's timm-style ViT -> transformers' BlipVisionModel (transformers 4 convert_blip_*.py rules)
+    (r"^cls_token$", "embeddings.class_embedding"),
+    (r"^pos_embed$", "embeddings.position_embedding"),
+    (r"^patch_embed\.proj\.", "embeddings.patch_embedding."),
+    (r"^norm\.", "post_layernorm."),
+    (r"^blocks\.(\d+)\.", r"encoder.layers.\1."),
+    (r"\.attn\.proj\.", ".self_attn.projection."),
+    (r"\.attn\.qkv\.", ".self_attn.qkv."),  # fused q|k|v in both, same layout
+    (r"\.norm([12])\.", r".layer_norm\1."),
+)
+
+
+def _imagereward_state_dicts(state: dict) -> dict[str, dict]:
+    """The package's ImageReward.pt (one flat state dict) -> {"vision", "text", "mlp"} state dicts in the names of
+    BlipVisionModel, BlipTextModel and AestheticMLP. blip.visual_encoder.* is renamed by _BLIP_VIT_RENAMES;
+    blip.text_encoder.* is BLIP's med.py BERT, whose names BlipTextModel kept (its position_ids buffer is dropped:
+    transformers rebuilds it); mlp.* is already nn.Sequential `layers.N`. Other keys (blip.vision_proj,
+    blip.text_proj: BLIP's contrastive heads) are not used for the score and are dropped."""
+    out: dict[str, dict] = {"vision": {}, "text": {}, "mlp": {}}
+    for key, value in state.items():
+        part, _, rest = key.partition(".")
+        if part == "mlp":
+            out["mlp"][rest] = value
+        elif part == "blip" and rest.startswith("visual_encoder."):
+            rest = rest.removeprefix("visual_encoder.")
+            for pattern, repl in _BLIP_VIT_RENAMES:
+                rest = re.sub(pattern, repl, rest)
+            out["vision"][rest] = value
+        elif part == "blip" and rest.startswith("text_encoder.") and not rest.endswith("position_ids"):
+            out["text"][rest.removeprefix("text_encoder.")] = value
+    return out
+
+
+def _blip_configs(vit: dict, med: dict):
+    """BlipVisionConfig from the ViT's weights (ImageReward-v1.0: ViT-L/16 at 224 px, 24 blocks 1024 wide; BLIP's
+    ViTs have 64-wide heads and timm's LayerNorm eps 1e-6) and BlipTextConfig from med_config.json (its BERT, with
+    cross-attention from every layer to the image tokens, as BLIP's med.py in 'multimodal' mode)."""
+    from transformers import BlipTextConfig, BlipVisionConfig
+
+    width, patch = vit["embeddings.class_embedding"].shape[-1], vit["embeddings.patch_embedding.weight"].shape[-1]
+    vision = BlipVisionConfig(
+        hidden_size=width, intermediate_size=vit["encoder.layers.0.mlp.fc1.weight"].shape[0],
+        num_hidden_layers=len({k.split(".")[2] for k in vit if k.startswith("encoder.layers.")}),
+        num_attention_heads=max(1, width // 64), patch_size=patch, layer_norm_eps=1e-6,
+        image_size=math.isqrt(vit["embeddings.position_embedding"].shape[1] - 1) * patch)
+    text = BlipTextConfig(
+        vocab_size=med["vocab_size"], hidden_size=med["hidden_size"], intermediate_size=med["intermediate_size"],
+        num_hidden_layers=med["num_hidden_layers"], num_attention_heads=med["num_attention_heads"],
+        max_position_embeddings=med["max_position_embeddings"], hidden_act=med.get("hidden_act", "gelu"),
+        layer_norm_eps=med.get("layer_norm_eps", 1e-12), pad_token_id=med.get("pad_token_id", 0),
+        bos_token_id=None, eos_token_id=None, sep_token_id=None,  # unused here; BLIP's defaults overflow tiny vocabs
+        encoder_hidden_size=width, is_decoder=True)  # is_decoder: build the cross-attention layers
+    return vision, text
+
+
 class ImageRewardScore:
-    """ImageReward-v1.0 (Xu et al. 2023): BLIP + MLP, standardised by the package (mean 0, std 1 on its
-    data). Scored batched through the package's differentiable `score_gard` on tensors; Flow-GRPO scores
-    PIL images one by one (`inference_rank`), which differs only by the uint8 round trip."""
+    """ImageReward-v1.0 (Xu et al. 2023), scored natively with transformers (no `image-reward` package): BLIP's
+    ViT-L/16 (BlipVisionModel) encodes the 224-px image, a BERT with cross-attention to the image tokens
+    (BlipTextModel: BLIP's med.py) encodes the prompt, its [CLS] state goes through the MLP, and the package's
+    (r - mean) / std standardises it (mean 0, std 1 on its data). Tokens as the package's `score` /
+    `inference_rank` (Flow-GRPO's path): bert-base-uncased plus [DEC] and [ENC], [CLS] kept first, padded or
+    truncated to 35. Its PIL bicubic resize + centre crop + uint8 round trip become clip_preprocess on tensors:
+    identical on 224x224 uint8-valued images, within ~5e-3 otherwise (tests/fixtures/imagereward)."""
 
     def __init__(self, paths: dict, device):
-        rm = _require("imagereward")
+        from transformers import BertTokenizer, BlipTextModel, BlipVisionModel
+
         path = paths["imagereward"]
         hint = _hub_hint("a folder holding ImageReward.pt and med_config.json", "THUDM/ImageReward", "imagereward")
         ckpt = _find_file("imagereward", path, "ImageReward.pt", hint)
         folder = os.path.dirname(ckpt) if os.path.isfile(path) else path
-        med = _find_file("imagereward", folder, "med_config.json", hint)
-        self.model, self.device = rm.load(ckpt, device=device, med_config=med).eval(), device
+        med_path = _find_file("imagereward", folder, "med_config.json", hint)
+        tok_path = paths.get("imagereward_tokenizer") or (
+            folder if os.path.isfile(os.path.join(folder, "vocab.txt")) else IMAGEREWARD_TOKENIZER)
+        tok_hint = _hub_hint("a BERT tokenizer folder (vocab.txt)", IMAGEREWARD_TOKENIZER, "imagereward_tokenizer",
+                             " --include '*.txt' '*.json'")
+        # vocab.txt first: transformers 5's BertTokenizer.from_pretrained turns a missing hub id into an empty vocab
+        vocab = _find_file("imagereward", tok_path, "vocab.txt", tok_hint)
+        self.tokenizer = _from_pretrained("imagereward", BertTokenizer, os.path.dirname(vocab), tok_hint)
+        self.tokenizer.add_tokens(["[DEC]", "[ENC]"], special_tokens=True)  # as init_tokenizer(): 30522, 30523
+        try:
+            with open(med_path) as f:
+                med = json.load(f)
+            state = _torch_load(ckpt)
+            if not isinstance(state, dict):
+                raise ValueError(f"a {type(state).__name__}, not a state dict")
+            parts = _imagereward_state_dicts(state)
+            vision_config, text_config = _blip_configs(parts["vision"], med)
+            self.vision = BlipVisionModel(vision_config)
+            self.text = BlipTextModel(text_config, add_pooling_layer=False)
+            self.mlp = AestheticMLP(med["hidden_size"])  # the package's MLP: the same layers, 1024-128-64-16-1
+            for module, part in ((self.vision, "vision"), (self.text, "text"), (self.mlp, "mlp")):
+                missing, unexpected = module.load_state_dict(parts[part], strict=False)
+                if missing or unexpected:  # every weight mapped, none left at its random init
+                    raise KeyError(f"{part} weights: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        except (OSError, ValueError, KeyError, RuntimeError) as e:  # RuntimeError: a shape mismatch
+            detail = " ".join(str(e).split())[:300]
+            raise RewardLoadError(f"imagereward: '{ckpt}' with '{med_path}' is not an ImageReward checkpoint "
+                                  f"({type(e).__name__}: {detail}): expected {hint}") from None
+        for module in (self.vision, self.text, self.mlp):
+            module.to(device=device, dtype=torch.float32).eval()
+        if len(self.tokenizer) != text_config.vocab_size:
+            raise RewardLoadError(f"imagereward: the tokenizer in '{os.path.dirname(vocab)}' has {len(self.tokenizer)}"
+                                  f" tokens with [DEC] and [ENC], its text encoder {text_config.vocab_size}: "
+                                  f"expected {tok_hint}")
+        self.size, self.device = vision_config.image_size, device
 
     def __call__(self, images, prompts):
-        tok = self.model.blip.tokenizer(prompts, padding="max_length", truncation=True, max_length=35,
-                                        return_tensors="pt").to(self.device)
-        pixels = clip_preprocess(images, 224, (224, 224), CLIP_MEAN, CLIP_STD)
-        return self.model.score_gard(tok.input_ids, tok.attention_mask, pixels).squeeze(-1)
+        tok = self.tokenizer(prompts, padding="max_length", truncation=True, max_length=IMAGEREWARD_MAX_TOKENS,
+                             return_tensors="pt").to(self.device)
+        pixels = clip_preprocess(images, self.size, (self.size, self.size), CLIP_MEAN, CLIP_STD)  # BLIP's = CLIP's
+        image_tokens = self.vision(pixel_values=pixels).last_hidden_state
+        text = self.text(input_ids=tok.input_ids, attention_mask=tok.attention_mask,
+                         encoder_hidden_states=image_tokens).last_hidden_state  # no image mask: all tokens count
+        return ((self.mlp(text[:, 0]) - IMAGEREWARD_MEAN) / IMAGEREWARD_STD).squeeze(-1)
 
 
 _LOADERS = {  # name -> (paths, device) -> callable(images on device [b,3,H,W], prompts) -> [b]

@@ -1,8 +1,11 @@
 """Reward registry: parsing, mixing, model-free rewards, and every model-based reward loaded from tiny
 random-weight checkpoints written in the real layout, through the same code path as real weights."""
 
+import importlib.util
 import io
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -131,13 +134,17 @@ def ckpts(tmp_path_factory):
     return {p.name: str(p) for p in root.iterdir()}
 
 
+IMAGEREWARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "imagereward")
+
+
 def paths_for(name, c):
     return {"pickscore": {"pickscore": c["model"], "pickscore_processor": c["processor"]},
             "clipscore": {"clipscore": c["full"]},
-            "aesthetic": {"aesthetic": c["aesthetic"]}}[name]
+            "aesthetic": {"aesthetic": c["aesthetic"]},
+            "imagereward": {"imagereward": IMAGEREWARD}}[name]
 
 
-@pytest.mark.parametrize("name", ["pickscore", "clipscore", "aesthetic"])
+@pytest.mark.parametrize("name", ["pickscore", "clipscore", "aesthetic", "imagereward"])
 def test_model_reward_loads_and_is_consistent(name, ckpts):
     x = images(5)
     model = build_reward(name, DEVICE, model_paths=paths_for(name, ckpts), batch_size=4)
@@ -209,12 +216,79 @@ def test_hpsv2_without_open_clip_names_the_package(monkeypatch, tmp_path):
     assert "hpsv2" in _one_line(e) and "pip install open_clip_torch==3.3.0 torchvision==0.28.0" in _one_line(e)
 
 
-def test_imagereward_without_package_names_the_package(monkeypatch):
-    monkeypatch.setitem(sys.modules, "ImageReward", None)
-    with pytest.raises(MissingRewardPackage) as e:
-        build_reward("imagereward")
-    assert "pip install image-reward" in _one_line(e) and "requirements-optional.txt" in _one_line(e)
+# ----------------------------------------------------------------------------- ImageReward vs the original package
+def _imagereward_expected():
+    """tests/fixtures/imagereward: a tiny random-weight ImageReward in the package's layout and the scores that
+    image-reward==1.5 (transformers 4) gives it; make_fixture.py there wrote both, and makes the images again."""
+    spec = importlib.util.spec_from_file_location("make_fixture", os.path.join(IMAGEREWARD, "make_fixture.py"))
+    make_fixture = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_fixture)  # imports only torch at the top; the package only in its main()
+    with open(os.path.join(IMAGEREWARD, "expected.json")) as f:
+        expected = json.load(f)
+    square, smooth = make_fixture.images(), make_fixture.smooth_images()
+    assert int(square.long().sum()) == expected["images_checksum"], "make_fixture.images() changed"
+    assert int(smooth.long().sum()) == expected["smooth_images_checksum"], "make_fixture.smooth_images() changed"
+    return expected, square.float() / 255, smooth.float() / 255
 
+
+def test_imagereward_matches_the_original_package(monkeypatch):
+    """Every prompt x image pair scores as the package's public `load` + `inference_rank` does, without importing
+    it. 224x224 images: the package's PIL preprocessing is then the identity, so scores agree to float rounding;
+    non-square ones go through its PIL bicubic resize + uint8 round trip, which ours does on tensors (~4e-3)."""
+    monkeypatch.setitem(sys.modules, "ImageReward", None)  # the package is not needed (nor importable here)
+    expected, square, smooth = _imagereward_expected()
+    model = build_reward("imagereward", DEVICE, model_paths={"imagereward": IMAGEREWARD}, batch_size=4)
+    reward = model.fns[0]
+    prompts = [p for p in expected["prompts"] for _ in range(4)]  # prompt i with images 0..3
+    assert reward.tokenizer(expected["prompts"], padding="max_length", truncation=True,
+                            max_length=35).input_ids == expected["input_ids"]
+    s = model(square.repeat(4, 1, 1, 1), prompts)
+    assert s.shape == (16, 1) and s.dtype == torch.float32
+    want = torch.tensor(expected["scores"]).reshape(16, 1)
+    torch.testing.assert_close(s, want, rtol=0, atol=1e-4)
+    assert want.std() > 0.1, "the fixture's scores differ enough to tell a wrong model apart"
+    torch.testing.assert_close(model(smooth.repeat(4, 1, 1, 1), prompts),
+                               torch.tensor(expected["smooth_scores"]).reshape(16, 1), rtol=0, atol=1e-2)
+
+
+def test_imagereward_file_path_and_tokenizer_key(tmp_path, monkeypatch):
+    """ImageReward.pt given as a file; the tokenizer from imagereward_tokenizer when the folder has none."""
+    expected, square, _ = _imagereward_expected()
+    for name in ("ImageReward.pt", "med_config.json"):
+        shutil.copy(os.path.join(IMAGEREWARD, name), tmp_path / name)
+    paths = {"imagereward": str(tmp_path / "ImageReward.pt"), "imagereward_tokenizer": IMAGEREWARD}
+    s = build_reward("imagereward", DEVICE, model_paths=paths)(square, expected["prompts"][:1] * 4)
+    torch.testing.assert_close(s[:, 0], torch.tensor(expected["scores"][0]), rtol=0, atol=1e-4)
+    monkeypatch.setattr(rewards, "IMAGEREWARD_TOKENIZER", "no-such-org/bert-base-uncased")  # surely not cached
+    with pytest.raises(RewardLoadError) as e:  # no vocab.txt next to the weights: the hub id, offline
+        build_reward("imagereward", model_paths={"imagereward": str(tmp_path)})
+    assert "no-such-org/bert-base-uncased" in _one_line(e) and "imagereward_tokenizer" in _one_line(e)
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\na\n")  # some other BERT vocab
+    with pytest.raises(RewardLoadError, match="has 8 tokens with .DEC. and .ENC., its text encoder 41") as e:
+        build_reward("imagereward", model_paths={"imagereward": str(tmp_path)})
+    _one_line(e)
+
+
+def test_imagereward_wrong_paths_give_one_clear_line(tmp_path):
+    paths = {"imagereward": str(tmp_path), "imagereward_tokenizer": IMAGEREWARD}
+    with pytest.raises(RewardLoadError) as e:  # an empty folder
+        build_reward("imagereward", model_paths=paths)
+    msg = _one_line(e)
+    assert all(s in msg for s in ("ImageReward.pt", "med_config.json", "THUDM/ImageReward", str(tmp_path))), msg
+    shutil.copy(os.path.join(IMAGEREWARD, "ImageReward.pt"), tmp_path / "ImageReward.pt")
+    with pytest.raises(RewardLoadError, match="no med_config.json in") as e:
+        build_reward("imagereward", model_paths=paths)
+    _one_line(e)
+    with open(os.path.join(IMAGEREWARD, "med_config.json")) as f:
+        med = json.load(f)
+    (tmp_path / "med_config.json").write_text(json.dumps({**med, "hidden_size": 48}))  # does not fit the weights
+    with pytest.raises(RewardLoadError, match="not an ImageReward checkpoint.*size mismatch") as e:
+        build_reward("imagereward", model_paths=paths)
+    _one_line(e)
+    torch.save({"layers.0.weight": torch.zeros(1, 768)}, tmp_path / "ImageReward.pt")  # some other state dict
+    with pytest.raises(RewardLoadError, match="not an ImageReward checkpoint") as e:
+        build_reward("imagereward", model_paths=paths)
+    _one_line(e)
 
 def _importable(module):
     try:
