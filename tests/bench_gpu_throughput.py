@@ -221,32 +221,33 @@ def main():
               "--output-dir", os.path.join(args.out, "runs"), "--num-steps", "10"]
     sd35 = ["--model-path", "{sd35}", "--guidance-scale", "4.5", "--max-sequence-length", "256"]
     flux = ["--model-path", "{flux}", "--guidance-scale", "3.5", "--max-sequence-length", "512"]
+    paper = ["--timestep-fraction", "0.99", "--optimizer-steps-per-iteration", "1"]  # not the toy defaults
     g2 = ["--branch-steps", "0", "1", "2", "--granularities", "1", "2", "--group-size", "8",
           "--groups-per-iteration", "1"]
     runs = [  # name, script, model, flags: the paper settings, scaled down to a few groups
-        ("flowgrpo", "flowgrpo_baseline.py", "sd35", sd35 + ["--group-size", "8", "--groups-per-iteration", "2",
+        ("flowgrpo", "flowgrpo_baseline.py", "sd35", sd35 + paper + ["--group-size", "8", "--groups-per-iteration", "2",
                                                             "--rollout-batch-size", "8", "--beta", "0.04"]),
         ("g2rpo batched", "g2rpo.py", "sd35", sd35 + g2 + ["--branch-batch", "32", "--train-batch-size", "8"]),
         ("g2rpo batch-1", "g2rpo.py", "sd35", sd35 + g2 + ["--branch-batch", "1", "--train-batch-size", "8"]),
-        ("densegrpo", "densegrpo.py", "sd35", sd35 + ["--group-size", "8", "--groups-per-iteration", "1",
+        ("densegrpo", "densegrpo.py", "sd35", sd35 + paper + ["--group-size", "8", "--groups-per-iteration", "1",
                                                      "--rollout-batch-size", "8", "--calibration-iterations", "0"]),
-        ("flowgrpo 24GB", "flowgrpo_baseline.py", "sd35", sd35 + [
+        ("flowgrpo 24GB", "flowgrpo_baseline.py", "sd35", sd35 + paper + [
             "--group-size", "4", "--groups-per-iteration", "1", "--rollout-batch-size", "4",
             "--train-batch-size", "1", "--gradient-checkpointing"]),
         # the compute table: which micro-batch / checkpointing fits which card, and what it costs
-        ("flowgrpo 24GB b4", "flowgrpo_baseline.py", "sd35", sd35 + [
+        ("flowgrpo 24GB b4", "flowgrpo_baseline.py", "sd35", sd35 + paper + [
             "--group-size", "4", "--groups-per-iteration", "1", "--rollout-batch-size", "4",
             "--train-batch-size", "4", "--gradient-checkpointing"]),
-        ("flowgrpo b1 no-ckpt", "flowgrpo_baseline.py", "sd35", sd35 + [
+        ("flowgrpo b1 no-ckpt", "flowgrpo_baseline.py", "sd35", sd35 + paper + [
             "--group-size", "4", "--groups-per-iteration", "1", "--rollout-batch-size", "4", "--train-batch-size", "1"]),
-        ("flowgrpo 141GB", "flowgrpo_baseline.py", "sd35", sd35 + ["--group-size", "16", "--groups-per-iteration", "1",
+        ("flowgrpo 141GB", "flowgrpo_baseline.py", "sd35", sd35 + paper + ["--group-size", "16", "--groups-per-iteration", "1",
                                                                   "--rollout-batch-size", "16", "--beta", "0.04"]),
-        ("flux flowgrpo", "flowgrpo_baseline.py", "flux", flux + ["--group-size", "4", "--groups-per-iteration", "1",
+        ("flux flowgrpo", "flowgrpo_baseline.py", "flux", flux + paper + ["--group-size", "4", "--groups-per-iteration", "1",
                                                                   "--rollout-batch-size", "4", "--train-batch-size", "2"]),
         ("flux g2rpo", "g2rpo.py", "flux", flux + ["--num-steps", "16", "--branch-steps", "0", "--granularities",
                                                    "1", "2", "3", "--group-size", "4", "--groups-per-iteration", "1",
                                                    "--branch-batch", "16", "--train-batch-size", "2"]),
-        ("flux densegrpo", "densegrpo.py", "flux", flux + ["--group-size", "2", "--groups-per-iteration", "1",
+        ("flux densegrpo", "densegrpo.py", "flux", flux + paper + ["--group-size", "2", "--groups-per-iteration", "1",
                                                            "--rollout-batch-size", "2", "--train-batch-size", "2",
                                                            "--calibration-iterations", "0"]),
     ]

@@ -31,7 +31,7 @@ def test_counts_match_the_scripts_own_accounting(tmp_path):
     flags = ["--model-path", path, "--resolution", "64", "--reward", "jpeg_compressibility", "--num-iterations", "2",
              "--eval-every", "1000", "--eval-prompts", str(prompts), "--eval-seeds-per-prompt", "1",
              "--eval-num-steps", "2", "--num-steps", "4", "--group-size", "4", "--groups-per-iteration", "1",
-             "--rollout-batch-size", "4", "--train-batch-size", "2", "--guidance-scale", "4.5", "--beta", "0.04",
+             "--rollout-batch-size", "4", "--train-batch-size", "2", "--guidance-scale", "4.5", "--beta", "0.04", "--timestep-fraction", "0.99",
              "--lora-rank", "4", "--output-dir", str(tmp_path / "runs"), "--run-name", "r", "--save-every", "1000"]
     row = bench.run_one("flowgrpo_baseline.py", flags, "sd35", tiny=True)
     kept = row["train_rows"]

@@ -6,7 +6,8 @@ A line reference in docs/*.md or README.md is written
 
 where PATH is a file of the repo, N a 1-based line number and KEY a short verbatim piece of line N. This test checks
 every such reference: the file exists, label and link agree, line N exists and contains KEY. When the code moves,
-the failure names the doc, the reference and the line(s) where KEY is now, so the fix is a number edit. Any other
+the failure names the doc, the reference and the line(s) where KEY is now, so the fix is a number edit
+(`python tests/test_docs.py --fix` makes it where the key sits on exactly one line). Any other
 `file.py:N` or `#LN` link is an error too, so no unchecked line number can creep in. No torch import: this is fast.
 """
 import glob
@@ -107,3 +108,44 @@ def test_checker_catches_a_stale_number(tmp_path):
     # README.md sits at the root: its links have no ../
     readme = "`advantages.clamp(-args` ([script.py:2](script.py#L2))"
     assert check_doc("README.md", readme, str(tmp_path)) == ([], 1)
+    # --fix renumbers a moved key, and leaves a correct one alone
+    stale = "`advantages.clamp(-args` ([script.py:1](../script.py#L1))"
+    assert fix_doc("docs/x.md", stale, str(tmp_path)) == (good, 1)
+    assert fix_doc("docs/x.md", good, str(tmp_path)) == (good, 0)
+
+
+def fix_doc(doc: str, text: str, root: str = ROOT) -> tuple[str, int]:
+    """Renumber the references whose key now sits on exactly one line of its file; (new text, how many moved).
+    Ambiguous or vanished keys are left for a person (the test still names them)."""
+    moved = 0
+
+    def renumber(m):
+        nonlocal moved
+        full = os.path.join(root, m["path"])
+        if not os.path.isfile(full):
+            return m.group(0)
+        found = [i + 1 for i, line in enumerate(read_lines(full)) if m["key"] in line]
+        if len(found) != 1 or found[0] == int(m["n"]) == int(m["ln"]):
+            return m.group(0)
+        moved += 1
+        return m.group(0).replace(f":{m['n']}]", f":{found[0]}]").replace(f"#L{m['ln']})", f"#L{found[0]})")
+
+    return REF.sub(renumber, text), moved
+
+
+if __name__ == "__main__":  # python tests/test_docs.py --fix : renumber references after the code moved
+    import sys
+
+    for doc in doc_files():
+        path = os.path.join(ROOT, doc)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        new, moved = fix_doc(doc, text)
+        if moved and "--fix" in sys.argv:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(new)
+        errors, _ = check_doc(doc, new)
+        print(f"{doc}: {moved} reference(s) {'renumbered' if '--fix' in sys.argv else 'would be renumbered'}, "
+              f"{len(errors)} left to fix by hand")
+        for e in errors:
+            print("  " + e)
