@@ -116,9 +116,8 @@ class Args:
     """divide advantages by the std of all rewards of the iteration instead of each group's std"""
     std_eps: float = 1e-4
     """added to the std before dividing"""
-    timestep_fraction: float = 0.5
-    """train on the first int(num_steps * fraction) steps (paper: 0.99, all but the last, near-deterministic step;
-    toy default 0.5: the early steps decide the layout, and half the steps train twice as fast; docs/results.md)"""
+    timestep_fraction: float = 0.99
+    """train on the first int(num_steps * fraction) steps: 0.99 drops the last, near-deterministic step"""
     drop_zero_advantage: bool = True
     """skip transitions whose advantage is 0 (groups whose rewards are all equal teach nothing)"""
 
@@ -135,9 +134,8 @@ class Args:
     """gradient-norm clip"""
     train_batch_size: int | None = None
     """transitions per training forward, per rank (default: rollout_batch_size, which keeps ratio == 1 exact)"""
-    optimizer_steps_per_iteration: int = 4
-    """optimizer steps per iteration: the micro-batches are accumulated into this many steps (paper: 2; toy: 4).
-    The first step is on-policy (ratio 1); later ones see a moved policy, which the clip range bounds"""
+    optimizer_steps_per_iteration: int = 1
+    """optimizer steps per iteration: the micro-batches are accumulated into this many steps (paper: 2)"""
     num_inner_epochs: int = 1
     """passes over the iteration's transitions"""
     ema_decay: float = 0.0
