@@ -96,8 +96,8 @@ class Args:
     """prompts per iteration over all ranks (paper: 16, one per GPU). Toy default 3, not the baseline's 8: a prompt
     costs |M| x |Λ| x G = 120 completions (541 NFE) instead of 8 trajectories (80 NFE), so 3 make a CPU iteration
     about as long as the baseline's (docs/g2rpo.md); use a multiple of the number of ranks"""
-    rollout_batch_size: int = 16
-    """only the default of --train-batch-size here: G²RPO's sampling is batched by --branch-batch"""
+    rollout_batch_size: int = 64
+    """images per transformer call while sampling, per rank (here: latents of the anchor and the completions)"""
 
     # ---- reward
     reward: str = "toyworld"
@@ -119,8 +119,6 @@ class Args:
     """fidelity: finish branches as the released code does (one fine step, then every λ-th index, and the image is the
     x0-prediction at the last model call, i.e. from a non-zero sigma when λ does not divide the rest); default:
     every λ-th step from the branch's sigma and always a last Euler step to sigma = 0. Same NFE either way"""
-    branch_batch: int = 64
-    """latents per transformer call in the anchor and the completions, per rank (caps rollout memory)"""
     update_schedule: Literal["accumulate", "per-k"] = "accumulate"
     """one optimizer step over all branch steps (the paper's (1/|M|) sum, default) or one per k (the released hps
     script; the shared training section honours transitions["update_group"])"""
@@ -202,8 +200,8 @@ def check_args(args: Args, world_size: int) -> None:
                           f"0..{args.num_steps - 1} (0 is the noisiest step)")
     if not args.granularities or min(args.granularities) < 1:
         raise ConfigError(f"--granularities {list(args.granularities)}: give positive step strides, e.g. 1 2 3")
-    if args.branch_batch < 1:
-        raise ConfigError(f"--branch-batch {args.branch_batch}: must be at least 1")
+    if args.rollout_batch_size < 1:
+        raise ConfigError(f"--rollout-batch-size {args.rollout_batch_size}: must be at least 1")
     args.prompts_per_rank = args.groups_per_iteration // world_size
     args.images_per_rank = args.prompts_per_rank * args.trained_steps * len(args.granularities) * args.group_size
     args.images_per_iteration = args.images_per_rank * world_size
@@ -511,14 +509,14 @@ if __name__ == "__main__":
             x_T = backbone.initial_noise(len(my_prompts), args.resolution, args.resolution, generator=gen)  # 1/group
             roll = singular_stochastic_rollout(
                 lambda x, s, p: backbone.velocity(x, s, emb[p], args.guidance_scale), x_T, sigmas, M, Lam, G,
-                args.noise_level, generator=gen, batch=args.branch_batch, official=args.official_coarse_schedule)
+                args.noise_level, generator=gen, batch=args.rollout_batch_size, official=args.official_coarse_schedule)
             nfe_rollout = roll["nfe"]  # = prompts_per_rank * rollout_nfe(num_steps, M, G, Λ)
         with timer("reward"):
             final = roll.pop("final").flatten(0, 3)  # one image per (prompt, k, λ, member)
             job_prompts = [p for p in my_prompts for _ in range(len(M) * len(Lam) * G)]
-            scores = torch.cat([reward_model(backbone.decode(final[b:b + args.branch_batch], args.resolution,
-                                                             args.resolution), job_prompts[b:b + args.branch_batch])
-                                for b in range(0, len(final), args.branch_batch)])  # [n, R] raw scores
+            bs = args.rollout_batch_size
+            scores = torch.cat([reward_model(backbone.decode(final[b:b + bs], args.resolution, args.resolution),
+                                             job_prompts[b:b + bs]) for b in range(0, len(final), bs)])  # [n, R] raw
             all_scores = all_gather_cat(scores.to(device), world_size).cpu()  # rank-major = global prompt order
             if not torch.isfinite(all_scores).all():
                 raise SystemExit(f"error: non-finite reward at iteration {iteration}; stopping before any update "

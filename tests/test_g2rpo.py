@@ -107,7 +107,7 @@ def test_counted_nfe_equals_closed_form(T, M, G, lams, official):
     out = g2rpo.singular_stochastic_rollout(velocity, torch.randn(P, 5), sig, M, lams, G, 0.7,
                                             generator=torch.Generator().manual_seed(0), batch=7, official=official)
     assert sum(calls) == out["nfe"] == P * g2rpo.rollout_nfe(T, M, G, lams)
-    assert max(calls) <= 7  # --branch-batch caps every call
+    assert max(calls) <= 7  # --rollout-batch-size caps every call
     assert out["final"].shape == (P, len(M), len(lams), G, 5)
 
 
@@ -185,7 +185,7 @@ def _flags(model, tmp_path, name="run", *extra):
             "--max-sequence-length", "8", "--num-steps", "4", "--eval-num-steps", "2", "--prompts-file", prompts,
             "--eval-prompts", prompts, "--eval-seeds-per-prompt", "1", "--group-size", "3",
             "--groups-per-iteration", "2", "--branch-steps", "0", "2", "--granularities", "1", "2",
-            "--branch-batch", "8", "--train-batch-size", "4", "--reward", "jpeg_compressibility", "--lora-rank", "4",
+            "--rollout-batch-size", "8", "--train-batch-size", "4", "--reward", "jpeg_compressibility", "--lora-rank", "4",
             *extra]
 
 
