@@ -116,8 +116,10 @@ def t5_config(vocab_size, d_model=64, layers=1, heads=4) -> T5Config:
 
 
 def tiny_vae(latent_channels=4, block_out_channels=(8, 16), layers_per_block=1, norm_groups=4,
-             scaling_factor=1.5035, shift_factor=0.0609):
-    """AutoencoderKL with vae_scale_factor = 2 ** (len(block_out_channels) - 1)."""
+             scaling_factor=1.5035, shift_factor=0.0609, mid_attention=False):
+    """AutoencoderKL with vae_scale_factor = 2 ** (len(block_out_channels) - 1). With latent_channels=16,
+    block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_groups=32, mid_attention=True it is the
+    SD3 / FLUX autoencoder's architecture."""
     from diffusers import AutoencoderKL
 
     n = len(block_out_channels)
@@ -126,7 +128,7 @@ def tiny_vae(latent_channels=4, block_out_channels=(8, 16), layers_per_block=1, 
         up_block_types=("UpDecoderBlock2D",) * n, block_out_channels=tuple(block_out_channels),
         layers_per_block=layers_per_block, latent_channels=latent_channels, norm_num_groups=norm_groups,
         use_quant_conv=False, use_post_quant_conv=False, scaling_factor=scaling_factor,
-        shift_factor=shift_factor, mid_block_add_attention=False,
+        shift_factor=shift_factor, mid_block_add_attention=mid_attention,
     )
 
 

@@ -18,7 +18,7 @@ What it does:
    ../shared/reference/gpu_anchor.md (measured per-image-per-step costs on one H200):
        floor = sampling rows x forward cost + trained rows x (forward+backward) cost + decoded images x decode cost.
    "x floor" = measured iteration time / floor (1.0 = no overhead beyond the transformer/VAE math).
-4. G²RPO twice on SD3.5-M, --branch-batch 32 and 1 (same seed, so equal NFE): what batching the branches buys.
+4. G²RPO twice on SD3.5-M, --rollout-batch-size 32 and 1 (same seed, so equal NFE): what batching the branches buys.
 
 Results go to {out}/throughput.md and {out}/throughput.json, rewritten after every run (partial results survive).
 """
@@ -42,17 +42,12 @@ ANCHOR = {"sd35": {"forward": 0.0186, "train": 0.0561, "decode": 0.0110},
 
 def real_vae(scaling_factor: float, shift_factor: float, tiny: bool):
     """The SD3 / FLUX autoencoder's architecture (16 latent channels, 8x downsampling); random weights."""
-    from diffusers import AutoencoderKL
-
     from common.tiny import tiny_vae
 
     if tiny:
         return tiny_vae(16, scaling_factor=scaling_factor, shift_factor=shift_factor)
-    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-                         up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
-                         layers_per_block=2, latent_channels=16, norm_num_groups=32, sample_size=1024,
-                         scaling_factor=scaling_factor, shift_factor=shift_factor, use_quant_conv=False,
-                         use_post_quant_conv=False)
+    return tiny_vae(16, (128, 256, 512, 512), layers_per_block=2, norm_groups=32, scaling_factor=scaling_factor,
+                    shift_factor=shift_factor, mid_attention=True)
 
 
 def build_folder(name: str, cache: str, tiny: bool, device: str) -> str:
@@ -84,17 +79,16 @@ def build_folder(name: str, cache: str, tiny: bool, device: str) -> str:
 
 
 class Probe:
-    """Wraps the backbone and reward calls with synchronised timers; one snapshot per logged iteration."""
+    """`with Probe() as probe:` wraps Backbone.velocity / decode and RewardModel.__call__ with synchronised timers
+    (undone on exit); every RunLogger.log call closes one snapshot in probe.per_iteration."""
 
     def __init__(self):
-        self.per_iteration, self.now = [], {}
+        self.per_iteration, self.now, self.saved = [], {}, []
 
     def add(self, key, value):
         self.now[key] = self.now.get(key, 0) + value
 
     def timed(self, fn, kind):
-        probe = self
-
         def wrapper(*args, **kwargs):
             sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
             sync()
@@ -102,54 +96,53 @@ class Probe:
             out = fn(*args, **kwargs)
             sync()
             dt, rows = time.perf_counter() - t0, args[1].shape[0]
-            if kind == "velocity":
-                kind_now = "train_rows" if torch.is_grad_enabled() else "forward_rows"
-                probe.add(kind_now, rows)
-                if not torch.is_grad_enabled():
-                    probe.add("forward_s", dt)
-                    probe.add("forward_calls", 1)
-            else:
-                probe.add(f"{kind}_rows", rows)
-                probe.add(f"{kind}_s", dt)
+            if kind == "velocity" and torch.is_grad_enabled():  # a training forward: its time is the train phase
+                self.add("train_rows", rows)
+            else:  # velocity without grad (sampling, completions, KL reference), decode, reward
+                key = "forward" if kind == "velocity" else kind
+                self.add(f"{key}_rows", rows)
+                self.add(f"{key}_s", dt)
+                self.add(f"{key}_calls", 1)
             return out
 
         return wrapper
 
-    def install(self):
+    def snapshot_after(self, log):
+        def wrapper(logger, metrics, images=None):
+            log(logger, metrics, images)
+            self.per_iteration.append({**self.now, "metrics": dict(metrics)})
+            self.now = {}
+
+        return wrapper
+
+    def __enter__(self):
         from common import backbones, rewards, utils
 
-        originals = (backbones.Backbone.velocity, backbones.Backbone.decode, rewards.RewardModel.__call__,
-                     utils.RunLogger.log)
-        backbones.Backbone.velocity = self.timed(originals[0], "velocity")
-        backbones.Backbone.decode = self.timed(originals[1], "decode")
-        rewards.RewardModel.__call__ = self.timed(originals[2], "reward")
-        probe = self
+        for owner, name, wrap in [(backbones.Backbone, "velocity", lambda f: self.timed(f, "velocity")),
+                                  (backbones.Backbone, "decode", lambda f: self.timed(f, "decode")),
+                                  (rewards.RewardModel, "__call__", lambda f: self.timed(f, "reward")),
+                                  (utils.RunLogger, "log", self.snapshot_after)]:
+            self.saved.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, wrap(getattr(owner, name)))
+        return self
 
-        def log(logger, metrics, images=None):
-            originals[3](logger, metrics, images)
-            probe.per_iteration.append({**probe.now, "metrics": dict(metrics)})
-            probe.now = {}
-
-        utils.RunLogger.log = log
-        return originals
+    def __exit__(self, *exc):
+        for owner, name, original in self.saved:
+            setattr(owner, name, original)
 
 
-def run_one(script: str, flags: list[str], model: str, tiny: bool) -> dict:
+def run_one(script: str, flags: list[str], model: str) -> dict:
     """Run `script` for 2 iterations in this process; the measured row is iteration 1."""
     from tests.helpers import run_main
 
-    probe = Probe()
-    from common import backbones, rewards, utils
-    originals = probe.install()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     try:
-        run_main(script, *flags)
+        with Probe() as probe:
+            run_main(script, *flags)
     finally:
-        (backbones.Backbone.velocity, backbones.Backbone.decode, rewards.RewardModel.__call__,
-         utils.RunLogger.log) = originals
         gc.collect()
     wall = time.perf_counter() - t0
     it = probe.per_iteration[1]
@@ -184,12 +177,11 @@ def write_report(out: str, rows: list[dict], header: str) -> None:
                      f"({r['forward_rows']}, {r['forward_calls']}) | {r['decode_s']:.2f} ({r['decode_images']}) | "
                      f"{r['reward_s']:.2f} | {r['train_s']:.2f} ({r['train_rows']}) | {r['nfe_iteration']} | "
                      f"{r['images_per_s']:.2f} | {r['s_per_group']:.2f} | {r['floor_s']:.2f} | {r['x_floor']:.2f} | {mem} |")
-    for a, b in [("g2rpo batched", "g2rpo batch-1")]:
-        ra, rb = next((r for r in rows if r["name"] == a), None), next((r for r in rows if r["name"] == b), None)
-        if ra and rb:
-            lines += ["", f"G²RPO branch batching: forward {rb['forward_s']:.2f} s at batch 1 vs {ra['forward_s']:.2f} s "
-                      f"batched ({rb['forward_rows']} vs {ra['forward_rows']} rows): "
-                      f"{rb['forward_s'] / ra['forward_s']:.2f}x faster batched"]
+    batched, single = (next((r for r in rows if r["name"] == n), None) for n in ("g2rpo batched", "g2rpo batch-1"))
+    if batched and single:
+        lines += ["", f"G²RPO branch batching: forward {single['forward_s']:.2f} s at batch 1 vs "
+                  f"{batched['forward_s']:.2f} s batched ({single['forward_rows']} vs {batched['forward_rows']} rows): "
+                  f"{single['forward_s'] / batched['forward_s']:.2f}x faster batched"]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "throughput.md"), "w") as f:
         f.write(text)
@@ -227,8 +219,8 @@ def main():
     runs = [  # name, script, model, flags: the paper settings, scaled down to a few groups
         ("flowgrpo", "flowgrpo_baseline.py", "sd35", sd35 + paper + ["--group-size", "8", "--groups-per-iteration", "2",
                                                             "--rollout-batch-size", "8", "--beta", "0.04"]),
-        ("g2rpo batched", "g2rpo.py", "sd35", sd35 + g2 + ["--branch-batch", "32", "--train-batch-size", "8"]),
-        ("g2rpo batch-1", "g2rpo.py", "sd35", sd35 + g2 + ["--branch-batch", "1", "--train-batch-size", "8"]),
+        ("g2rpo batched", "g2rpo.py", "sd35", sd35 + g2 + ["--rollout-batch-size", "32", "--train-batch-size", "8"]),
+        ("g2rpo batch-1", "g2rpo.py", "sd35", sd35 + g2 + ["--rollout-batch-size", "1", "--train-batch-size", "8"]),
         ("densegrpo", "densegrpo.py", "sd35", sd35 + paper + ["--group-size", "8", "--groups-per-iteration", "1",
                                                      "--rollout-batch-size", "8", "--calibration-iterations", "0"]),
         ("flowgrpo 24GB", "flowgrpo_baseline.py", "sd35", sd35 + paper + [
@@ -246,7 +238,7 @@ def main():
                                                                   "--rollout-batch-size", "4", "--train-batch-size", "2"]),
         ("flux g2rpo", "g2rpo.py", "flux", flux + ["--num-steps", "16", "--branch-steps", "0", "--granularities",
                                                    "1", "2", "3", "--group-size", "4", "--groups-per-iteration", "1",
-                                                   "--branch-batch", "16", "--train-batch-size", "2"]),
+                                                   "--rollout-batch-size", "16", "--train-batch-size", "2"]),
         ("flux densegrpo", "densegrpo.py", "flux", flux + paper + ["--group-size", "2", "--groups-per-iteration", "1",
                                                            "--rollout-batch-size", "2", "--train-batch-size", "2",
                                                            "--calibration-iterations", "0"]),
@@ -263,7 +255,7 @@ def main():
         try:
             path = build_folder(model, args.cache, args.tiny, device)  # the first run of a model builds it
             run_flags = [f.replace("{" + model + "}", path) for f in [*common, *flags, "--run-name", name.replace(" ", "_")]]
-            row = run_one(script, run_flags, model, args.tiny)
+            row = run_one(script, run_flags, model)
         except (Exception, SystemExit) as e:  # noqa: BLE001 -- one failed run must not lose the others' numbers
             print(f"FAILED {name}: {type(e).__name__}: {e}", flush=True)
             continue

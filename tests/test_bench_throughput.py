@@ -33,7 +33,7 @@ def test_counts_match_the_scripts_own_accounting(tmp_path):
              "--eval-num-steps", "2", "--num-steps", "4", "--group-size", "4", "--groups-per-iteration", "1",
              "--rollout-batch-size", "4", "--train-batch-size", "2", "--guidance-scale", "4.5", "--beta", "0.04", "--timestep-fraction", "0.99",
              "--lora-rank", "4", "--output-dir", str(tmp_path / "runs"), "--run-name", "r", "--save-every", "1000"]
-    row = bench.run_one("flowgrpo_baseline.py", flags, "sd35", tiny=True)
+    row = bench.run_one("flowgrpo_baseline.py", flags, "sd35")
     kept = row["train_rows"]
     assert 0 < kept <= 4 * 3  # 3 trained steps of 4 (--timestep-fraction 0.99), zero-advantage rows dropped
     assert row["forward_rows"] == 4 * 4 + kept  # sampling + the KL reference forward (no grad) of each trained row
