@@ -41,9 +41,17 @@ def test_parse_rejects_prompts_outside_the_grammar(bad):
 # ---- prompt files ----------------------------------------------------------------------------------------
 def test_prompt_files_match_regeneration_and_split(tmp_path):
     tw.write_prompt_files(tmp_path)
-    for name in ("prompts_train.txt", "prompts_test.txt"):
+    for name in ("prompts_train.txt", "prompts_train_balanced.txt", "prompts_test.txt"):
         assert (tw.PROMPT_DIR / name).read_text() == (tmp_path / name).read_text(), f"{name}: rerun write_prompt_files()"
     train, test = tw.load_prompts(tw.TRAIN_FILE), tw.load_prompts(tw.TEST_FILE)
+    # the RL default mix: the training prompts only, every one of them, every category on the same number of lines,
+    # and within a category no prompt more than once more often than another
+    mix = tw.load_prompts(tw.TRAIN_MIX_FILE)
+    assert set(mix) == set(train)
+    assert len(set(Counter(map(tw.category_of, mix)).values())) == 1
+    for c in tw.CATEGORIES:
+        counts = Counter(p for p in mix if tw.category_of(p) == c).values()
+        assert max(counts) - min(counts) <= 1, c
     assert not set(train) & set(test)
     assert sorted(train + test) == sorted(p for c in tw.CATEGORIES for p in tw.all_prompts(c))
     assert Counter(map(tw.category_of, test)) == {"single": 12, "counting": 24, "two_object": 32, "position": 32}

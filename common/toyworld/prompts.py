@@ -161,10 +161,25 @@ def split_prompts() -> tuple[list[str], list[str]]:
     return train_all, test_all
 
 
+def balanced_mix(train: list[str]) -> list[str]:
+    """The RL scripts' default training prompts: every category equally often, as the accuracy weighs them.
+
+    The grammar itself is lopsided (of the 1502 training prompts 1192 are position prompts and 6 are single
+    objects), so sampling its prompts uniformly would train almost only on position. Like Flow-GRPO's GenEval
+    training file (a weighted merge of per-task prompt lists), the mix repeats prompts: each category gets as
+    many lines as the largest one, cycling through its prompts, so within a category every prompt is (almost)
+    equally likely too. A script samples the lines of a prompt file uniformly.
+    """
+    by_cat = {c: [p for p in train if category_of(p) == c] for c in CATEGORIES}
+    n = max(len(v) for v in by_cat.values())
+    return [by_cat[c][i % len(by_cat[c])] for c in CATEGORIES for i in range(n)]
+
+
 def write_prompt_files(directory: str | Path = PROMPT_DIR) -> None:
-    """Write prompts_train.txt and prompts_test.txt (run once; the files are committed)."""
+    """Write prompts_train.txt, prompts_train_balanced.txt and prompts_test.txt (run once; they are committed)."""
     train, test = split_prompts()
-    for name, prompts in (("prompts_train.txt", train), ("prompts_test.txt", test)):
+    files = {"prompts_train.txt": train, "prompts_train_balanced.txt": balanced_mix(train), "prompts_test.txt": test}
+    for name, prompts in files.items():
         (Path(directory) / name).write_text("\n".join(prompts) + "\n")
 
 
