@@ -218,3 +218,36 @@ def test_image_grid():
     grid = tw.image_grid(images, nrow=4, scale=2)
     assert grid.size == (4 * 65 + 1, 2 * 65 + 1)
     assert np.array_equal(np.asarray(grid)[1:65, 1:65], images[0].repeat(2, 0).repeat(2, 1))
+
+
+# ---- the shipped model ---------------------------------------------------------------------------------------
+def test_shipped_model_is_partly_competent_with_the_readme_profile():
+    """Base accuracy of common/toyworld/model under the scripts' evaluation protocol (the 100 test prompts x 2
+    fixed seeds, 20-step ODE, guidance 1): partly competent, single objects the easiest category and counting the
+    hardest, as for a real model on GenEval; and the README's table is what the model does (to one image per
+    category). Fails if the weights, the sampler or the scorer drift from what the README reports."""
+    import re
+
+    import torch
+
+    from common.backbones import load_backbone, sample_ode
+
+    bb = load_backbone(str(tw.PROMPT_DIR / "model"), "cpu", torch.float32)
+    test = tw.load_prompts(tw.TEST_FILE)
+    prompts = [p for p in test for _ in range(2)]
+    seeds = [10_000 * s + i for i in range(len(test)) for s in range(2)]  # the scripts' eval seeds
+    images = torch.cat([sample_ode(bb, prompts[b:b + 100], seeds[b:b + 100], 20, tw.RESOLUTION, tw.RESOLUTION, 1.0)
+                        for b in range(0, len(prompts), 100)])
+    _, correct = tw.score(images, prompts)
+    acc = {c: float(np.mean([k for k, p in zip(correct, prompts) if tw.category_of(p) == c])) for c in tw.CATEGORIES}
+    overall = float(np.mean(list(acc.values())))
+    assert 0.2 <= overall <= 0.6, acc
+    assert acc["single"] == max(acc.values()) and acc["counting"] == min(acc.values()), acc
+    assert acc["single"] >= 0.6 and acc["position"] <= 0.6, acc
+
+    readme = (tw.PROMPT_DIR.parents[1] / "README.md").read_text()
+    row = re.search(r"^\| 1 \(the scripts' default\) \|(.*)\|$", readme, re.M)
+    assert row, "README: base-accuracy table row for guidance 1 not found"
+    claimed = [float(x) for x in row.group(1).split("|")]
+    measured = [acc[c] for c in tw.CATEGORIES] + [overall]
+    assert np.allclose(claimed, measured, atol=1 / 24 + 1e-3), (claimed, measured)
