@@ -82,8 +82,8 @@ class Args:
     """which layers get a LoRA: Flow-GRPO's attention projections, or every linear layer"""
 
     # ---- rollout
-    prompts_file: str = str(toyworld.TRAIN_FILE)
-    """training prompts, one per line"""
+    prompts_file: str = str(toyworld.TRAIN_MIX_FILE)
+    """training prompts, one per line, drawn uniformly over lines (toy world: each category equally often)"""
     num_steps: int = 10
     """denoising steps of a rollout (paper: 10, against 40 at evaluation)"""
     shift: float | None = None
