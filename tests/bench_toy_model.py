@@ -49,18 +49,13 @@ def main():
     toyworld.image_grid(images, nrow=4, scale=4).save(os.path.join(ROOT, "docs", "img", "toy_base_grid.png"))
     result = {"load_cold_s": round(cold, 3), "load_warm_s": round(warm, 3), "grid16_20steps_s": round(grid_s, 3)}
 
-    test = toyworld.load_prompts(toyworld.TEST_FILE)
-    jobs = [(p, 10_000 * s + i) for i, p in enumerate(test) for s in range(2)]  # the scripts' eval seeds
+    from common.toyworld.pretrain import eval_protocol, evaluate  # after the timed loads: its imports are not theirs
+
+    eval_images = eval_protocol(toyworld.load_prompts(toyworld.TEST_FILE))  # the scripts' prompts and seeds
     for cfg in (1.0, 3.0):
-        correct = []
-        for b in range(0, len(jobs), 100):
-            ps, ss = zip(*jobs[b:b + 100])
-            correct += list(toyworld.score(sample(bb, list(ps), list(ss), cfg=cfg), list(ps))[1])
-        per_cat = {}
-        for (p, _), ok in zip(jobs, correct):
-            per_cat.setdefault(toyworld.category_of(p), []).append(float(ok))
-        acc = {c: round(sum(v) / len(v), 3) for c, v in per_cat.items()}
-        acc["overall (mean of categories)"] = round(sum(acc.values()) / len(acc), 3)
+        r = evaluate(bb, *eval_images, steps=20, cfg=cfg, batch=100)
+        acc = {c: round(r[c], 3) for c in toyworld.CATEGORIES}
+        acc["overall (mean of categories)"] = round(r["accuracy"], 3)
         result[f"accuracy_cfg{cfg:g}"] = acc
     print(json.dumps(result, indent=1))
 

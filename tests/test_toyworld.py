@@ -230,17 +230,12 @@ def test_shipped_model_is_partly_competent_with_the_readme_profile():
 
     import torch
 
-    from common.backbones import load_backbone, sample_ode
+    from common.backbones import load_backbone
+    from common.toyworld.pretrain import eval_protocol, evaluate
 
     bb = load_backbone(str(tw.PROMPT_DIR / "model"), "cpu", torch.float32)
-    test = tw.load_prompts(tw.TEST_FILE)
-    prompts = [p for p in test for _ in range(2)]
-    seeds = [10_000 * s + i for i in range(len(test)) for s in range(2)]  # the scripts' eval seeds
-    images = torch.cat([sample_ode(bb, prompts[b:b + 100], seeds[b:b + 100], 20, tw.RESOLUTION, tw.RESOLUTION, 1.0)
-                        for b in range(0, len(prompts), 100)])
-    _, correct = tw.score(images, prompts)
-    acc = {c: float(np.mean([k for k, p in zip(correct, prompts) if tw.category_of(p) == c])) for c in tw.CATEGORIES}
-    overall = float(np.mean(list(acc.values())))
+    r = evaluate(bb, *eval_protocol(tw.load_prompts(tw.TEST_FILE)), steps=20, cfg=1.0)
+    acc, overall = {c: r[c] for c in tw.CATEGORIES}, r["accuracy"]
     assert 0.2 <= overall <= 0.6, acc
     assert acc["single"] == max(acc.values()) and acc["counting"] == min(acc.values()), acc
     assert acc["single"] >= 0.6 and acc["position"] <= 0.6, acc

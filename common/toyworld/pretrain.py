@@ -103,6 +103,12 @@ def encode_latents(vae, images_u8, device, set_stats: bool = True) -> torch.Tens
     return (z - vae.config.shift_factor) * vae.config.scaling_factor
 
 
+def eval_protocol(test_prompts: list[str]) -> tuple[list[str], list[int]]:
+    """The RL scripts' evaluation images: 2 fixed seeds per test prompt (10_000 * s + prompt index)."""
+    return ([p for p in test_prompts for _ in range(2)],
+            [10_000 * s + i for i in range(len(test_prompts)) for s in range(2)])
+
+
 @torch.no_grad()
 def evaluate(backbone: Backbone, prompts: list[str], seeds: list[int], steps: int, cfg: float,
              batch: int = 256) -> dict:
@@ -147,9 +153,7 @@ def main():
     if set(train_prompts) & set(test_prompts):
         ap.error(f"--prompts {args.prompts} contains test prompts; pass training prompts only "
                  f"(e.g. {toyworld.TRAIN_MIX_FILE})")
-    # The RL scripts' protocol: 2 fixed seeds per test prompt (10_000 * s + prompt index).
-    eval_p = [p for p in test_prompts for _ in range(2)]
-    eval_s = [10_000 * s + i for i in range(len(test_prompts)) for s in range(2)]
+    eval_p, eval_s = eval_protocol(test_prompts)
 
     images, prompt_idx = render_dataset(train_prompts, args.num_images, args.seed, args.workers)
     print(f"rendered {len(images)} scenes in {time.time() - t_start:.1f}s", flush=True)
