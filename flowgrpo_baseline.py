@@ -92,8 +92,8 @@ class Args:
     """images per prompt, G (paper: 24)"""
     groups_per_iteration: int = 8
     """prompts per iteration over all ranks (paper: 48)"""
-    rollout_batch_size: int = 16
-    """images per transformer call while sampling, per rank"""
+    rollout_batch_size: int = 64
+    """images per transformer call while sampling, per rank (toy: all 64 at once; real models: what fits, e.g. 6)"""
 
     # ---- reward
     reward: str = "toyworld"
