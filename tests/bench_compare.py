@@ -7,7 +7,8 @@
 Each run is the script with its default (toy-world) flags, `--eval-every` set here, killed after `--minutes`.
 `eval/accuracy` (strict, 100 held-out prompts x 2 fixed seeds, deterministic ODE) is read from metrics.jsonl
 and reported against cumulative NFE and against wall-clock seconds; plots go to `{out}/accuracy_vs_*.png`
-and a markdown table to `{out}/results.md`.
+(means over seeds) and `{out}/accuracy_per_run.png` (every run against seconds), and a markdown table to
+`{out}/results.md`.
 """
 import argparse
 import itertools
@@ -58,7 +59,7 @@ def load(out, name):
 def report(out, algos, seeds, variants):
     lines = ["| algorithm | variant | seed | iterations | start acc. | final acc. | best acc. | NFE at final eval | "
              "wall-clock s at final eval |", "|---|---|---|---|---|---|---|---|---|"]
-    by_nfe, by_time, by_acc = {}, {}, {}
+    by_nfe, by_time, by_acc, per_run = {}, {}, {}, {}
     for algo, variant, seed in itertools.product(algos, variants, seeds):
         rows = load(out, f"{algo}__{variant}__{seed}")
         # an eval row is logged before the iteration's training: its NFE/time are the previous row's
@@ -73,6 +74,7 @@ def report(out, algos, seeds, variants):
         by_nfe.setdefault(label, []).append([e[0] for e in evals])
         by_time.setdefault(label, []).append([e[1] for e in evals])
         by_acc.setdefault(label, []).append([e[2] for e in evals])
+        per_run[f"{label}, seed {seed}"] = ([e[1] for e in evals], [e[2] for e in evals])
         lines.append(f"| {algo} | {variant} | {seed} | {len(rows)} | {evals[0][2]:.3f} | {evals[-1][2]:.3f} | "
                      f"{max(e[2] for e in evals):.3f} | {evals[-1][0]} | {evals[-1][1]:.0f} |")
 
@@ -84,6 +86,7 @@ def report(out, algos, seeds, variants):
     by_time = {k: (mean_curve(v), mean_curve(by_acc[k])) for k, v in by_time.items()}
     line_plot(by_nfe, os.path.join(out, "accuracy_vs_nfe.png"), "NFE (cumulative)", "eval/accuracy", "mean over seeds")
     line_plot(by_time, os.path.join(out, "accuracy_vs_wallclock.png"), "seconds", "eval/accuracy", "mean over seeds")
+    line_plot(per_run, os.path.join(out, "accuracy_per_run.png"), "seconds", "eval/accuracy", "every run")
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
