@@ -98,7 +98,7 @@ class Args:
     """prompts per iteration over all ranks (paper: 48). Toy default 2 x 8 images, a quarter of the baseline's 64: each
     image also costs sum_t n_t = 55 completion NFE and 10 more decodes, so 16 cost about what the baseline's 64 do"""
     rollout_batch_size: int = 16
-    """images per transformer call while sampling, per rank"""
+    """images per transformer call while sampling, per rank (toy: all at once; real models: what fits, e.g. 6)"""
 
     # ---- reward
     reward: str = "toyworld"

@@ -93,7 +93,7 @@ class Args:
     groups_per_iteration: int = 8
     """prompts per iteration over all ranks (paper: 48)"""
     rollout_batch_size: int = 64
-    """images per transformer call while sampling, per rank (toy: all 64 at once; real models: what fits, e.g. 6)"""
+    """images per transformer call while sampling, per rank (toy: all at once; real models: what fits, e.g. 6)"""
 
     # ---- reward
     reward: str = "toyworld"
