@@ -47,6 +47,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("flags", nargs="*", help="flags for the script (after --)")
     a = ap.parse_args()
+    if a.batches < 3:
+        raise SystemExit(f"error: --batches {a.batches}: the jackknife needs at least 3 gradients (try 32)")
     torch.set_num_threads(a.threads)
 
     grads = []
@@ -56,7 +58,7 @@ def main():
 
         def step(self, closure=None):
             grads.append(torch.cat([p.grad.detach().flatten() for g in self.param_groups for p in g["params"]
-                                    if p.grad is not None]).double())
+                                    if p.grad is not None]).float().cpu())  # float32 on the CPU: N copies fit
             if len(grads) == a.batches:
                 raise _Done
 
@@ -70,8 +72,9 @@ def main():
         except _Done:
             pass
     g = torch.stack(grads)
-    gram = g @ g.T
     n = len(g)
+    chunks = (g[:, c:c + (1 << 20)].double() for c in range(0, g.shape[1], 1 << 20))  # float64 sums, bounded memory
+    gram = sum(x @ x.T for x in chunks)
     snr, signal, noise = snr_from_gram(gram)
     keep = lambda i: [j for j in range(n) if j != i]  # noqa: E731
     jack = torch.tensor([snr_from_gram(gram[keep(i)][:, keep(i)])[0] for i in range(n)])
@@ -83,8 +86,10 @@ def main():
     print(f"  {n} gradients of {g.shape[1]:,} trainable numbers; mean norm {float(norms.mean()):.3e}")
     print(f"  one batch: SNR {snr:+.4f} +- {se:.4f} (signal {signal:.3e}, noise {noise:.3e}); "
           f"mean pairwise cosine {pair_cos:+.4f}")
-    if snr > 0:
+    if snr > 2 * se:
         print(f"  batches to average for SNR 1: about {1 / snr:.0f}")
+    else:
+        print(f"  the signal is not distinguishable from 0 with {n} gradients (SNR < {max(snr, 0) + 2 * se:.4f})")
 
 
 if __name__ == "__main__":

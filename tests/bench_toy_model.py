@@ -80,10 +80,10 @@ def main():
         correct = toyworld.score(images, prompts)[1].reshape(len(test), n).sum(1)
         cats = [toyworld.category_of(p) for p in test]
         for k in (k for k in (1, 2, 4, 8, 16, 32) if k <= n):
-            per = {c: round(sum(pass_at_k(n, int(x), k) for x, cc in zip(correct, cats) if cc == c)
-                            / cats.count(c), 3) for c in toyworld.CATEGORIES}
-            per["overall (mean of categories)"] = round(sum(per.values()) / len(toyworld.CATEGORIES), 3)
-            result[f"pass@{k}_cfg1"] = per
+            per = {c: sum(pass_at_k(n, int(x), k) for x, cc in zip(correct, cats) if cc == c) / cats.count(c)
+                   for c in toyworld.CATEGORIES}
+            per["overall (mean of categories)"] = sum(per.values()) / len(toyworld.CATEGORIES)
+            result[f"pass@{k}_cfg1"] = {c: round(v, 3) for c, v in per.items()}
     print(json.dumps(result, indent=1))
 
 
