@@ -76,12 +76,11 @@ def main():
     chunks = (g[:, c:c + (1 << 20)].double() for c in range(0, g.shape[1], 1 << 20))  # float64 sums, bounded memory
     gram = sum(x @ x.T for x in chunks)
     snr, signal, noise = snr_from_gram(gram)
-    keep = lambda i: [j for j in range(n) if j != i]  # noqa: E731
-    jack = torch.tensor([snr_from_gram(gram[keep(i)][:, keep(i)])[0] for i in range(n)])
+    others = ~torch.eye(n, dtype=torch.bool)  # row i: every gradient but the i-th
+    jack = torch.tensor([snr_from_gram(gram[others[i]][:, others[i]])[0] for i in range(n)])
     se = float(((n - 1) / n * ((jack - jack.mean()) ** 2).sum()).sqrt())
     norms = gram.diagonal().sqrt()
-    cos = gram / norms[:, None] / norms[None, :]
-    pair_cos = float(cos[~torch.eye(n, dtype=torch.bool)].mean())
+    pair_cos = float((gram / norms[:, None] / norms[None, :])[others].mean())
     print(f"{a.script} {' '.join(a.flags)}")
     print(f"  {n} gradients of {g.shape[1]:,} trainable numbers; mean norm {float(norms.mean()):.3e}")
     print(f"  one batch: SNR {snr:+.4f} +- {se:.4f} (signal {signal:.3e}, noise {noise:.3e}); "
