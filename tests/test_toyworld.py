@@ -246,3 +246,22 @@ def test_shipped_model_is_partly_competent_with_the_readme_profile():
     claimed = [float(x) for x in row.group(1).split("|")]
     measured = [acc[c] for c in tw.CATEGORIES] + [overall]
     assert np.allclose(claimed, measured, atol=1 / 24 + 1e-3), (claimed, measured)
+
+
+@pytest.mark.parametrize("factor", [2, 4])
+def test_pretrain_vae_factor_sets_the_latent_size(factor, capsys):
+    """`pretrain --vae-factor` picks the autoencoder's downsampling (32 px -> 16x16 or 8x8 latents); the
+    reconstruction check it prints runs the scorer on decoded renders (a few steps here, so no accuracy claim)."""
+    import argparse
+
+    import torch
+
+    from common.toyworld.pretrain import train_vae
+
+    prompts = tw.all_prompts("single")[:8]
+    images = torch.from_numpy(tw.render_batch(prompts, range(8)))
+    args = argparse.Namespace(seed=0, vae_factor=factor, vae_steps=2, vae_batch_size=4)
+    vae = train_vae(images, prompts, args, "cpu")
+    z = vae.encode(images.permute(0, 3, 1, 2).float() / 127.5 - 1).latent_dist.mode()
+    assert z.shape == (8, 4, tw.RESOLUTION // factor, tw.RESOLUTION // factor)
+    assert "strict accuracy of 8 reconstructions" in capsys.readouterr().out

@@ -15,10 +15,17 @@ objects rise to about 0.75 and position falls to about 0.5 (pretrain_log.json ha
 first checkpoint at 0.45 or above, because later ones keep improving (0.52 at step 1250) and RL needs room.
 One balanced run from scratch would be cleaner but takes about 2 hours on a 2-core CPU, and no GPU was lent.
 
+A variant with 4x smaller latents (`--vae-factor 4`: 8x8x4, 16 image tokens, RL iterations 2.3x faster) was made
+in one balanced run from scratch (2-core CPU, 42 minutes; 0.471 at step 4000) and not shipped: RL learns no faster
+on it, and its one-batch gradient SNR is the same (docs/results.md, "A smaller latent"):
+
+    python -m common.toyworld.pretrain --vae-factor 4 --vae-steps 2000 --vae-batch-size 64 --batch-size 128 \
+        --lr 6e-4 --steps 20000 --minutes 50 --target-accuracy 0.45 --eval-every 1000 --workers 2 --out /tmp/toy_f4
+
 Three stages, all seeded:
 1. render a fixed dataset of scenes for the *training* prompts (test prompts are never seen), each scene's
    prompt drawn uniformly over the lines of `--prompts`;
-2. train a tiny AutoencoderKL (32x32x3 <-> 16x16x4) on it, then set its scaling/shift from the latent stats
+2. train a tiny AutoencoderKL (32x32x3 <-> 16x16x4, or 8x8x4 with `--vae-factor 4`) on it, then set its scaling/shift from the latent stats
    (skipped with `--init`, which keeps that model's VAE);
 3. train the SD3 transformer and both CLIP text encoders jointly by rectified flow (x_t = (1-t) x0 + t eps,
    target v = eps - x0, t ~ logit-normal as in SD3), with 10 % empty prompts so classifier-free guidance works
@@ -71,13 +78,14 @@ def render_dataset(prompts: list[str], n: int, seed: int, workers: int) -> tuple
     return images, idx
 
 
-def train_vae(images_u8: torch.Tensor, args, device) -> torch.nn.Module:
+def train_vae(images_u8: torch.Tensor, prompts: list[str], args, device) -> torch.nn.Module:
     """Small KL autoencoder: reconstruction (L1 + MSE) plus a tiny KL so the latent stays smooth."""
     torch.manual_seed(args.seed)
-    vae = tiny_vae(latent_channels=4, block_out_channels=(32, 64), layers_per_block=1, norm_groups=8).to(device)
+    blocks = {2: (32, 64), 4: (16, 32, 64)}[args.vae_factor]  # one down block per halving; narrow at full size (CPU)
+    vae = tiny_vae(latent_channels=4, block_out_channels=blocks, layers_per_block=1, norm_groups=8).to(device)
     opt = torch.optim.AdamW(vae.parameters(), lr=1e-3)
     for step in range(args.vae_steps):
-        batch = images_u8[torch.randint(0, len(images_u8), (args.batch_size,), device=images_u8.device)]
+        batch = images_u8[torch.randint(0, len(images_u8), (args.vae_batch_size,), device=images_u8.device)]
         x = batch.to(device).permute(0, 3, 1, 2).float() / 127.5 - 1
         post = vae.encode(x).latent_dist
         rec = vae.decode(post.sample()).sample
@@ -88,6 +96,13 @@ def train_vae(images_u8: torch.Tensor, args, device) -> torch.nn.Module:
         if step % 500 == 0 or step == args.vae_steps - 1:
             print(f"vae step {step} loss {loss.item():.4f}", flush=True)
     vae.eval().requires_grad_(False)
+    with torch.no_grad():  # the scorer on reconstructions: what the transformer can be judged on at best
+        x = images_u8[:512].to(device).permute(0, 3, 1, 2).float() / 127.5 - 1
+        rec = ((vae.decode(vae.encode(x).latent_dist.mode()).sample + 1) / 2).clamp(0, 1).cpu()
+        _, ok_rec = toyworld.score(rec, prompts[:512])
+        _, ok_src = toyworld.score(images_u8[:512].cpu().numpy(), prompts[:512])
+    print(f"vae: strict accuracy of {len(rec)} reconstructions {ok_rec.mean():.3f} (renders {ok_src.mean():.3f})",
+          flush=True)
     return vae
 
 
@@ -129,6 +144,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-images", type=int, default=400_000, help="rendered training scenes")
     ap.add_argument("--vae-steps", type=int, default=3000)
+    ap.add_argument("--vae-batch-size", type=int, default=256)
+    ap.add_argument("--vae-factor", type=int, default=2, choices=(2, 4), help="image px per latent px")
     ap.add_argument("--steps", type=int, default=12000, help="max transformer steps")
     ap.add_argument("--minutes", type=float, default=4.0, help="wall-clock cap of the transformer stage")
     ap.add_argument("--batch-size", type=int, default=256)
@@ -160,14 +177,15 @@ def main():
     images_u8 = torch.from_numpy(images).to(device)
     # load_backbone freezes the text encoders (as the RL scripts want), so a continued run trains the transformer only
     init = load_backbone(args.init, device, torch.float32).pipe if args.init else None
-    vae = init.vae if init else train_vae(images_u8, args, device)
+    vae = init.vae if init else train_vae(images_u8, [train_prompts[k] for k in prompt_idx[:512]], args, device)
+    latent_hw = toyworld.RESOLUTION // (2 ** (len(vae.config.block_out_channels) - 1))
     z = encode_latents(vae, images_u8, device, set_stats=init is None)
     print(f"vae done at {time.time() - t_start:.1f}s; latents {tuple(z.shape)} shift "
           f"{vae.config.shift_factor:.4f} scale {vae.config.scaling_factor:.4f}", flush=True)
 
     pipe = init or build_sd3(seed=args.seed, vae=vae.cpu(), latent_channels=4, num_layers=6, heads=4, head_dim=32,
                              patch_size=2, clip_dim=64, clip_layers=3, t5_dim=None, max_len=16, words=toy_words(),
-                             transformer_kwargs=dict(sample_size=16, pos_embed_max_size=16)).to(device)
+                             transformer_kwargs=dict(sample_size=latent_hw, pos_embed_max_size=16)).to(device)
     trainables = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
     params = [p for m in trainables for p in m.parameters()]
     print(f"transformer {sum(p.numel() for p in pipe.transformer.parameters())/1e6:.2f}M params, text encoders "
