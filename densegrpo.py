@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from common import toyworld
 from common.backbones import LORA_TARGETS, ConfigError, check_model_path, check_resolution, load_backbone
+from common.evaluation import evaluate
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
 from common.sampler import gaussian_kl, ode_step, sde_step_with_logprob
 from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, line_plot, rng_state,
@@ -507,55 +508,7 @@ if __name__ == "__main__":
             truncate_metrics(run_dir, start_iteration)
 
     sigmas = backbone.schedule(args.num_steps, args.resolution, args.resolution, args.shift)
-    eval_sigmas = backbone.schedule(args.eval_num_steps, args.resolution, args.resolution, args.shift)
     eval_cfg = args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale
-    toy_eval = all(map(toyworld.in_grammar, eval_prompts))  # then also report GenEval-style accuracy
-
-    @torch.no_grad()
-    def evaluate(iteration: int) -> tuple[dict, object]:
-        """Deterministic ODE sampling of the eval prompts from fixed per-image seeds, split over ranks."""
-        swap_ema()
-        jobs = [(p, 10_000 * s + i) for i, p in enumerate(eval_prompts) for s in range(args.eval_seeds_per_prompt)]
-        mine = jobs[rank::world_size]
-        images, out = [], []
-        for b in range(0, len(mine), args.eval_batch_size):
-            ps, seeds = zip(*mine[b:b + args.eval_batch_size])
-            gens = [torch.Generator(device).manual_seed(s) for s in seeds]
-            x = backbone.initial_noise(len(ps), args.resolution, args.resolution, generator=gens)
-            emb = backbone.encode(list(ps))
-            for i in range(args.eval_num_steps):
-                x = ode_step(backbone.velocity(x, eval_sigmas[i], emb, eval_cfg), x, eval_sigmas[i], eval_sigmas[i + 1])
-            imgs = backbone.decode(x, args.resolution, args.resolution)
-            row = {"reward": reward_model.mix(reward_model(imgs, list(ps))).tolist()}
-            if toy_eval:
-                row["correct"] = toyworld.score(imgs, list(ps))[1].astype(float).tolist()
-                row["category"] = [toyworld.category_of(p) for p in ps]
-            if guard_model is not None:
-                g = guard_model(imgs, list(ps))
-                for k, name in enumerate(guard_model.names):
-                    row[f"guard/{name}"] = g[:, k].tolist()
-            out.append(row)
-            if len(images) < 64:
-                images.extend(imgs.cpu())
-        swap_ema()
-        rows = [None] * world_size
-        if world_size > 1:
-            dist.all_gather_object(rows, out)
-        else:
-            rows = [out]
-        merged = {k: sum((r[k] for rr in rows for r in rr), []) for k in out[0]}
-        metrics = {"eval/reward_mean": float(np.mean(merged["reward"]))}
-        for k in merged:
-            if k.startswith("guard/"):
-                metrics[f"eval/{k}"] = float(np.mean(merged[k]))
-        if toy_eval:
-            per_cat = {}
-            for c, ok in zip(merged["category"], merged["correct"]):
-                per_cat.setdefault(c, []).append(ok)
-            for c, v in per_cat.items():
-                metrics[f"eval/accuracy_{c}"] = float(np.mean(v))
-            metrics["eval/accuracy"] = float(np.mean([np.mean(v) for v in per_cat.values()]))  # mean of categories
-        return metrics, toyworld.image_grid(torch.stack(images[:64]), nrow=8, scale=max(1, 128 // args.resolution))
 
     # ---- ALGO LOGIC: psi(t) by Algorithm 1, once, with the starting model (the LoRA starts as a no-op), then frozen
     psi0 = torch.full((args.num_steps,), float(args.noise_level))
@@ -601,8 +554,12 @@ if __name__ == "__main__":
         metrics, grid_img = {"iteration": iteration}, None
         timer.times.clear()
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
-            with timer("eval"):
-                eval_metrics, grid_img = evaluate(iteration)
+            with timer("eval"):  # common/evaluation.py: ODE from fixed seeds, the same in all three scripts
+                swap_ema()
+                eval_metrics, grid_img = evaluate(backbone, reward_model, guard_model, eval_prompts, args.eval_num_steps,
+                                                  args.shift, eval_cfg, args.eval_seeds_per_prompt,
+                                                  args.eval_batch_size, args.resolution, rank, world_size)
+                swap_ema()
             metrics.update(eval_metrics)
             if is_main:
                 os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
@@ -810,7 +767,7 @@ if __name__ == "__main__":
     if is_main:
         hist = logger.history()
         tr_pts = [(h["iteration"], h["train/reward_mean"]) for h in hist if "train/reward_mean" in h]
-        ev_key = "eval/accuracy" if toy_eval else "eval/reward_mean"
+        ev_key = "eval/accuracy" if any("eval/accuracy" in h for h in hist) else "eval/reward_mean"
         ev_pts = [(h["iteration"], h[ev_key]) for h in hist if ev_key in h]
         series = {"train reward": tuple(map(list, zip(*tr_pts))) if tr_pts else ([], []),
                   ev_key: tuple(map(list, zip(*ev_pts))) if ev_pts else ([], [])}

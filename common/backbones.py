@@ -252,10 +252,10 @@ def load_backbone(path: str, device: torch.device | str = "cpu", dtype: torch.dt
 
 @torch.no_grad()
 def sample_ode(backbone: Backbone, prompts: list[str], seeds: list[int], steps: int, height: int, width: int,
-               guidance_scale: float = 1.0) -> torch.Tensor:
-    """The evaluation protocol outside the training scripts (pretraining, benchmarks): deterministic Euler ODE
-    from one fixed seed per image -> images in [0, 1]. (The scripts spell the same loop out in `evaluate`.)"""
-    sigmas = backbone.schedule(steps, height, width)
+               guidance_scale: float = 1.0, shift: float | None = None) -> torch.Tensor:
+    """The sampler of every evaluation (scripts through common/evaluation.py, pretraining, benchmarks):
+    deterministic Euler ODE from one fixed seed per image -> images in [0, 1]."""
+    sigmas = backbone.schedule(steps, height, width, shift)
     gens = [torch.Generator(backbone.device).manual_seed(s) for s in seeds]
     x = backbone.initial_noise(len(prompts), height, width, generator=gens)
     emb = backbone.encode(prompts)

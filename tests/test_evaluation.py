@@ -1,0 +1,46 @@
+"""common/evaluation.py: the evaluation protocol the three scripts share (on the shipped toy model, ~5 s)."""
+import numpy as np
+import pytest
+import torch
+
+from common import toyworld
+from common.backbones import load_backbone, sample_ode
+from common.evaluation import evaluate
+from common.rewards import build_reward
+
+RES = toyworld.RESOLUTION
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return load_backbone(str(toyworld.PROMPT_DIR / "model"), "cpu", torch.float32)
+
+
+def test_evaluate_scores_fixed_seed_ode_samples_per_category(toy):
+    """The metrics are those of the ODE samples from seeds 10_000 * s + prompt index, recomputed here by hand:
+    mean reward, guard means, strict accuracy per category and its mean over categories (not over images)."""
+    prompts = [p for c in toyworld.CATEGORIES for p in toyworld.all_prompts(c)[:2]] + ["a photo of a red circle"]
+    reward, guard = build_reward("toyworld"), build_reward("jpeg_compressibility")
+    m, grid = evaluate(toy, reward, guard, prompts, 8, None, 1.0, seeds_per_prompt=2, batch_size=len(prompts) * 2,
+                       resolution=RES)
+
+    ps = [p for p in prompts for _ in range(2)]
+    imgs = sample_ode(toy, ps, [10_000 * s + i for i in range(len(prompts)) for s in range(2)], 8, RES, RES)
+    _, correct = toyworld.score(imgs, ps)
+    per_cat = {c: np.mean([ok for ok, p in zip(correct, ps) if toyworld.category_of(p) == c])
+               for c in toyworld.CATEGORIES}
+    for c in toyworld.CATEGORIES:
+        assert m[f"eval/accuracy_{c}"] == pytest.approx(per_cat[c])
+    assert m["eval/accuracy"] == pytest.approx(np.mean(list(per_cat.values())))
+    assert m["eval/reward_mean"] == pytest.approx(reward.mix(reward(imgs, ps)).mean().item(), abs=1e-6)
+    assert m["eval/guard/jpeg_compressibility"] == pytest.approx(guard(imgs, ps)[:, 0].mean().item(), abs=1e-6)
+    assert grid.size == (8 * (128 + 1) + 1, 3 * (128 + 1) + 1)  # 18 images, 8 per row, upscaled to 128 px
+
+    again, _ = evaluate(toy, reward, None, prompts, 8, None, 1.0, 2, len(prompts) * 2, RES)
+    assert {k: again[k] for k in m if "guard" not in k} == {k: m[k] for k in m if "guard" not in k}  # deterministic
+
+
+def test_evaluate_reports_accuracy_only_for_toy_prompts(toy):
+    m, _ = evaluate(toy, build_reward("jpeg_compressibility"), None, ["a photo of a red circle", "a cat on a mat"],
+                    4, None, 1.0, 1, 2, RES)
+    assert set(m) == {"eval/reward_mean"}
