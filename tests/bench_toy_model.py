@@ -63,11 +63,10 @@ def main():
     toyworld.image_grid(images, nrow=4, scale=4).save(os.path.join(ROOT, "docs", "img", "toy_base_grid.png"))
     result = {"load_cold_s": round(cold, 3), "load_warm_s": round(warm, 3), "grid16_20steps_s": round(grid_s, 3)}
 
-    from common.toyworld.pretrain import eval_protocol, evaluate  # after the timed loads: its imports are not theirs
+    from common.toyworld.pretrain import evaluate  # after the timed loads: its imports are not theirs
 
-    eval_images = eval_protocol(toyworld.load_prompts(toyworld.TEST_FILE))  # the scripts' prompts and seeds
-    for cfg in (1.0, 3.0):
-        r = evaluate(bb, *eval_images, steps=20, cfg=cfg, batch=100)
+    for cfg in (1.0, 3.0):  # the scripts' prompts, seeds and sampler
+        r, _ = evaluate(bb, steps=20, cfg=cfg, batch=100)
         acc = {c: round(r[c], 3) for c in toyworld.CATEGORIES}
         acc["overall (mean of categories)"] = round(r["accuracy"], 3)
         result[f"accuracy_cfg{cfg:g}"] = acc

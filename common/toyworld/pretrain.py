@@ -51,7 +51,9 @@ import torch
 import torch.nn.functional as F
 
 from common import toyworld
-from common.backbones import Backbone, load_backbone, sample_ode
+from common.backbones import Backbone, load_backbone
+from common.evaluation import evaluate as evaluate_prompts
+from common.rewards import build_reward
 from common.tiny import build_sd3, tiny_vae
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -118,24 +120,13 @@ def encode_latents(vae, images_u8, device, set_stats: bool = True) -> torch.Tens
     return (z - vae.config.shift_factor) * vae.config.scaling_factor
 
 
-def eval_protocol(test_prompts: list[str]) -> tuple[list[str], list[int]]:
-    """The RL scripts' evaluation images: 2 fixed seeds per test prompt (10_000 * s + prompt index)."""
-    return ([p for p in test_prompts for _ in range(2)],
-            [10_000 * s + i for i in range(len(test_prompts)) for s in range(2)])
-
-
-@torch.no_grad()
-def evaluate(backbone: Backbone, prompts: list[str], seeds: list[int], steps: int, cfg: float,
-             batch: int = 256) -> dict:
-    """The RL scripts' evaluation protocol: ODE sampling from fixed per-image seeds, strict accuracy."""
-    res = toyworld.RESOLUTION
-    images = torch.cat([sample_ode(backbone, prompts[s:s + batch], seeds[s:s + batch], steps, res, res, cfg).cpu()
-                        for s in range(0, len(prompts), batch)])
-    reward, correct = toyworld.score(images, prompts)
-    cats = [toyworld.category_of(p) for p in prompts]
-    per_cat = {c: float(np.mean([k for k, cc in zip(correct, cats) if cc == c])) for c in toyworld.CATEGORIES}
-    return dict(accuracy=float(np.mean(list(per_cat.values()))), reward=float(np.mean(reward)), **per_cat,
-                images=images)
+def evaluate(backbone: Backbone, steps: int, cfg: float, batch: int = 256) -> tuple[dict, object]:
+    """The RL scripts' evaluation (common/evaluation.py: the test prompts, 2 fixed seeds each, ODE, strict accuracy),
+    with short keys for the log: accuracy, reward and one accuracy per category; and the grid of the first 64 images."""
+    m, grid = evaluate_prompts(backbone, build_reward("toyworld"), None, toyworld.load_prompts(toyworld.TEST_FILE),
+                               steps, None, cfg, 2, batch, toyworld.RESOLUTION)
+    per_cat = {c: m[f"eval/accuracy_{c}"] for c in toyworld.CATEGORIES}
+    return dict(accuracy=m["eval/accuracy"], reward=m["eval/reward_mean"], **per_cat), grid
 
 
 def main():
@@ -170,7 +161,6 @@ def main():
     if set(train_prompts) & set(test_prompts):
         ap.error(f"--prompts {args.prompts} contains test prompts; pass training prompts only "
                  f"(e.g. {toyworld.TRAIN_MIX_FILE})")
-    eval_p, eval_s = eval_protocol(test_prompts)
 
     images, prompt_idx = render_dataset(train_prompts, args.num_images, args.seed, args.workers)
     print(f"rendered {len(images)} scenes in {time.time() - t_start:.1f}s", flush=True)
@@ -226,8 +216,7 @@ def main():
             print(f"step {step} loss {loss.item():.4f} ({time.time() - t_train:.0f}s)", flush=True)
         out_of_time = time.time() - t_train > args.minutes * 60
         if step % args.eval_every == 0 or out_of_time or step == args.steps:
-            r = evaluate(ema_backbone, eval_p, eval_s, args.eval_steps, args.eval_cfg)
-            images_eval = r.pop("images")
+            r, grid = evaluate(ema_backbone, args.eval_steps, args.eval_cfg)
             r.update(step=step, train_s=round(time.time() - t_train, 1), loss=round(loss.item(), 4))
             history.append(r)
             print("eval", json.dumps(r), flush=True)
@@ -236,12 +225,11 @@ def main():
                 break
 
     for cfg in (1.0, 3.0):  # report the chosen checkpoint under both guidance settings
-        r = evaluate(ema_backbone, eval_p, eval_s, args.eval_steps, cfg)
-        r.pop("images")
+        r, _ = evaluate(ema_backbone, args.eval_steps, cfg)
         chosen[f"cfg{cfg:g}"] = r
         print(f"chosen checkpoint, cfg {cfg}:", json.dumps(r), flush=True)
     ema_pipe.save_pretrained(args.out)
-    toyworld.image_grid(images_eval[:64], nrow=8).save(os.path.join(args.out, "eval_grid.png"))
+    grid.save(os.path.join(args.out, "eval_grid.png"))
     with open(os.path.join(args.out, "pretrain_log.json"), "w") as f:
         json.dump(dict(args=vars(args), device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                        total_s=round(time.time() - t_start, 1), chosen=chosen, history=history), f, indent=1)
