@@ -14,8 +14,6 @@ Docs: docs/densegrpo.md.  Run: `python densegrpo.py` (toy world, CPU, minutes, n
 from __future__ import annotations
 
 import json
-import itertools
-import math
 import os
 import time
 from contextlib import nullcontext
@@ -33,8 +31,9 @@ from common.backbones import LORA_TARGETS, ConfigError, check_model_path, check_
 from common.evaluation import evaluate
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
 from common.sampler import gaussian_kl, ode_step, sde_step_with_logprob
-from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, line_plot, rng_state,
-                          save_checkpoint, seed_everything, set_rng_state, setup_distributed, truncate_metrics)
+from common.training import EMA, Stats, Trainable, check_transitions, ema_weights, optimizer_step, plan_updates
+from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, line_plot, rng_state, save_checkpoint,
+                          seed_everything, set_rng_state, setup_distributed, truncate_metrics)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOY_MODEL = os.path.join(HERE, "common", "toyworld", "model")
@@ -91,6 +90,10 @@ class Args:
     """timestep shift of the schedule (default: the model's scheduler config)"""
     guidance_scale: float = 1.0
     """classifier-free guidance at rollout and in the training forward (SD3; paper 4.5) or FLUX guidance input"""
+    detach_uncond: bool = False
+    """stop the gradient through CFG's unconditional branch in the training forward. Off (the paper, and the released
+    code except for a few days around commit ac4c86e): v = v_u + w (v_c - v_u) is differentiated whole, so the gradient
+    is w dv_c - (w - 1) dv_u, that of log pi of the policy that sampled. On: only w dv_c (a different objective)"""
     noise_level: float = 0.7
     """a in std_dev_t = a*sqrt(sigma/(1-sigma)) (paper: 0.7)"""
     group_size: int = 8
@@ -171,7 +174,11 @@ class Args:
     num_inner_epochs: int = 1
     """passes over the iteration's transitions"""
     ema_decay: float = 0.0
-    """EMA of the trained weights for evaluation and saving (0 = off; Flow-GRPO: 0.9)"""
+    """largest EMA decay of the trained weights, used for evaluation and saving (0 = off; Flow-GRPO: 0.9)"""
+    ema_update_interval: int = 8
+    """blend the EMA every N optimizer steps (Flow-GRPO: 8, so 0.9 averages over ~80 steps)"""
+    ema_warmup: bool = True
+    """EMA decay min((1 + s) / (10 + s), ema_decay) at optimizer step s, as Flow-GRPO; off: ema_decay throughout"""
 
     # ---- evaluation and logging
     eval_prompts: str = str(toyworld.TEST_FILE)
@@ -187,6 +194,12 @@ class Args:
     eval_batch_size: int = 64
     """images per transformer call at evaluation"""
 
+    final_eval_seeds_per_prompt: int | None = None
+    """images per evaluation prompt at the final evaluation only (default: eval_seeds_per_prompt); more seeds give
+    a smaller standard error where it matters (8 seeds x 100 prompts: SE <= 0.018)"""
+    cpu_budget_s: float = 0.0
+    """stop at the first iteration that starts after this many CPU seconds of the process (all threads), then run the
+    final evaluation (0 = no budget; the comparison benchmark gives every algorithm the same budget)"""
     # ---- filled in at runtime
     world_size: int = 0
     """number of processes (torchrun ranks)"""
@@ -234,17 +247,24 @@ def check_args(args: Args, world_size: int) -> None:
                           f"{world_size} ranks; make it a multiple of {world_size}")
 
 
-# ALGO LOGIC: group-relative advantages (GRPO), Flow-GRPO's PerPromptStatTracker in three lines.
+# ALGO LOGIC: group-relative advantages (GRPO), Flow-GRPO's PerPromptStatTracker in a few lines.
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, global_std: bool, eps: float) -> torch.Tensor:
-    """A_i = (r_i - mean of i's group) / std, std over all rewards (global_std) or over i's group."""
-    n = int(group.max()) + 1
-    mean = torch.zeros(n).index_add_(0, group, rewards) / torch.bincount(group, minlength=n)
+    """A_i = (r_i - mean of i's group) / std, std over all rewards (global_std) or over i's group.
+
+    In float64, as the official stat tracker (numpy): in float32 the mean of a group tied at 0.3 or 2/3 is rounded,
+    and its members get advantages of 1e-7 to 3e-4 instead of 0. A tied group (max == min) gets exactly 0, so
+    --drop-zero-advantage drops it. Returns float32."""
+    r, n = rewards.double(), int(group.max()) + 1
+    size = torch.bincount(group, minlength=n).double()
+    mean = torch.zeros(n, dtype=torch.float64).index_add_(0, group, r) / size
     if global_std:
-        std = rewards.std(unbiased=False).expand(n)  # population std, as np.std in Flow-GRPO
+        std = r.std(unbiased=False).expand(n)  # population std, as np.std in Flow-GRPO
     else:
-        var = torch.zeros(n).index_add_(0, group, (rewards - mean[group]) ** 2) / torch.bincount(group, minlength=n)
-        std = var.sqrt()
-    return (rewards - mean[group]) / (std[group] + eps)
+        std = (torch.zeros(n, dtype=torch.float64).index_add_(0, group, (r - mean[group]) ** 2) / size).sqrt()
+    lo = torch.full((n,), float("inf"), dtype=torch.float64).scatter_reduce(0, group, r, "amin")
+    hi = torch.full((n,), -float("inf"), dtype=torch.float64).scatter_reduce(0, group, r, "amax")
+    adv = torch.where((hi == lo)[group], 0.0, (r - mean[group]) / (std[group] + eps))
+    return adv.float()
 
 
 # ALGO LOGIC: psi(t), the noise level of each step (Eq. 11). On the multiplier scale psi is the sampler's `noise_level`
@@ -434,75 +454,38 @@ if __name__ == "__main__":
             "world_size", "groups_per_iteration", "group_size", "images_per_iteration", "images_per_rank",
             "rollout_batch_size", "train_batch_size", "trained_steps", "optimizer_steps_per_iteration")))
 
-    # ---- backbone, trainable weights, optimizer
+    # ---- backbone, trained weights (common/training.py: LoRA or full, and the KL reference), optimizer, EMA
     backbone = load_backbone(args.model_path, device, max_sequence_length=args.max_sequence_length,
                              gradient_checkpointing=args.gradient_checkpointing)
-    transformer = backbone.transformer
-    ref_model = None
-    if args.full_finetune:
-        transformer.requires_grad_(True)
-        if args.beta > 0:  # no adapter to switch off: keep a frozen copy as the KL reference
-            import copy
-
-            ref_model = copy.deepcopy(transformer).requires_grad_(False)
-    else:
-        from peft import LoraConfig
-        from peft.utils import get_peft_model_state_dict
-
-        transformer.requires_grad_(False)
-        # Gaussian init of A, zeros for B: the LoRA starts as an exact no-op (Flow-GRPO's choice).
-        transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian",
-                                           target_modules=LORA_TARGETS[args.lora_target]))
-    params = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
-    for p in params.values():
-        p.data = p.data.float()  # master weights in fp32 even when the frozen base runs in bf16
+    trainable = Trainable(backbone, args.full_finetune, args.lora_rank, args.lora_alpha, LORA_TARGETS[args.lora_target],
+                          need_reference=args.beta > 0)
+    params = trainable.params
     optimizer = torch.optim.AdamW(params.values(), lr=args.learning_rate, betas=args.adam_betas,
                                   weight_decay=args.weight_decay, eps=1e-8)
-    ema = {n: p.detach().clone() for n, p in params.items()} if args.ema_decay > 0 else None
+    ema = EMA(params, args.ema_decay, args.ema_update_interval, args.ema_warmup) if args.ema_decay > 0 else None
+    transformer = backbone.transformer
     policy = torch.nn.parallel.DistributedDataParallel(transformer) if world_size > 1 else transformer
 
-    def swap_ema():
-        """Exchange the live weights and the EMA weights (called in pairs around evaluation and saving)."""
-        if ema is not None:
-            for n, p in params.items():
-                tmp = p.data.clone()
-                p.data.copy_(ema[n])
-                ema[n].copy_(tmp)
-
-    def reference_velocity(x, sigma, emb):
-        """v of the reference policy: the same network with the LoRA switched off (no second copy in memory)."""
-        if ref_model is not None:
-            return backbone.velocity(x, sigma, emb, args.guidance_scale, model=ref_model)
-        transformer.disable_adapters()
-        try:
-            return backbone.velocity(x, sigma, emb, args.guidance_scale)
-        finally:
-            transformer.enable_adapters()
-
     def save_weights(folder):
-        """Weights for users: a LoRA that a stock pipeline loads with `load_lora_weights(folder)`."""
-        swap_ema()
-        if args.full_finetune:
-            transformer.save_pretrained(os.path.join(folder, "transformer"))
-        else:
-            type(backbone.pipe).save_lora_weights(folder, transformer_lora_layers=get_peft_model_state_dict(transformer))
-        swap_ema()
+        with ema_weights(ema):
+            trainable.save_weights(folder)
 
     reward_model = build_reward(args.reward, device, parse_model_paths(args.reward_model_paths))
     guard_model = build_reward(args.guard_rewards, device, parse_model_paths(args.reward_model_paths)) \
         if guard_names else None
     logger = RunLogger(run_dir, is_main, args.track, asdict(args), args.wandb_project_name, args.wandb_entity,
                        os.path.basename(run_dir))
-    start_iteration, nfe = 0, 0
+    start_iteration = 0
+    counts = {"images": 0, "nfe/rollout": 0, "nfe/completion": 0, "nfe/train_forward": 0, "nfe/train_backward": 0,
+              "nfe/eval": 0}  # cumulative, over all ranks
     if args.resume:
         state = torch.load(os.path.join(args.resume, "trainer_state.pt"), weights_only=False)
         for n, p in params.items():
             p.data.copy_(state["params"][n])
         optimizer.load_state_dict(state["optimizer"])
         if ema is not None:
-            for n in ema:
-                ema[n].copy_(state["ema"][n])
-        start_iteration, nfe = state["iteration"], state["nfe"]
+            ema.load_state_dict(state["ema"])
+        start_iteration, counts = state["iteration"], state["counts"]
         set_rng_state(state["rng"][rank])
         if is_main:
             truncate_metrics(run_dir, start_iteration)
@@ -547,25 +530,32 @@ if __name__ == "__main__":
         save_psi(run_dir, info, psi0, args.calibration_average)
         print("psi(t), t = T..1: " + " ".join(f"{p:.3f}" for p in psi.tolist()))
 
-    timer, t_start = Timer(), time.time()
+    timer, t_start, cpu_start = Timer(), time.time(), time.process_time()
     bar = tqdm(range(start_iteration, args.num_iterations + 1), disable=not is_main, initial=start_iteration,
                total=args.num_iterations + 1, desc=args.exp_name)
+    last_eval = ""
     for iteration in bar:
         metrics, grid_img = {"iteration": iteration}, None
         timer.times.clear()
-        if iteration % args.eval_every == 0 or iteration == args.num_iterations:
-            with timer("eval"):  # common/evaluation.py: ODE from fixed seeds, the same in all three scripts
-                swap_ema()
+        over_budget = args.cpu_budget_s > 0 and time.process_time() - cpu_start > args.cpu_budget_s
+        final = iteration == args.num_iterations or bool(all_reduce(torch.tensor([float(over_budget)]), world_size,
+                                                                    dist.ReduceOp.MAX if world_size > 1 else None))
+        if iteration % args.eval_every == 0 or final:
+            seeds = args.final_eval_seeds_per_prompt if final and args.final_eval_seeds_per_prompt else \
+                args.eval_seeds_per_prompt
+            with timer("eval"), ema_weights(ema):  # common/evaluation.py: ODE from fixed seeds, same in all scripts
                 eval_metrics, grid_img = evaluate(backbone, reward_model, guard_model, eval_prompts, args.eval_num_steps,
-                                                  args.shift, eval_cfg, args.eval_seeds_per_prompt,
-                                                  args.eval_batch_size, args.resolution, rank, world_size)
-                swap_ema()
+                                                  args.shift, eval_cfg, seeds, args.eval_batch_size, args.resolution,
+                                                  rank, world_size)
+            counts["nfe/eval"] += len(eval_prompts) * seeds * args.eval_num_steps
             metrics.update(eval_metrics)
+            last_eval = f"{metrics.get('eval/accuracy', metrics['eval/reward_mean']):.3f}@{iteration}"
             if is_main:
                 os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
                 grid_img.save(os.path.join(run_dir, "samples", f"eval_{iteration:05d}.png"))
-        if iteration == args.num_iterations:
-            metrics.update({"nfe": nfe, "time/elapsed_s": time.time() - t_start})
+        if final:
+            metrics.update({**counts, "nfe": sum(v for k, v in counts.items() if k.startswith("nfe/")), "final": True,
+                            "time/elapsed_s": time.time() - t_start, "time/cpu_s": time.process_time() - cpu_start})
             logger.log(metrics, {"eval/samples": grid_img} if grid_img else None)
             break
 
@@ -585,7 +575,9 @@ if __name__ == "__main__":
             gen = torch.Generator(device).manual_seed(args.seed * 1_000_003 + iteration * 1009 + rank)
             # SDE trajectories with psi(t), T ODE completions each (staircase-batched), T+1 rewards each (Eq. 8-9)
             out = dense_rollout(backbone, reward_model, my_prompts, emb, sigmas, noise_levels, args, gen)
-            nfe_rollout = out["nfe"]
+            rollout_counts = {"images": len(my_prompts) * (args.num_steps + 1),  # every latent's completion is scored
+                              "nfe/rollout": len(my_prompts) * args.num_steps,
+                              "nfe/completion": int(out["nfe"]) - len(my_prompts) * args.num_steps}
         with timer("reward"):
             all_scores = all_gather_cat(out["scores"].to(device), world_size).cpu()  # [N, T+1, K], global order
             if not torch.isfinite(all_scores).all():
@@ -607,15 +599,15 @@ if __name__ == "__main__":
             # Transitions: every trained step of every trajectory, each with its own timestep's advantage. Samples
             # whose advantages are all 0 have only zero-advantage transitions, which the training section drops.
             n_traj, L = args.images_per_rank, args.trained_steps
-            transitions = {
+            step_index, trajectory = torch.arange(L).repeat_interleave(n_traj), torch.arange(n_traj).repeat(L)
+            transitions = {  # step-major: row j * n + i is step j of trajectory i
                 "latents": out["latents"][:L].flatten(0, 1),
                 "next_latents": out["latents"][1:L + 1].flatten(0, 1),
                 "log_prob": out["log_probs"][:L].flatten(),
-                "sigma": sigmas[:L].repeat_interleave(n_traj),
-                "sigma_next": sigmas[1:L + 1].repeat_interleave(n_traj),
-                "noise_level": noise_levels[:L].repeat_interleave(n_traj),
-                "advantage": advantages[mine, :L].T.reshape(-1),
-                "prompt_index": torch.arange(n_traj).repeat(L),
+                "sigma": sigmas[step_index], "sigma_next": sigmas[step_index + 1],
+                "noise_level": noise_levels[step_index],
+                "advantage": advantages[mine][trajectory, step_index],
+                "prompt_index": trajectory, "step_index": step_index, "trajectory": trajectory,
             }
             metrics.update({"train/reward_mean": final.mean().item(), "train/reward_std": final.std().item(),
                             "train/group_std_mean": group_std.mean().item(),
@@ -636,115 +628,80 @@ if __name__ == "__main__":
         # ============================== END OF ROLLOUT (the scripts differ only above) ==============================
 
         # =============================== TRAINING on transitions (same in all three scripts) ===============================
+        # ALGO LOGIC: the PPO-clipped GRPO objective (Flow-GRPO §4) on single SDE steps. The contract of `transitions`
+        # (fields, shapes, order) is checked here and listed in docs/design.md; the micro-batch plan, the metric sums
+        # and the EMA are plumbing in common/training.py.
         with timer("train"):
-            tr = {k: v.to(device) for k, v in transitions.items()}
-            n = len(tr["advantage"])
-            keep = tr["advantage"] != 0 if args.drop_zero_advantage else torch.ones(n, dtype=torch.bool, device=device)
-            mb, n_opt = args.train_batch_size, args.optimizer_steps_per_iteration
-            # Every backward pass is a DDP all-reduce, so all ranks must run the same number of them: ranks with fewer
-            # kept transitions pad with weight-0 ones (they cost compute, not gradient).
-            # Optional transitions["update_group"] (G²RPO's one-optimizer-step-per-branch-step): each group in turn
-            # gets its own optimizer step(s); without the key, everything is one group.
-            group_of = tr.get("update_group", torch.zeros(n, dtype=torch.long, device=device))
-            n_groups = int(all_reduce(group_of.max().reshape(1) + 1, world_size,
-                                      dist.ReduceOp.MAX if world_size > 1 else None))
-            stats = {k: [] for k in ("ratio", "clipfrac", "kl", "approx_kl", "loss", "weight")}
+            tr = {k: v.to(device) for k, v in check_transitions(transitions, sigmas, len(my_prompts)).items()}
+            keep = tr["advantage"] != 0 if args.drop_zero_advantage else torch.ones_like(tr["advantage"], dtype=bool)
+            stats = Stats(num_slots=args.num_steps)
             first_ratio_dev = None
-            nfe_train = 0
-            for epoch, u in itertools.product(range(args.num_inner_epochs), range(n_groups)):
-                sel = keep & (group_of == u)
-                n_micro = int(all_reduce(torch.tensor([math.ceil(int(sel.sum()) / mb)], device=device), world_size,
-                                         dist.ReduceOp.MAX if world_size > 1 else None))
-                if n_micro == 0:  # nothing kept in this group on any rank (e.g. every group's rewards tied)
-                    continue
-                nfe_train += n_micro * mb * (2 if args.beta > 0 else 1)
-                kept, dropped = sel.nonzero().squeeze(1), (~sel).nonzero().squeeze(1)
-                order = torch.cat([kept[torch.randperm(len(kept), device=device)], dropped])
-                order = torch.cat([order, order.new_zeros(max(0, n_micro * mb - len(order)))])[: n_micro * mb]
-                weight = torch.zeros(n_micro * mb, device=device)
-                weight[: min(len(kept), n_micro * mb)] = 1.0
-                # The loss is the mean over all kept transitions of one optimizer step, on all ranks: divide by that
-                # global count (DDP then averages the ranks' gradients, hence the factor world_size).
-                per_step = -(-n_micro // n_opt)
-                chunk = weight.view(n_micro, mb).sum(1)
-                chunk = torch.stack([chunk[s:s + per_step].sum() for s in range(0, n_micro, per_step)])
-                chunk = all_reduce(chunk, world_size)
-                for m in range(n_micro):
-                    idx, w = order[m * mb:(m + 1) * mb], weight[m * mb:(m + 1) * mb]
-                    step_id, sync = m // per_step, (m + 1) % per_step == 0 or m == n_micro - 1
-                    with policy.no_sync() if world_size > 1 and not sync else nullcontext():
-                        x, sig, sig_next = tr["latents"][idx], tr["sigma"][idx], tr["sigma_next"][idx]
-                        e = emb[tr["prompt_index"][idx]]
-                        # CFG inside the training forward, gradient through the conditional branch only (Flow-GRPO).
-                        v = backbone.velocity(x, sig, e, args.guidance_scale, model=policy, detach_uncond=True)
-                        _, log_prob, mean, std_dev_t = sde_step_with_logprob(
-                            v, x, sig, sig_next, tr["noise_level"][idx], prev_sample=tr["next_latents"][idx],
-                            sigma_max=sigmas[1])
-                        # GRPO objective (Flow-GRPO §4): PPO-clipped ratio of the new to the rollout policy on one step.
-                        ratio = torch.exp(log_prob - tr["log_prob"][idx])
-                        adv = tr["advantage"][idx]
-                        policy_loss = torch.maximum(-adv * ratio,
-                                                    -adv * ratio.clamp(1 - args.clip_range, 1 + args.clip_range))
-                        loss_i = policy_loss
-                        if args.beta > 0:  # KL to the reference policy on the step's Gaussian means (sampler E5)
-                            with torch.no_grad():
-                                v_ref = reference_velocity(x, sig, e)
-                                mean_ref = sde_step_with_logprob(v_ref, x, sig, sig_next, tr["noise_level"][idx],
-                                                                 prev_sample=tr["next_latents"][idx],
-                                                                 sigma_max=sigmas[1])[2]
-                            kl = gaussian_kl(mean, mean_ref, std_dev_t)
-                            loss_i = loss_i + args.beta * kl
-                            stats["kl"].append((kl.detach() * w).sum())
-                        loss = (loss_i * w).sum() * world_size / chunk[step_id].clamp_min(1)
-                        finite = all_reduce(torch.isfinite(loss).float().reshape(1), world_size,
-                                            dist.ReduceOp.MIN if world_size > 1 else None)
-                        if not bool(finite):
-                            raise SystemExit(f"error: non-finite loss at iteration {iteration}; stopping before the "
-                                             f"update (last checkpoint in {run_dir}/checkpoint is intact)")
-                        loss.backward()
-                    if first_ratio_dev is None:  # before any update the policy IS the rollout policy: ratio == 1
-                        first_ratio_dev = (ratio.detach() - 1).abs().max().item()
-                    stats["ratio"].append(ratio.detach()[w > 0])
-                    stats["clipfrac"].append(((ratio.detach() - 1).abs() > args.clip_range).float()[w > 0])
-                    stats["approx_kl"].append((0.5 * (log_prob.detach() - tr["log_prob"][idx]) ** 2)[w > 0])
-                    stats["loss"].append((policy_loss.detach() * w).sum())
-                    stats["weight"].append(w.sum())
-                    if sync:
-                        grad_norm = torch.nn.utils.clip_grad_norm_(params.values(), args.max_grad_norm)
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
-                        if ema is not None:
-                            for k, p in params.items():
-                                ema[k].lerp_(p.detach(), 1 - args.ema_decay)
-                        metrics["grad_norm"] = grad_norm.item()
+            for _epoch in range(args.num_inner_epochs):
+                for step in plan_updates(keep, args.train_batch_size, args.optimizer_steps_per_iteration, world_size,
+                                         tr.get("state_index"), tr.get("update_block")):
+                    for mb in step.micro_batches:
+                        s, r = mb.states, mb.rows  # one forward per state; every row (transition) gets its own loss
+                        e = emb[tr["prompt_index"][s]]
+                        with policy.no_sync() if world_size > 1 and not mb.sync else nullcontext():
+                            # CFG inside the training forward; --detach-uncond stops the gradient of the uncond branch.
+                            v = backbone.velocity(tr["latents"][s], tr["sigma"][s], e, args.guidance_scale,
+                                                  model=policy, detach_uncond=args.detach_uncond)[mb.expand]
+                            _, log_prob, mean, std_dev_t = sde_step_with_logprob(
+                                v, tr["latents"][r], tr["sigma"][r], tr["sigma_next"][r], tr["noise_level"][r],
+                                prev_sample=tr["next_latents"][r], sigma_max=sigmas[1])
+                            ratio = torch.exp(log_prob - tr["log_prob"][r])  # new over rollout policy, one step
+                            adv = tr["advantage"][r]
+                            clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
+                            policy_loss = torch.maximum(-adv * ratio, -adv * clipped)
+                            kl = torch.zeros_like(policy_loss)
+                            if args.beta > 0:  # KL to the reference policy on the step's Gaussian means (sampler E5)
+                                v_ref = trainable.reference_velocity(tr["latents"][s], tr["sigma"][s], e,
+                                                                     args.guidance_scale)[mb.expand]
+                                mean_ref = sde_step_with_logprob(v_ref, tr["latents"][r], tr["sigma"][r],
+                                                                 tr["sigma_next"][r], tr["noise_level"][r],
+                                                                 prev_sample=tr["next_latents"][r], sigma_max=sigmas[1])[2]
+                                kl = gaussian_kl(mean, mean_ref, std_dev_t)
+                            loss = ((policy_loss + args.beta * kl) * mb.weight).sum() / step.divisor
+                            loss.backward()
+                        if first_ratio_dev is None:  # before any update the policy IS the rollout policy: ratio == 1
+                            first_ratio_dev = (ratio.detach() - 1).abs().max().item()
+                        stats.add(mb.weight, tr["step_index"][r], ratio=ratio, ratio_sq=ratio ** 2, kl=kl,
+                                  clipfrac=((ratio - 1).abs() > args.clip_range).float(), policy_loss=policy_loss,
+                                  approx_kl_k2=0.5 * (log_prob - tr["log_prob"][r]) ** 2, abs_adv=adv.abs())
+                        stats.add(torch.ones_like(mb.weight), tr["step_index"][r], kept=mb.weight)
+                        stats.add_extremes(mb.weight, ratio=ratio)
+                        stats.count(**{"nfe/train_forward": len(s) * (2 if args.beta > 0 else 1),
+                                       "nfe/train_backward": len(s)})
+                    try:
+                        stats.count(grad_norm=optimizer_step(params, optimizer, args.max_grad_norm, ema),
+                                    optimizer_steps=1)
+                    except FloatingPointError:
+                        raise SystemExit(f"error: non-finite gradient at iteration {iteration}; stopping before the "
+                                         f"update (last checkpoint in {run_dir}/checkpoint is intact)")
         # ============================================ END OF TRAINING ============================================
 
-        # ---- logging (global numbers: sums over ranks)
-        ratio = torch.cat(stats["ratio"]) if stats["ratio"] else torch.ones(0, device=device)
-        red = all_reduce(torch.stack([
-            ratio.sum(), torch.tensor(float(len(ratio)), device=device),
-            torch.cat(stats["clipfrac"]).sum() if stats["clipfrac"] else torch.zeros((), device=device),
-            torch.cat(stats["approx_kl"]).sum() if stats["approx_kl"] else torch.zeros((), device=device),
-            torch.stack(stats["kl"]).sum() if stats["kl"] else torch.zeros((), device=device),
-            torch.stack(stats["loss"]).sum() if stats["loss"] else torch.zeros((), device=device),
-            torch.tensor(float(nfe_rollout + nfe_train), device=device)]), world_size)
-        ratio = ratio if len(ratio) else torch.ones(1, device=device)  # nothing trained: report 1
-        rmin = all_reduce(ratio.min().reshape(1), world_size, dist.ReduceOp.MIN if world_size > 1 else None)
-        rmax = all_reduce(ratio.max().reshape(1), world_size, dist.ReduceOp.MAX if world_size > 1 else None)
-        count = red[1].clamp_min(1)
-        nfe += int(red[6])
+        # ---- logging (global numbers: sums over ranks, reduced once)
+        stats.count(**rollout_counts)  # this rank's images and rollout / completion NFE
+        red = stats.reduce(world_size, device)
+        counts.update({k: v + int(red.get(k, 0)) for k, v in counts.items()})
+        n_opt = red.get("optimizer_steps", 0)
+        ratio_std = {j: max(red["ratio_sq/per_step"][j] - m ** 2, 0.0) ** 0.5 for j, m in red.get("ratio/per_step", {}).items()}
         metrics.update({
-            "nfe": nfe, "ratio/mean": (red[0] / count).item(), "ratio/min": rmin.item(), "ratio/max": rmax.item(),
-            "ratio/first_minibatch_max_dev": first_ratio_dev if first_ratio_dev is not None else 0.0,
-            "clipfrac": (red[2] / count).item(), "approx_kl": (red[3] / count).item(), "kl": (red[4] / count).item(),
-            "policy_loss": (red[5] / count).item(), "train/kept_transitions": int(red[1]),
-            "time/rollout_s": timer.times.get("rollout", 0.0), "time/reward_s": timer.times.get("reward", 0.0),
-            "time/train_s": timer.times.get("train", 0.0), "time/eval_s": timer.times.get("eval", 0.0),
-            "time/elapsed_s": time.time() - t_start})
+            **counts, "nfe": sum(v for k, v in counts.items() if k.startswith("nfe/")),
+            "ratio/mean": red.get("ratio", 1.0), "ratio/min": red.get("ratio/min", 1.0), "ratio/max": red.get("ratio/max", 1.0),
+            "ratio/first_minibatch_max_dev": first_ratio_dev or 0.0, "clipfrac": red.get("clipfrac", 0.0),
+            "approx_kl_k2": red.get("approx_kl_k2", 0.0), "kl": red.get("kl", 0.0), "policy_loss": red.get("policy_loss", 0.0),
+            "train/kept_transitions": int(red.get("ratio/weight", 0)), "train/optimizer_steps": int(n_opt),
+            "grad_norm": red["grad_norm"] / n_opt if n_opt else 0.0,
+            **{f"steps/{k}/{j}": v for k in ("ratio", "clipfrac", "kl", "abs_adv", "kept")
+               for j, v in red.get(f"{k}/per_step", {}).items()},
+            **{f"steps/ratio_std/{j}": v for j, v in ratio_std.items()},
+            **{f"time/{k}_s": timer.times.get(k, 0.0) for k in ("rollout", "reward", "train", "eval")},
+            "time/elapsed_s": time.time() - t_start, "time/cpu_s": time.process_time() - cpu_start})
         if device.type == "cuda":
             metrics["mem/max_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
         logger.log(metrics, {"eval/samples": grid_img} if grid_img else None)
-        bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", acc=metrics.get("eval/accuracy", ""))
+        bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", eval=last_eval)
 
         # ---- checkpoint (rank 0 writes; every rank contributes its RNG state)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations:
@@ -755,8 +712,8 @@ if __name__ == "__main__":
                 rngs = [rng_state()]
             if is_main:
                 state = {"params": {k: p.detach().cpu() for k, p in params.items()}, "optimizer": optimizer.state_dict(),
-                         "ema": {k: v.cpu() for k, v in ema.items()} if ema is not None else None,
-                         "iteration": iteration + 1, "nfe": nfe, "rng": rngs, "args": asdict(args)}
+                         "ema": ema.state_dict() if ema is not None else None,
+                         "iteration": iteration + 1, "counts": counts, "rng": rngs, "args": asdict(args)}
                 save_checkpoint(os.path.join(run_dir, "checkpoint"), state, save_weights)
             if world_size > 1:
                 dist.barrier()
@@ -772,7 +729,11 @@ if __name__ == "__main__":
         series = {"train reward": tuple(map(list, zip(*tr_pts))) if tr_pts else ([], []),
                   ev_key: tuple(map(list, zip(*ev_pts))) if ev_pts else ([], [])}
         line_plot(series, os.path.join(run_dir, "learning_curve.png"), "iteration", "reward / accuracy", args.exp_name)
-        print(f"run folder: {run_dir}")
+        evals = [h for h in hist if ev_key in h]
+        se = {h["iteration"]: f" ± {h['eval/accuracy_se']:.3f}" if "eval/accuracy_se" in h else "" for h in evals}
+        print(f"held-out {ev_key}: {evals[0][ev_key]:.3f}{se[evals[0]['iteration']]} at iteration "
+              f"{evals[0]['iteration']} -> {evals[-1][ev_key]:.3f}{se[evals[-1]['iteration']]} at iteration "
+              f"{evals[-1]['iteration']}; run folder: {run_dir}")
     logger.close()
     if world_size > 1:
         dist.barrier()  # leave together: tearing gloo down while a peer still runs can abort that peer

@@ -1,0 +1,358 @@
+"""Bookkeeping of the shared training section: the transitions contract, the micro-batch plan, metrics, EMA.
+
+The three scripts keep the algorithm of their training section inline (velocity with gradient, log-prob of the
+stored action, ratio, clipped loss, KL, backward). What is here is the plumbing around it, which must behave the same
+in all three and is tested on its own (tests/test_training.py):
+
+- `check_transitions`: the hand-over from rollout to training, checked (fields, shapes, dtypes, order).
+- `plan_updates`: which transitions go into which micro-batch and optimizer step, with equal shapes on every rank.
+- `Stats`: named weighted means (overall and per trained step), reduced over the ranks in one all-reduce.
+- `EMA`: Flow-GRPO's moving average of the trained weights (update interval and warm-up decay).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+REQUIRED = {  # field -> (dtype kind, shape after the first dim is [N])
+    "latents": "float", "next_latents": "float", "log_prob": "float", "sigma": "float", "sigma_next": "float",
+    "noise_level": "float", "advantage": "float", "prompt_index": "long", "step_index": "long",
+}
+OPTIONAL = {"trajectory": "long", "state_index": "long", "update_block": "long"}
+
+
+# ------------------------------------------------------------------------------------------ the contract
+def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int) -> dict:
+    """Assert what the training section relies on, at the hand-over from rollout to training (docs/design.md).
+
+    Every field is [N, ...] with one row per transition (one SDE step the policy took). Besides the types:
+    - sigma / sigma_next are the schedule's values at step_index / step_index + 1 (so the rows are in step order);
+    - prompt_index points into this rank's prompt embeddings (0 <= i < n_prompts);
+    - trajectory (optional; one id per sampled chain): a trajectory keeps its prompt, and where it has steps j and
+      j + 1, next_latents of the first is latents of the second (catches rows of two fields stacked in two orders);
+    - state_index (optional; transitions that start from one shared state, G²RPO's branches): rows of one state have
+      the same latents, sigma, sigma_next, noise_level and prompt, so one forward serves them all.
+    Returns the dict unchanged, so it reads `tr = check_transitions(transitions, ...)`.
+    """
+    missing = sorted(set(REQUIRED) - set(tr))
+    unknown = sorted(set(tr) - set(REQUIRED) - set(OPTIONAL))
+    assert not missing and not unknown, f"transitions: missing fields {missing}, unknown fields {unknown}"
+    n = len(tr["advantage"])
+    for k, kind in {**REQUIRED, **OPTIONAL}.items():
+        if k not in tr:
+            continue
+        t = tr[k]
+        assert len(t) == n, f"transitions['{k}'] has {len(t)} rows, expected {n}"
+        assert (t.dtype == torch.long) if kind == "long" else t.dtype == torch.float32, f"{k}: dtype {t.dtype}"
+        if k not in ("latents", "next_latents"):
+            assert t.ndim == 1, f"transitions['{k}'] must be [N], got {tuple(t.shape)}"
+        if kind == "float":
+            assert torch.isfinite(t).all(), f"transitions['{k}'] has non-finite values"
+    assert tr["latents"].shape == tr["next_latents"].shape, "latents and next_latents differ in shape"
+    j, s = tr["step_index"].cpu(), sigmas.cpu()
+    assert bool(((j >= 0) & (j < len(s) - 1)).all()), "step_index outside the schedule"
+    assert torch.equal(tr["sigma"].cpu(), s[j]) and torch.equal(tr["sigma_next"].cpu(), s[j + 1]), \
+        "sigma / sigma_next are not the schedule's values at step_index (rows out of step order?)"
+    p = tr["prompt_index"].cpu()
+    assert bool(((p >= 0) & (p < n_prompts)).all()), f"prompt_index outside 0..{n_prompts - 1}"
+    if "trajectory" in tr:
+        traj = tr["trajectory"].cpu()
+        key = {(int(a), int(b)): i for i, (a, b) in enumerate(zip(traj, j))}
+        for (a, b), i in key.items():
+            nxt = key.get((a, b + 1))
+            if nxt is not None:
+                assert p[i] == p[nxt], f"trajectory {a} changes prompt between steps {b} and {b + 1}"
+                assert torch.equal(tr["next_latents"][i], tr["latents"][nxt]), \
+                    f"trajectory {a}: next_latents of step {b} is not latents of step {b + 1}"
+    if "state_index" in tr:
+        st = tr["state_index"].cpu()
+        first = torch.full((int(st.max()) + 1,), -1, dtype=torch.long)
+        first[st.flip(0)] = torch.arange(n - 1, -1, -1)  # the first row of every state
+        rep = first[st]
+        for k in ("latents", "sigma", "sigma_next", "noise_level", "prompt_index"):
+            assert torch.equal(tr[k], tr[k][rep.to(tr[k].device)]), f"rows of one state differ in '{k}'"
+    return tr
+
+
+# ------------------------------------------------------------------------------------------ the micro-batch plan
+@dataclass
+class MicroBatch:
+    states: torch.Tensor  # row of one representative transition per state (the training forward runs on these)
+    rows: torch.Tensor  # every transition of those states
+    expand: torch.Tensor  # position in `states` of each row's state: v[expand] gives every row its state's v
+    weight: torch.Tensor  # 1 for kept transitions, 0 for dropped ones and for padding
+    sync: bool  # last micro-batch of its optimizer step: DDP all-reduces the gradients in this backward
+
+
+@dataclass
+class OptimizerStep:
+    micro_batches: list[MicroBatch]
+    divisor: float  # kept transitions of this step over all ranks / world_size (see plan_updates)
+
+
+def plan_updates(keep: torch.Tensor, states_per_batch: int, optimizer_steps: int, world_size: int = 1,
+                 state_index: torch.Tensor | None = None, update_block: torch.Tensor | None = None,
+                 generator: torch.Generator | None = None) -> list[OptimizerStep]:
+    """Split one pass over the transitions into optimizer steps and micro-batches.
+
+    keep [N] bool: transitions that carry loss (advantage != 0 with --drop-zero-advantage). States (state_index; by
+    default every transition is its own state) with at least one kept transition are shuffled and cut into
+    `optimizer_steps` equal parts, each into micro-batches of `states_per_batch` states. Every backward under DDP is a
+    collective, so every rank must run the same number of micro-batches: a rank with fewer kept states pads with
+    weight-0 copies of a state, which cost compute and no gradient. The loss of a micro-batch is
+    sum(weight * loss) / divisor with divisor = (kept transitions of the optimizer step on all ranks) / world_size:
+    DDP averages the ranks' gradients, so each step's gradient is the mean over all its kept transitions.
+    update_block [N] (optional): blocks in increasing order, each with its own `optimizer_steps` steps (G²RPO's
+    one update per branch step). A step with no kept transition on any rank is left out (its divisor would be 0).
+    Collectives: one all_gather of the kept-state counts and one all_reduce of the per-step counts per block.
+    """
+    n = len(keep)
+    device = keep.device
+    state = torch.arange(n, device=device) if state_index is None else state_index.to(device)
+    block = torch.zeros(n, dtype=torch.long, device=device) if update_block is None else update_block.to(device)
+    n_blocks = int(block.max()) + 1 if n else 0
+    if world_size > 1:  # blocks agree across ranks (a rank may lack the last one)
+        nb = torch.tensor([n_blocks], device=device)
+        dist.all_reduce(nb, op=dist.ReduceOp.MAX)
+        n_blocks = int(nb)
+    plan = []
+    for b in range(n_blocks):
+        in_block = block == b
+        st = torch.unique(state[in_block])
+        kept_per_state = torch.zeros(int(state.max()) + 1 if n else 0, device=device).index_add_(
+            0, state, (keep & in_block).float())
+        kept_states = st[kept_per_state[st] > 0]
+        kept_states = kept_states[torch.randperm(len(kept_states), generator=generator).to(device)]
+        counts = _gather_counts(len(kept_states), world_size, device)
+        n_rows = max(counts)  # states every rank runs this block, padded up to the largest rank's count
+        if n_rows == 0:
+            continue
+        pad_state = st[0] if len(st) else state[0]
+        order = torch.cat([kept_states, pad_state.repeat(n_rows - len(kept_states))])
+        real = torch.arange(n_rows, device=device) < len(kept_states)
+        parts = [p for p in torch.arange(n_rows, device=device).tensor_split(min(optimizer_steps, n_rows))]
+        steps, local_kept = [], []
+        for part in parts:
+            mbs, kept_here = [], 0.0
+            chunks = part.split(states_per_batch)
+            for c, chunk in enumerate(chunks):
+                states = order[chunk]
+                rows_of = [(state == s_) & in_block for s_ in states]
+                rows = torch.cat([r.nonzero().squeeze(1) for r in rows_of])
+                expand = torch.cat([torch.full((int(r.sum()),), i, device=device) for i, r in enumerate(rows_of)])
+                weight = (keep[rows] & real[chunk][expand]).float()
+                kept_here += float(weight.sum())
+                first = torch.stack([r.nonzero()[0, 0] for r in rows_of])
+                mbs.append(MicroBatch(first, rows, expand, weight, c == len(chunks) - 1))
+            steps.append(mbs)
+            local_kept.append(kept_here)
+        total = torch.tensor(local_kept, device=device, dtype=torch.float64)
+        if world_size > 1:
+            dist.all_reduce(total)
+        plan += [OptimizerStep(mbs, float(t) / world_size) for mbs, t in zip(steps, total.tolist()) if t > 0]
+    return plan
+
+
+def _gather_counts(k: int, world_size: int, device) -> list[int]:
+    if world_size == 1:
+        return [k]
+    out = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world_size)]
+    dist.all_gather(out, torch.tensor([k], device=device))
+    return [int(t) for t in out]
+
+
+# ------------------------------------------------------------------------------------------ metrics
+@dataclass
+class Stats:
+    """Weighted means by name, overall and per trained step, reduced over the ranks once per iteration.
+
+    add(weight, by=step_index, name=values, ...) accumulates sum(weight * values) per step slot; extremes (ratio
+    min / max) are kept apart. Every rank must add the same names (they are reduced by name, in sorted order).
+    """
+    num_slots: int
+    sums: dict = field(default_factory=dict)
+    weights: dict = field(default_factory=dict)
+    maxima: dict = field(default_factory=dict)
+    totals: dict = field(default_factory=dict)
+
+    def add(self, weight: torch.Tensor, by: torch.Tensor, **values: torch.Tensor) -> None:
+        w = weight.detach().double()
+        slot = by.long()
+        for name, v in values.items():
+            s = self.sums.setdefault(name, torch.zeros(self.num_slots, dtype=torch.float64, device=w.device))
+            s.index_add_(0, slot, w * v.detach().double())
+            c = self.weights.setdefault(name, torch.zeros(self.num_slots, dtype=torch.float64, device=w.device))
+            c.index_add_(0, slot, w)
+
+    def add_extremes(self, weight: torch.Tensor, **values: torch.Tensor) -> None:
+        for name, v in values.items():
+            v = v.detach().double()[weight > 0]
+            cur = self.maxima.get(name, torch.full((2,), -math.inf, dtype=torch.float64, device=weight.device))
+            if len(v):
+                cur = torch.maximum(cur, torch.stack([v.max(), -v.min()]))
+            self.maxima[name] = cur
+
+    def count(self, **values: float) -> None:
+        """Plain totals (e.g. NFE of the training phase), summed over the ranks."""
+        for name, v in values.items():
+            self.totals[name] = self.totals.get(name, 0.0) + float(v)
+
+    def reduce(self, world_size: int, device) -> dict:
+        names, maxes, tots = sorted(self.sums), sorted(self.maxima), sorted(self.totals)
+        flat = torch.cat([torch.stack([self.sums[k], self.weights[k]]).flatten() for k in names]
+                         + [torch.tensor([self.totals[k] for k in tots], dtype=torch.float64)]).to(device) \
+            if names or tots else torch.zeros(0, dtype=torch.float64, device=device)
+        ext = torch.cat([self.maxima[k] for k in maxes]).to(device) if maxes else torch.zeros(0, device=device)
+        if world_size > 1:
+            dist.all_reduce(flat)
+            dist.all_reduce(ext, op=dist.ReduceOp.MAX)
+        out, S = {}, self.num_slots
+        for i, k in enumerate(names):
+            s, w = flat[2 * S * i: 2 * S * i + S], flat[2 * S * i + S: 2 * S * (i + 1)]
+            out[k] = (s.sum() / w.sum()).item() if w.sum() > 0 else 0.0
+            out[f"{k}/per_step"] = {j: (s[j] / w[j]).item() for j in range(S) if w[j] > 0}
+            out[f"{k}/weight"] = w.sum().item()
+        for i, k in enumerate(tots):
+            out[k] = flat[2 * S * len(names) + i].item()
+        for i, k in enumerate(maxes):
+            out[f"{k}/max"], out[f"{k}/min"] = ext[2 * i].item(), -ext[2 * i + 1].item()
+        return out
+
+
+# ------------------------------------------------------------------------------------------ EMA
+class EMA:
+    """Flow-GRPO's EMA of the trained weights (flow_grpo/ema.py): after optimizer step s (0-based),
+
+        if (s + 1) % interval == 0:   ema += (1 - d_s) (p - ema),   d_s = min((1 + s) / (10 + s), decay)  (warm-up)
+
+    so the average starts close to the live weights and settles at `decay` (0.9 every 8 steps: a horizon of about
+    8 / (1 - 0.9) = 80 optimizer steps). warmup=False uses d_s = decay from the start; interval=1, warmup=False is a
+    plain per-step EMA. The released train_sd3.py calls its EMA step after every accumulation micro-step with the
+    optimizer-step counter, which blends once per micro-step inside an update step; this class blends once per
+    optimizer step, what the wrapper's interface describes.
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], decay: float, interval: int = 1, warmup: bool = True):
+        self.params, self.decay, self.interval, self.warmup = params, decay, interval, warmup
+        self.shadow = {n: p.detach().clone() for n, p in params.items()}
+        self.steps = 0  # optimizer steps seen
+
+    def current_decay(self, s: int) -> float:
+        return min((1 + s) / (10 + s), self.decay) if self.warmup else self.decay
+
+    @torch.no_grad()
+    def update(self) -> None:
+        s, self.steps = self.steps, self.steps + 1
+        if (s + 1) % self.interval == 0:
+            d = self.current_decay(s)
+            for n, p in self.params.items():
+                self.shadow[n].lerp_(p.detach(), 1 - d)
+
+    @contextmanager
+    def swapped(self):
+        """Inside the block the trained parameters hold the EMA weights (evaluation, saving)."""
+        self._swap()
+        try:
+            yield
+        finally:
+            self._swap()
+
+    def _swap(self):
+        for n, p in self.params.items():
+            tmp = p.data.clone()
+            p.data.copy_(self.shadow[n])
+            self.shadow[n].copy_(tmp)
+
+    def state_dict(self) -> dict:
+        return {"shadow": {n: t.cpu() for n, t in self.shadow.items()}, "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        for n in self.shadow:
+            self.shadow[n].copy_(state["shadow"][n])
+        self.steps = state["steps"]
+
+
+@contextmanager
+def ema_weights(ema: EMA | None):
+    """`with ema_weights(ema):` evaluates / saves the EMA weights when there is an EMA, the live ones otherwise."""
+    if ema is None:
+        yield
+    else:
+        with ema.swapped():
+            yield
+
+
+def optimizer_step(params: dict, optimizer, max_grad_norm: float, ema: EMA | None) -> float:
+    """Clip the gradient norm, step, zero the gradients, update the EMA. Returns the norm before clipping.
+
+    Under DDP the gradients are already all-reduced, so every rank sees the same norm and stops together when it is
+    not finite (no extra collective)."""
+    norm = torch.nn.utils.clip_grad_norm_(params.values(), max_grad_norm)
+    if not torch.isfinite(norm):
+        raise FloatingPointError("non-finite gradient norm")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if ema is not None:
+        ema.update()
+    return float(norm)
+
+
+# ------------------------------------------------------------------------------------------ trained weights
+class Trainable:
+    """What is trained: a LoRA on the transformer (default) or every transformer weight (full_finetune).
+
+    LoRA: Gaussian init of A and zeros for B, so the adapter starts as an exact no-op (Flow-GRPO's choice), and the
+    KL reference is the same network with the adapter switched off (no second copy in memory). Full fine-tuning keeps
+    a frozen copy as the reference, only when the KL needs one. Trained weights are fp32 master weights even when the
+    frozen base runs in bf16. `params` maps names to the trained tensors (the optimizer's, the EMA's, the checkpoint's).
+    """
+
+    def __init__(self, backbone, full_finetune: bool, lora_rank: int, lora_alpha: float, lora_targets: list[str],
+                 need_reference: bool):
+        self.backbone, self.full_finetune, self.ref_model = backbone, full_finetune, None
+        transformer = backbone.transformer
+        if full_finetune:
+            transformer.requires_grad_(True)
+            if need_reference:
+                import copy
+
+                self.ref_model = copy.deepcopy(transformer).requires_grad_(False)
+        else:
+            from peft import LoraConfig
+
+            transformer.requires_grad_(False)
+            transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha, init_lora_weights="gaussian",
+                                               target_modules=lora_targets))
+        self.params = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+        for p in self.params.values():
+            p.data = p.data.float()
+
+    @torch.no_grad()
+    def reference_velocity(self, x, sigma, emb, guidance_scale: float) -> torch.Tensor:
+        """v of the KL reference policy: the frozen copy, or the LoRA-carrying network with its adapter off."""
+        if self.ref_model is not None:
+            return self.backbone.velocity(x, sigma, emb, guidance_scale, model=self.ref_model)
+        self.backbone.transformer.disable_adapters()
+        try:
+            return self.backbone.velocity(x, sigma, emb, guidance_scale)
+        finally:
+            self.backbone.transformer.enable_adapters()
+
+    def save_weights(self, folder: str) -> None:
+        """Weights for users: a LoRA that a stock pipeline loads with `load_lora_weights(folder)`, or (full
+        fine-tuning) a transformer folder that `from_pretrained` loads."""
+        import os
+
+        transformer = self.backbone.transformer
+        if self.full_finetune:
+            transformer.save_pretrained(os.path.join(folder, "transformer"))
+        else:
+            from peft.utils import get_peft_model_state_dict
+
+            type(self.backbone.pipe).save_lora_weights(folder,
+                                                       transformer_lora_layers=get_peft_model_state_dict(transformer))

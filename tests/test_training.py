@@ -1,0 +1,152 @@
+"""The plumbing of the shared training section (common/training.py): the transitions contract, the micro-batch plan,
+the metric reduction, the EMA schedule, and the count of optimizer steps in a real run."""
+import pytest
+import torch
+
+from common.training import EMA, Stats, check_transitions, plan_updates
+from helpers import read_metrics, run_main, tiny_flags, write_prompts
+
+
+# ---------------------------------------------------------------------------------------- EMA
+def test_ema_schedule_matches_a_hand_computed_sequence():
+    """Flow-GRPO's EMA: blend after optimizer step s (0-based) when (s + 1) % interval == 0, with decay
+    d_s = min((1 + s) / (10 + s), decay). Parameter values 1, 2, 3, ... after each step."""
+    p = {"w": torch.zeros(1)}
+    ema = EMA(p, decay=0.9, interval=2, warmup=True)
+    expected = 0.0
+    for s in range(12):
+        p["w"].fill_(s + 1.0)
+        ema.update()
+        if (s + 1) % 2 == 0:
+            d = min((1 + s) / (10 + s), 0.9)
+            expected = d * expected + (1 - d) * (s + 1.0)
+        assert ema.shadow["w"].item() == pytest.approx(expected, rel=1e-6), s
+    # by hand for the first blends: s = 1: d = 2/11 -> 9/11 * 2; s = 3: d = 4/13
+    e1 = (9 / 11) * 2
+    assert EMA({"w": torch.zeros(1)}, 0.9, 2).current_decay(1) == pytest.approx(2 / 11)
+    assert expected != pytest.approx(e1)  # the sequence moved on
+    # warm-up off, interval 1: the plain per-step EMA the scripts had before (lerp with 1 - decay every step)
+    q = {"w": torch.zeros(1)}
+    plain = EMA(q, decay=0.9, interval=1, warmup=False)
+    q["w"].fill_(1.0)
+    plain.update()
+    assert plain.shadow["w"].item() == pytest.approx(0.1)
+
+
+def test_ema_swap_and_state_roundtrip():
+    p = {"w": torch.ones(2)}
+    ema = EMA(p, 0.5, 1, warmup=False)
+    p["w"].fill_(3.0)
+    ema.update()  # shadow 2
+    with ema.swapped():
+        assert torch.equal(p["w"], torch.full((2,), 2.0))
+    assert torch.equal(p["w"], torch.full((2,), 3.0))
+    other = EMA({"w": torch.zeros(2)}, 0.5, 1)
+    other.load_state_dict(ema.state_dict())
+    assert other.steps == 1 and torch.equal(other.shadow["w"], ema.shadow["w"])
+
+
+# ---------------------------------------------------------------------------------------- micro-batch plan
+def test_plan_makes_exactly_the_requested_optimizer_steps():
+    """4 optimizer steps over 5 micro-batches' worth of transitions: 4 steps (the old ceil rule made 3)."""
+    keep = torch.ones(40, dtype=torch.bool)
+    plan = plan_updates(keep, states_per_batch=8, optimizer_steps=4)
+    assert len(plan) == 4
+    rows = torch.cat([mb.rows for st in plan for mb in st.micro_batches])
+    assert sorted(rows.tolist()) == list(range(40))  # every transition exactly once
+    assert all(st.micro_batches[-1].sync and not any(mb.sync for mb in st.micro_batches[:-1]) for st in plan)
+    assert sum(st.divisor for st in plan) == 40
+
+
+def test_plan_drops_zero_weight_and_keeps_the_mean():
+    keep = torch.tensor([True, False, True, True, False, False, True, False])
+    plan = plan_updates(keep, states_per_batch=3, optimizer_steps=1)
+    mbs = plan[0].micro_batches
+    kept_rows = torch.cat([mb.rows[mb.weight > 0] for mb in mbs])
+    assert sorted(kept_rows.tolist()) == [0, 2, 3, 6] and plan[0].divisor == 4
+    assert sum(len(mb.states) for mb in mbs) == 4  # dropped transitions cost no forward on one rank
+
+
+def test_plan_with_shared_states_runs_one_forward_per_state():
+    """G²RPO: 3 states x 4 members; members of a state share its forward; a state whose members all have
+    advantage 0 is not run; `expand` maps every row to its state's position."""
+    state = torch.arange(3).repeat_interleave(4)
+    keep = torch.ones(12, dtype=torch.bool)
+    keep[4:8] = False  # state 1: every member tied
+    keep[0] = False  # state 0: one member tied
+    plan = plan_updates(keep, states_per_batch=8, optimizer_steps=1, state_index=state)
+    (mb,) = plan[0].micro_batches
+    assert len(mb.states) == 2 and sorted(state[mb.states].tolist()) == [0, 2]
+    assert torch.equal(state[mb.rows], state[mb.states][mb.expand])
+    assert mb.weight.sum() == 7 and plan[0].divisor == 7
+
+
+def test_plan_update_blocks_get_their_own_steps_in_order():
+    block = torch.arange(3).repeat_interleave(4)
+    plan = plan_updates(torch.ones(12, dtype=torch.bool), 2, 1, update_block=block)
+    assert len(plan) == 3
+    assert [sorted(set(block[torch.cat([m.rows for m in st.micro_batches])].tolist())) for st in plan] == [[0], [1], [2]]
+
+
+def test_plan_with_nothing_kept_is_empty():
+    assert plan_updates(torch.zeros(6, dtype=torch.bool), 2, 2) == []
+
+
+# ---------------------------------------------------------------------------------------- stats
+def test_stats_weighted_means_per_step_and_extremes():
+    st = Stats(num_slots=3)
+    w = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    st.add(w, torch.tensor([0, 0, 1, 2]), ratio=torch.tensor([1.0, 3.0, 100.0, 5.0]))
+    st.add_extremes(w, ratio=torch.tensor([1.0, 3.0, 100.0, 5.0]))
+    st.count(grad_norm=2.0)
+    st.count(grad_norm=1.0)
+    out = st.reduce(1, "cpu")
+    assert out["ratio"] == pytest.approx(3.0) and out["ratio/weight"] == 3
+    assert out["ratio/per_step"] == {0: pytest.approx(2.0), 2: pytest.approx(5.0)}  # step 1 had only weight 0
+    assert out["ratio/max"] == 5.0 and out["ratio/min"] == 1.0 and out["grad_norm"] == 3.0
+
+
+# ---------------------------------------------------------------------------------------- contract
+def _transitions(n=3, T=2, shape=(4,)):
+    """A valid step-major set: row j * n + i is step j of chain i, chains continue from step to step."""
+    sigmas = torch.tensor([1.0, 0.6, 0.2, 0.0])
+    chain = torch.randn(T + 1, n, *shape)
+    step, traj = torch.arange(T).repeat_interleave(n), torch.arange(n).repeat(T)
+    return {"latents": chain[:T].flatten(0, 1), "next_latents": chain[1:].flatten(0, 1),
+            "log_prob": torch.zeros(n * T), "sigma": sigmas[step], "sigma_next": sigmas[step + 1],
+            "noise_level": torch.full((n * T,), 0.7), "advantage": torch.randn(n * T), "prompt_index": traj,
+            "step_index": step, "trajectory": traj}, sigmas
+
+
+def test_check_transitions_accepts_a_valid_set_and_catches_order_mistakes():
+    tr, sigmas = _transitions()
+    check_transitions(tr, sigmas, n_prompts=3)
+    # the mistake the old comment invited: per-step values laid out trajectory-major (repeat vs repeat_interleave)
+    bad = dict(tr, sigma=sigmas[torch.arange(2).repeat(3)])
+    with pytest.raises(AssertionError, match="step order"):
+        check_transitions(bad, sigmas, 3)
+    bad = dict(tr, prompt_index=torch.arange(3).repeat_interleave(2))
+    with pytest.raises(AssertionError, match="changes prompt"):
+        check_transitions(bad, sigmas, 3)
+    bad = dict(tr, latents=tr["latents"].view(2, 3, 4).transpose(0, 1).reshape(6, 4))
+    with pytest.raises(AssertionError, match="next_latents"):
+        check_transitions(bad, sigmas, 3)
+    with pytest.raises(AssertionError, match="missing fields"):
+        check_transitions({k: v for k, v in tr.items() if k != "step_index"}, sigmas, 3)
+    with pytest.raises(AssertionError, match="dtype"):
+        check_transitions(dict(tr, advantage=tr["advantage"].double()), sigmas, 3)
+    bad = dict(tr, state_index=torch.tensor([0, 0, 1, 2, 2, 3]))  # rows 0 and 1 start from different latents
+    with pytest.raises(AssertionError, match="rows of one state"):
+        check_transitions(bad, sigmas, 3)
+
+
+# ---------------------------------------------------------------------------------------- in a run
+@pytest.mark.parametrize("n_opt", [1, 5])  # the old ceil rule made 4 of 5
+def test_optimizer_steps_per_iteration_is_honoured(tiny_sd3, tmp_path, n_opt):
+    prompts = write_prompts(tmp_path / "p.txt", ["a photo of a red circle", "a photo of two blue squares"])
+    run_main("flowgrpo_baseline.py", *tiny_flags(tiny_sd3, tmp_path, prompts), "--num-iterations", "1",
+             "--eval-every", "100", "--group-size", "4", "--rollout-batch-size", "4", "--train-batch-size", "1",
+             "--optimizer-steps-per-iteration", str(n_opt), "--no-drop-zero-advantage")
+    m = read_metrics(tmp_path / "run")[0]
+    assert m["train/optimizer_steps"] == n_opt  # 8 images x 2 trained steps = 16 micro-batches of 1
+    assert m["nfe/train_forward"] == m["nfe/train_backward"] == 16
