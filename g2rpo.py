@@ -85,7 +85,12 @@ class Args:
     num_steps: int = 10
     """denoising steps of a rollout (paper: 10, against 40 at evaluation)"""
     shift: float | None = None
-    """timestep shift of the schedule (default: the model's scheduler config)"""
+    """timestep shift of the schedule (default: the model's scheduler config, 3 for SD3.5 and FLUX.1-dev; paper: 3).
+    FLUX's pipeline grid ignores it (its shift is dynamic): pass --sigma-grid official to use it"""
+    sigma_grid: Literal["pipeline", "official"] = "pipeline"
+    """the sigma grid of rollouts and training: the stock pipeline's (FLUX: dynamic shift, sigma_7 = 0.741 at T = 16,
+    720 px) or the released G2RPO code's static shift on linspace(1, 0, T+1) (sigma_7 = 0.794). Evaluation always
+    uses the pipeline's grid, as the released code evaluates with a stock FluxPipeline"""
     guidance_scale: float = 1.0
     """classifier-free guidance at rollout and in the training forward (SD3; paper 4.5) or FLUX guidance input"""
     noise_level: float = 0.7
@@ -202,6 +207,8 @@ def check_args(args: Args, world_size: int) -> None:
         raise ConfigError(f"--granularities {list(args.granularities)}: give positive step strides, e.g. 1 2 3")
     if args.rollout_batch_size < 1:
         raise ConfigError(f"--rollout-batch-size {args.rollout_batch_size}: must be at least 1")
+    if args.shift is not None and args.shift <= 0:
+        raise ConfigError(f"--shift {args.shift}: the timestep shift must be positive (the released code: 3)")
     args.prompts_per_rank = args.groups_per_iteration // world_size
     args.images_per_rank = args.prompts_per_rank * args.trained_steps * len(args.granularities) * args.group_size
     args.images_per_iteration = args.images_per_rank * world_size
@@ -425,7 +432,7 @@ if __name__ == "__main__":
         if is_main:
             truncate_metrics(run_dir, start_iteration)
 
-    sigmas = backbone.schedule(args.num_steps, args.resolution, args.resolution, args.shift)
+    sigmas = backbone.schedule(args.num_steps, args.resolution, args.resolution, args.shift, grid=args.sigma_grid)
     eval_cfg = args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale
 
     timer, t_start = Timer(), time.time()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from common.sampler import ode_step, sigma_schedule
+from common.sampler import ode_step, sigma_schedule, static_shift_schedule
 
 PIPELINES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
 HUB_HINT = ("e.g. `huggingface-cli download stabilityai/stable-diffusion-3.5-medium --local-dir DIR` or "
@@ -116,10 +116,18 @@ class Backbone:
     def latent_hw(self, height: int, width: int) -> tuple[int, int]:
         return height // self.vae_scale_factor, width // self.vae_scale_factor
 
-    def schedule(self, num_steps: int, height: int, width: int, shift: float | None = None) -> torch.Tensor:
-        """σ_0=1 > ... > σ_T=0 exactly as the stock pipeline would use (FLUX: shift from the image length)."""
+    def schedule(self, num_steps: int, height: int, width: int, shift: float | None = None,
+                 grid: str = "pipeline") -> torch.Tensor:
+        """σ_0=1 > ... > σ_T=0. grid "pipeline": exactly as the stock pipeline would use (FLUX: dynamic shift from the
+        image length, `shift` unused). grid "official": the static shift on linspace(1, 0, T+1) of the DanceGRPO /
+        G²RPO code, for both backbones (`static_shift_schedule`); `shift` None = the scheduler config's (3 for SD3.5
+        and FLUX.1-dev, the value of the released G²RPO scripts)."""
         cfg = self.pipe.scheduler.config
         shift = cfg.shift if shift is None else shift
+        if grid == "official":
+            return static_shift_schedule(num_steps, shift)
+        if grid != "pipeline":
+            raise ValueError(f"sigma grid '{grid}': expected 'pipeline' or 'official'")
         if self.kind == "flux" and cfg.use_dynamic_shifting:
             h, w = self.latent_hw(height, width)
             return sigma_schedule(num_steps, shift, image_seq_len=(h // 2) * (w // 2))
