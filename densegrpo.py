@@ -90,13 +90,15 @@ class Args:
     shift: float | None = None
     """timestep shift of the schedule (default: the model's scheduler config)"""
     guidance_scale: float = 1.0
-    """classifier-free guidance at rollout and in the training forward (SD3; paper 4.5) or FLUX guidance input"""
+    """classifier-free guidance at rollout and in the training forward (SD3) or FLUX guidance input (the paper states
+    none; 4.5 is the value of Flow-GRPO's code, which it builds on)"""
     noise_level: float = 0.7
-    """a in std_dev_t = a*sqrt(sigma/(1-sigma)) (paper: 0.7)"""
+    """psi(t)'s starting value a at every t (std_dev_t = a*sqrt(sigma/(1-sigma))), which Algorithm 1 then calibrates;
+    the noise of every step when not calibrated (the paper's uniform ablation, Fig. 6b, uses 0.7; it gives no start)"""
     group_size: int = 8
     """images per prompt, G (paper: 24)"""
     groups_per_iteration: int = 2
-    """prompts per iteration over all ranks (paper: 48). Toy default 2 x 8 images, a quarter of the baseline's 64: each
+    """prompts per iteration over all ranks (paper: 48 groups of 24, App. A's 144 x 8 images). Toy default 2 x 8 images, a quarter of the baseline's 64: each
     image also costs sum_t n_t = 55 completion NFE and 10 more decodes, so 16 cost about what the baseline's 64 do"""
     rollout_batch_size: int = 16
     """images per transformer call while sampling, per rank (toy: all at once; real models: what fits, e.g. 6)"""
@@ -167,7 +169,8 @@ class Args:
     train_batch_size: int | None = None
     """transitions per training forward, per rank (default: rollout_batch_size, which keeps ratio == 1 exact)"""
     optimizer_steps_per_iteration: int = 1
-    """optimizer steps per iteration: the micro-batches are accumulated into this many steps (paper: 2)"""
+    """optimizer steps per iteration: the micro-batches are accumulated into this many steps (paper: 1; App. A
+    accumulates 8 batches of 144, all 48 x 24 images, into one step)"""
     num_inner_epochs: int = 1
     """passes over the iteration's transitions"""
     ema_decay: float = 0.0

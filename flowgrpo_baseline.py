@@ -91,7 +91,7 @@ class Args:
     group_size: int = 8
     """images per prompt, G (paper: 24)"""
     groups_per_iteration: int = 8
-    """prompts per iteration over all ranks (paper: 48)"""
+    """prompts per iteration over all ranks (the official configs: 48)"""
     rollout_batch_size: int = 64
     """images per transformer call while sampling, per rank (toy: all at once; real models: what fits, e.g. 6)"""
 

@@ -65,7 +65,7 @@ class Args:
     model_path: str = TOY_MODEL
     """local diffusers folder of SD3/SD3.5/FLUX.1 (default: the toy-world model shipped in the repo)"""
     resolution: int = 32
-    """image height and width in pixels (paper: 512 for SD3.5-M)"""
+    """image height and width in pixels (paper: 720, FLUX.1-dev; the released code evaluates at 1024)"""
     max_sequence_length: int | None = None
     """T5 tokens in the text context (default: 128 for SD3, 512 for FLUX, 1 without T5)"""
     gradient_checkpointing: bool = False
@@ -73,9 +73,9 @@ class Args:
     full_finetune: bool = False
     """train every transformer weight instead of a LoRA (the KL reference is then a frozen copy)"""
     lora_rank: int = 16
-    """LoRA rank r (paper: 32)"""
+    """LoRA rank r (G2RPO trains no LoRA: the paper fine-tunes every weight, --full-finetune)"""
     lora_alpha: float = 32.0
-    """LoRA alpha (paper: 64)"""
+    """LoRA alpha (G2RPO has none, see --lora-rank)"""
     lora_target: Literal["attention", "all-linear"] = "all-linear"
     """which layers get a LoRA: Flow-GRPO's attention projections, or every linear layer"""
 
@@ -83,7 +83,7 @@ class Args:
     prompts_file: str = str(toyworld.TRAIN_MIX_FILE)
     """training prompts, one per line, drawn uniformly over lines (toy world: each category equally often)"""
     num_steps: int = 10
-    """denoising steps of a rollout (paper: 10, against 40 at evaluation)"""
+    """denoising steps T of a rollout (paper: 16; the released code evaluates with 50, see --eval-num-steps)"""
     shift: float | None = None
     """timestep shift of the schedule (default: the model's scheduler config, 3 for SD3.5 and FLUX.1-dev; paper: 3).
     FLUX's pipeline grid ignores it (its shift is dynamic): pass --sigma-grid official to use it"""
@@ -92,7 +92,8 @@ class Args:
     720 px) or the released G2RPO code's static shift on linspace(1, 0, T+1) (sigma_7 = 0.794). Evaluation always
     uses the pipeline's grid, as the released code evaluates with a stock FluxPipeline"""
     guidance_scale: float = 1.0
-    """classifier-free guidance at rollout and in the training forward (SD3; paper 4.5) or FLUX guidance input"""
+    """classifier-free guidance at rollout and in the training forward (SD3) or FLUX.1-dev's distilled guidance input
+    (paper: 3.5, the guidance input, no CFG)"""
     noise_level: float = 0.7
     """a in std_dev_t = a*sqrt(sigma/(1-sigma)) (paper: 0.7)"""
     group_size: int = 8
@@ -128,7 +129,7 @@ class Args:
     """one optimizer step over all branch steps (the paper's (1/|M|) sum, default) or one per k (the released hps
     script; the shared training section honours transitions["update_group"])"""
     clip_range: float = 1e-4
-    """PPO clip epsilon on the ratio (tiny because the log-prob is a per-element mean)"""
+    """PPO clip epsilon on the ratio (tiny because the log-prob is a per-element mean; the released code: 1e-4)"""
     adv_clip_max: float = 5.0
     """the MGAI sum is clipped to [-adv_clip_max, adv_clip_max] (paper: 5)"""
     beta: float = 0.0
@@ -142,17 +143,18 @@ class Args:
     num_iterations: int = 60
     """rollout + update iterations (0 = only evaluate the starting model)"""
     learning_rate: float = 3e-4
-    """AdamW learning rate (paper: 3e-4 with LoRA)"""
+    """AdamW learning rate (paper: 2e-6, full fine-tuning; it gives no LoRA rate, and 3e-4 is the toy LoRA's)"""
     adam_betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas"""
     weight_decay: float = 1e-4
-    """AdamW weight decay"""
+    """AdamW weight decay (paper: 1e-4)"""
     max_grad_norm: float = 1.0
-    """gradient-norm clip"""
+    """gradient-norm clip (paper: 1.0)"""
     train_batch_size: int | None = None
     """transitions per training forward, per rank (default: rollout_batch_size, which keeps ratio == 1 exact)"""
     optimizer_steps_per_iteration: int = 1
-    """optimizer steps per iteration: the micro-batches are accumulated into this many steps (paper: 2)"""
+    """optimizer steps per iteration, or per branch step k with --update-schedule per-k: the micro-batches are
+    accumulated into this many steps (paper: 1, one per iteration; the released hps script: one per k)"""
     num_inner_epochs: int = 1
     """passes over the iteration's transitions"""
     ema_decay: float = 0.0
@@ -164,7 +166,7 @@ class Args:
     eval_every: int = 10
     """evaluate every N iterations (and at the start and the end)"""
     eval_num_steps: int = 20
-    """ODE steps at evaluation (paper: 40)"""
+    """ODE steps at evaluation (the released vis_flux.py: 50 at 1024 px; the paper's Table 3 also tests 10 and 20)"""
     eval_guidance_scale: float | None = None
     """guidance at evaluation (default: guidance_scale)"""
     eval_seeds_per_prompt: int = 2
