@@ -79,8 +79,9 @@ class Args:
     """LoRA rank r (paper: 32)"""
     lora_alpha: float = 32.0
     """LoRA alpha (paper: 64)"""
-    lora_target: Literal["attention", "all-linear"] = "all-linear"
-    """which layers get a LoRA: Flow-GRPO's attention projections, or every linear layer"""
+    lora_target: Literal["attention", "attention-ff", "all-linear"] = "all-linear"
+    """which layers get a LoRA: the attention projections (Flow-GRPO's SD3 set), those and the feed-forward layers
+    (Flow-GRPO's FLUX set), or every linear layer"""
 
     # ---- rollout
     prompts_file: str = str(toyworld.TRAIN_MIX_FILE)

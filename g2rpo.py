@@ -76,8 +76,9 @@ class Args:
     """LoRA rank r (G2RPO trains no LoRA: the paper fine-tunes every weight, --full-finetune)"""
     lora_alpha: float = 32.0
     """LoRA alpha (G2RPO has none, see --lora-rank)"""
-    lora_target: Literal["attention", "all-linear"] = "all-linear"
-    """which layers get a LoRA: Flow-GRPO's attention projections, or every linear layer"""
+    lora_target: Literal["attention", "attention-ff", "all-linear"] = "all-linear"
+    """which layers get a LoRA: the attention projections (Flow-GRPO's SD3 set), those and the feed-forward layers
+    (Flow-GRPO's FLUX set), or every linear layer"""
 
     # ---- rollout
     prompts_file: str = str(toyworld.TRAIN_MIX_FILE)

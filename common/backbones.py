@@ -25,12 +25,18 @@ PIPELINES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
 HUB_HINT = ("e.g. `huggingface-cli download stabilityai/stable-diffusion-3.5-medium --local-dir DIR` or "
             "black-forest-labs/FLUX.1-dev, or the shipped toy model common/toyworld/model")
 
-# LoRA targets. "attention" is Flow-GRPO's SD3 set (train_sd3.py); SD3.5's second attention (attn2) is
-# matched too because peft matches suffixes. FLUX uses the same projection names in its double blocks;
-# its single blocks have attn.to_q/k/v as well.
+# LoRA targets. peft matches a name in the list when a module's full name equals it or ends in "." + it, so
+# "attn.to_q" matches "transformer_blocks.0.attn.to_q" but NOT SD3.5's second attention "transformer_blocks.0.attn2.to_q"
+# ("...attn2.to_q" does not end in ".attn.to_q"). "attention" is Flow-GRPO's SD3 set (train_sd3.py): on SD3.5 it leaves
+# attn2 untrained, as the official code does. FLUX has the same names in its double blocks; its single blocks have
+# attn.to_q/k/v (and no to_out: their proj_out is not matched). "attention-ff" is Flow-GRPO's FLUX set (train_flux.py,
+# r 64 / alpha 128): the attention list plus the double blocks' feed-forward layers. tests/test_backbones.py checks
+# which modules each set reaches on tiny SD3.5 and FLUX models.
+ATTENTION = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+             "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
 LORA_TARGETS = {
-    "attention": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                  "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"],
+    "attention": ATTENTION,
+    "attention-ff": ATTENTION + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"],
     "all-linear": "all-linear",
 }
 
