@@ -241,6 +241,7 @@ def rollout_nfe(num_steps: int, branch_steps, group_size: int, granularities) ->
     The anchor evaluates v at its states 0..max M; the branch step at k reuses the anchor's v at k (so the shared
     state costs no extra call: the official code spends G calls there); each completion costs its schedule's steps.
     Paper setting (T=16, M=0..7, G=12, Λ={1,2,3}): 8 + 12 * 173 = 2084 (the official code: 16 + 12 * 181 = 2188).
+    Training adds |M| forwards and |M| backwards per prompt, one per shared state x_k, in both (docs/g2rpo.md).
     """
     comp = sum(math.ceil((num_steps - k - 1) / lam) for k in branch_steps for lam in granularities)
     return max(branch_steps) + 1 + group_size * comp
