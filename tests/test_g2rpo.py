@@ -192,10 +192,11 @@ def _flags(model, tmp_path, name="run", *extra):
 TINY_NFE = g2rpo.rollout_nfe(4, (0, 2), 3, (1, 2))  # per prompt, for _flags
 
 
-@pytest.mark.parametrize("fixture", ["tiny_sd3", "tiny_flux"])
-def test_smoke_tiny_backbones(request, fixture, tmp_path):
+@pytest.mark.parametrize("fixture,extra", [("tiny_sd3", []), ("tiny_flux", []),
+                                           ("tiny_flux", ["--sigma-grid", "official", "--lora-target", "attention-ff"])])
+def test_smoke_tiny_backbones(request, fixture, extra, tmp_path):
     guidance = ["--guidance-scale", "4.5" if fixture == "tiny_sd3" else "3.5"]
-    run_main(SCRIPT, *_flags(request.getfixturevalue(fixture), tmp_path), "--num-iterations", "1", *guidance)
+    run_main(SCRIPT, *_flags(request.getfixturevalue(fixture), tmp_path), "--num-iterations", "1", *guidance, *extra)
     m = read_metrics(tmp_path / "run")
     assert [x["iteration"] for x in m] == [0, 1]
     first = m[0]
