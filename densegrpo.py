@@ -78,8 +78,9 @@ class Args:
     """LoRA rank r (paper: 32)"""
     lora_alpha: float = 32.0
     """LoRA alpha (paper: 64)"""
-    lora_target: Literal["attention", "all-linear"] = "all-linear"
-    """which layers get a LoRA: Flow-GRPO's attention projections, or every linear layer"""
+    lora_target: Literal["attention", "attention-ff", "all-linear"] = "all-linear"
+    """which layers get a LoRA: the attention projections (Flow-GRPO's SD3 set), those and the feed-forward layers
+    (Flow-GRPO's FLUX set), or every linear layer"""
 
     # ---- rollout
     prompts_file: str = str(toyworld.TRAIN_MIX_FILE)
@@ -89,17 +90,19 @@ class Args:
     shift: float | None = None
     """timestep shift of the schedule (default: the model's scheduler config)"""
     guidance_scale: float = 1.0
-    """classifier-free guidance at rollout and in the training forward (SD3; paper 4.5) or FLUX guidance input"""
+    """classifier-free guidance at rollout and in the training forward (SD3) or FLUX guidance input (the paper states
+    none; 4.5 is the value of Flow-GRPO's code, which it builds on)"""
     detach_uncond: bool = False
     """stop the gradient through CFG's unconditional branch in the training forward. Off (the paper, and the released
     code except for a few days around commit ac4c86e): v = v_u + w (v_c - v_u) is differentiated whole, so the gradient
     is w dv_c - (w - 1) dv_u, that of log pi of the policy that sampled. On: only w dv_c (a different objective)"""
     noise_level: float = 0.7
-    """a in std_dev_t = a*sqrt(sigma/(1-sigma)) (paper: 0.7)"""
+    """psi(t)'s starting value a at every t (std_dev_t = a*sqrt(sigma/(1-sigma))), which Algorithm 1 then calibrates;
+    the noise of every step when not calibrated (the paper's uniform ablation, Fig. 6b, uses 0.7; it gives no start)"""
     group_size: int = 8
     """images per prompt, G (paper: 24)"""
     groups_per_iteration: int = 2
-    """prompts per iteration over all ranks (paper: 48). Toy default 2 x 8 images, a quarter of the baseline's 64: each
+    """prompts per iteration over all ranks (paper: 48 groups of 24, App. A's 144 x 8 images). Toy default 2 x 8 images, a quarter of the baseline's 64: each
     image also costs sum_t n_t = 55 completion NFE and 10 more decodes, so 16 cost about what the baseline's 64 do"""
     rollout_batch_size: int = 16
     """images per transformer call while sampling, per rank (toy: all at once; real models: what fits, e.g. 6)"""
@@ -170,7 +173,8 @@ class Args:
     train_batch_size: int | None = None
     """transitions per training forward, per rank (default: rollout_batch_size, which keeps ratio == 1 exact)"""
     optimizer_steps_per_iteration: int = 1
-    """optimizer steps per iteration: the micro-batches are accumulated into this many steps (paper: 2)"""
+    """optimizer steps per iteration: the micro-batches are accumulated into this many steps (paper: 1; App. A
+    accumulates 8 batches of 144, all 48 x 24 images, into one step)"""
     num_inner_epochs: int = 1
     """passes over the iteration's transitions"""
     ema_decay: float = 0.0
@@ -193,7 +197,6 @@ class Args:
     """images per evaluation prompt, each from a fixed seed"""
     eval_batch_size: int = 64
     """images per transformer call at evaluation"""
-
     final_eval_seeds_per_prompt: int | None = None
     """images per evaluation prompt at the final evaluation only (default: eval_seeds_per_prompt); more seeds give
     a smaller standard error where it matters (8 seeds x 100 prompts: SE <= 0.018)"""

@@ -73,8 +73,9 @@ class Args:
     """LoRA rank r (paper: 32)"""
     lora_alpha: float = 32.0
     """LoRA alpha (paper: 64)"""
-    lora_target: Literal["attention", "all-linear"] = "all-linear"
-    """which layers get a LoRA: Flow-GRPO's attention projections, or every linear layer"""
+    lora_target: Literal["attention", "attention-ff", "all-linear"] = "all-linear"
+    """which layers get a LoRA: the attention projections (Flow-GRPO's SD3 set), those and the feed-forward layers
+    (Flow-GRPO's FLUX set), or every linear layer"""
 
     # ---- rollout
     prompts_file: str = str(toyworld.TRAIN_MIX_FILE)
@@ -94,7 +95,7 @@ class Args:
     group_size: int = 8
     """images per prompt, G (paper: 24)"""
     groups_per_iteration: int = 8
-    """prompts per iteration over all ranks (paper: 48)"""
+    """prompts per iteration over all ranks (the official configs: 48)"""
     rollout_batch_size: int = 64
     """images per transformer call while sampling, per rank (toy: all at once; real models: what fits, e.g. 6)"""
 

@@ -65,7 +65,7 @@ class Args:
     model_path: str = TOY_MODEL
     """local diffusers folder of SD3/SD3.5/FLUX.1 (default: the toy-world model shipped in the repo)"""
     resolution: int = 32
-    """image height and width in pixels (paper: 512 for SD3.5-M)"""
+    """image height and width in pixels (paper: 720, FLUX.1-dev; the released code evaluates at 1024)"""
     max_sequence_length: int | None = None
     """T5 tokens in the text context (default: 128 for SD3, 512 for FLUX, 1 without T5)"""
     gradient_checkpointing: bool = False
@@ -73,21 +73,28 @@ class Args:
     full_finetune: bool = False
     """train every transformer weight instead of a LoRA (the KL reference is then a frozen copy)"""
     lora_rank: int = 16
-    """LoRA rank r (paper: 32)"""
+    """LoRA rank r (G2RPO trains no LoRA: the paper fine-tunes every weight, --full-finetune)"""
     lora_alpha: float = 32.0
-    """LoRA alpha (paper: 64)"""
-    lora_target: Literal["attention", "all-linear"] = "all-linear"
-    """which layers get a LoRA: Flow-GRPO's attention projections, or every linear layer"""
+    """LoRA alpha (G2RPO has none, see --lora-rank)"""
+    lora_target: Literal["attention", "attention-ff", "all-linear"] = "all-linear"
+    """which layers get a LoRA: the attention projections (Flow-GRPO's SD3 set), those and the feed-forward layers
+    (Flow-GRPO's FLUX set), or every linear layer"""
 
     # ---- rollout
     prompts_file: str = str(toyworld.TRAIN_MIX_FILE)
     """training prompts, one per line, drawn uniformly over lines (toy world: each category equally often)"""
     num_steps: int = 10
-    """denoising steps of a rollout (paper: 10, against 40 at evaluation)"""
+    """denoising steps T of a rollout (paper: 16; the released code evaluates with 50, see --eval-num-steps)"""
     shift: float | None = None
-    """timestep shift of the schedule (default: the model's scheduler config)"""
+    """timestep shift of the schedule (default: the model's scheduler config, 3 for SD3.5 and FLUX.1-dev; paper: 3).
+    FLUX's pipeline grid ignores it (its shift is dynamic): pass --sigma-grid official to use it"""
+    sigma_grid: Literal["pipeline", "official"] = "pipeline"
+    """the sigma grid of rollouts and training: the stock pipeline's (FLUX: dynamic shift, sigma_7 = 0.741 at T = 16,
+    720 px) or the released G2RPO code's static shift on linspace(1, 0, T+1) (sigma_7 = 0.794). Evaluation always
+    uses the pipeline's grid, as the released code evaluates with a stock FluxPipeline"""
     guidance_scale: float = 1.0
-    """classifier-free guidance at rollout and in the training forward (SD3; paper 4.5) or FLUX guidance input"""
+    """classifier-free guidance at rollout and in the training forward (SD3) or FLUX.1-dev's distilled guidance input
+    (paper: 3.5, the guidance input, no CFG)"""
     detach_uncond: bool = False
     """stop the gradient through CFG's unconditional branch in the training forward. Off (the paper, and the released
     code except for a few days around commit ac4c86e): v = v_u + w (v_c - v_u) is differentiated whole, so the gradient
@@ -127,7 +134,7 @@ class Args:
     """one optimizer step over all branch steps (the paper's (1/|M|) sum, default) or one per k (the released hps
     script; the shared training section honours transitions["update_group"])"""
     clip_range: float = 1e-4
-    """PPO clip epsilon on the ratio (tiny because the log-prob is a per-element mean)"""
+    """PPO clip epsilon on the ratio (tiny because the log-prob is a per-element mean; the released code: 1e-4)"""
     adv_clip_max: float = 5.0
     """the MGAI sum is clipped to [-adv_clip_max, adv_clip_max] (paper: 5)"""
     beta: float = 0.0
@@ -141,17 +148,18 @@ class Args:
     num_iterations: int = 60
     """rollout + update iterations (0 = only evaluate the starting model)"""
     learning_rate: float = 3e-4
-    """AdamW learning rate (paper: 3e-4 with LoRA)"""
+    """AdamW learning rate (paper: 2e-6, full fine-tuning; it gives no LoRA rate, and 3e-4 is the toy LoRA's)"""
     adam_betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas"""
     weight_decay: float = 1e-4
-    """AdamW weight decay"""
+    """AdamW weight decay (paper: 1e-4)"""
     max_grad_norm: float = 1.0
-    """gradient-norm clip"""
+    """gradient-norm clip (paper: 1.0)"""
     train_batch_size: int | None = None
     """transitions per training forward, per rank (default: rollout_batch_size, which keeps ratio == 1 exact)"""
     optimizer_steps_per_iteration: int = 1
-    """optimizer steps per iteration: the micro-batches are accumulated into this many steps (paper: 2)"""
+    """optimizer steps per iteration, or per branch step k with --update-schedule per-k: the micro-batches are
+    accumulated into this many steps (paper: 1, one per iteration; the released hps script: one per k)"""
     num_inner_epochs: int = 1
     """passes over the iteration's transitions"""
     ema_decay: float = 0.0
@@ -167,14 +175,13 @@ class Args:
     eval_every: int = 10
     """evaluate every N iterations (and at the start and the end)"""
     eval_num_steps: int = 20
-    """ODE steps at evaluation (paper: 40)"""
+    """ODE steps at evaluation (the released vis_flux.py: 50 at 1024 px; the paper's Table 3 also tests 10 and 20)"""
     eval_guidance_scale: float | None = None
     """guidance at evaluation (default: guidance_scale)"""
     eval_seeds_per_prompt: int = 2
     """images per evaluation prompt, each from a fixed seed"""
     eval_batch_size: int = 64
     """images per transformer call at evaluation"""
-
     final_eval_seeds_per_prompt: int | None = None
     """images per evaluation prompt at the final evaluation only (default: eval_seeds_per_prompt); more seeds give
     a smaller standard error where it matters (8 seeds x 100 prompts: SE <= 0.018)"""
@@ -216,6 +223,8 @@ def check_args(args: Args, world_size: int) -> None:
         raise ConfigError(f"--granularities {list(args.granularities)}: give positive step strides, e.g. 1 2 3")
     if args.rollout_batch_size < 1:
         raise ConfigError(f"--rollout-batch-size {args.rollout_batch_size}: must be at least 1")
+    if args.shift is not None and args.shift <= 0:
+        raise ConfigError(f"--shift {args.shift}: the timestep shift must be positive (the released code: 3)")
     args.prompts_per_rank = args.groups_per_iteration // world_size
     args.images_per_rank = args.prompts_per_rank * args.trained_steps * len(args.granularities) * args.group_size
     args.images_per_iteration = args.images_per_rank * world_size
@@ -245,6 +254,7 @@ def rollout_nfe(num_steps: int, branch_steps, group_size: int, granularities) ->
     The anchor evaluates v at its states 0..max M; the branch step at k reuses the anchor's v at k (so the shared
     state costs no extra call: the official code spends G calls there); each completion costs its schedule's steps.
     Paper setting (T=16, M=0..7, G=12, Λ={1,2,3}): 8 + 12 * 173 = 2084 (the official code: 16 + 12 * 181 = 2188).
+    Training adds |M| forwards and |M| backwards per prompt, one per shared state x_k, in both (docs/g2rpo.md).
     """
     comp = sum(math.ceil((num_steps - k - 1) / lam) for k in branch_steps for lam in granularities)
     return max(branch_steps) + 1 + group_size * comp
@@ -402,7 +412,7 @@ if __name__ == "__main__":
         if is_main:
             truncate_metrics(run_dir, start_iteration)
 
-    sigmas = backbone.schedule(args.num_steps, args.resolution, args.resolution, args.shift)
+    sigmas = backbone.schedule(args.num_steps, args.resolution, args.resolution, args.shift, grid=args.sigma_grid)
     eval_cfg = args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale
 
     timer, t_start, cpu_start = Timer(), time.time(), time.process_time()

@@ -19,18 +19,24 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from common.sampler import ode_step, sigma_schedule
+from common.sampler import ode_step, sigma_schedule, static_shift_schedule
 
 PIPELINES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
 HUB_HINT = ("e.g. `huggingface-cli download stabilityai/stable-diffusion-3.5-medium --local-dir DIR` or "
             "black-forest-labs/FLUX.1-dev, or the shipped toy model common/toyworld/model")
 
-# LoRA targets. "attention" is Flow-GRPO's SD3 set (train_sd3.py); SD3.5's second attention (attn2) is
-# matched too because peft matches suffixes. FLUX uses the same projection names in its double blocks;
-# its single blocks have attn.to_q/k/v as well.
+# LoRA targets. peft matches a name in the list when a module's full name equals it or ends in "." + it, so
+# "attn.to_q" matches "transformer_blocks.0.attn.to_q" but NOT SD3.5's second attention "transformer_blocks.0.attn2.to_q"
+# ("...attn2.to_q" does not end in ".attn.to_q"). "attention" is Flow-GRPO's SD3 set (train_sd3.py): on SD3.5 it leaves
+# attn2 untrained, as the official code does. FLUX has the same names in its double blocks; its single blocks have
+# attn.to_q/k/v (and no to_out: their proj_out is not matched). "attention-ff" is Flow-GRPO's FLUX set (train_flux.py,
+# r 64 / alpha 128): the attention list plus the double blocks' feed-forward layers. tests/test_backbones.py checks
+# which modules each set reaches on tiny SD3.5 and FLUX models.
+ATTENTION = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+             "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
 LORA_TARGETS = {
-    "attention": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                  "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"],
+    "attention": ATTENTION,
+    "attention-ff": ATTENTION + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"],
     "all-linear": "all-linear",
 }
 
@@ -116,10 +122,18 @@ class Backbone:
     def latent_hw(self, height: int, width: int) -> tuple[int, int]:
         return height // self.vae_scale_factor, width // self.vae_scale_factor
 
-    def schedule(self, num_steps: int, height: int, width: int, shift: float | None = None) -> torch.Tensor:
-        """σ_0=1 > ... > σ_T=0 exactly as the stock pipeline would use (FLUX: shift from the image length)."""
+    def schedule(self, num_steps: int, height: int, width: int, shift: float | None = None,
+                 grid: str = "pipeline") -> torch.Tensor:
+        """σ_0=1 > ... > σ_T=0. grid "pipeline": exactly as the stock pipeline would use (FLUX: dynamic shift from the
+        image length, `shift` unused). grid "official": the static shift on linspace(1, 0, T+1) of the DanceGRPO /
+        G²RPO code, for both backbones (`static_shift_schedule`); `shift` None = the scheduler config's (3 for SD3.5
+        and FLUX.1-dev, the value of the released G²RPO scripts)."""
         cfg = self.pipe.scheduler.config
         shift = cfg.shift if shift is None else shift
+        if grid == "official":
+            return static_shift_schedule(num_steps, shift)
+        if grid != "pipeline":
+            raise ValueError(f"sigma grid '{grid}': expected 'pipeline' or 'official'")
         if self.kind == "flux" and cfg.use_dynamic_shifting:
             h, w = self.latent_hw(height, width)
             return sigma_schedule(num_steps, shift, image_seq_len=(h // 2) * (w // 2))

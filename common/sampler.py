@@ -60,6 +60,21 @@ def sigma_schedule(num_steps: int, shift: float = 3.0, image_seq_len: int | None
     return torch.cat([torch.as_tensor(s, dtype=torch.float32), torch.zeros(1)])
 
 
+def static_shift_schedule(num_steps: int, shift: float = 3.0) -> torch.Tensor:
+    """The grid of the DanceGRPO / G²RPO code (`sd3_time_shift(shift, linspace(1, 0, T+1))`): num_steps + 1 values.
+
+    s' = shift s / (1 + (shift - 1) s) on s = linspace(1, 0, num_steps + 1), the SD3 paper's static timestep shift,
+    applied once and ending exactly at 0. It differs from `sigma_schedule` in two ways: no diffusers quirk (the
+    pipeline's linspace ends at shift(1/1000) and is shifted again), and no resolution-dependent (dynamic) shift for
+    FLUX. T = 16, shift 3: 1, .9783, .9545, .9286, .9, .8684, .8333, .7941, .75, ..., .3, .1667, 0, where FluxPipeline
+    at 720 px samples sigma_7 = 0.741.
+    """
+    if shift <= 0:
+        raise ValueError(f"shift {shift}: the timestep shift must be positive (3 in the released G2RPO code)")
+    s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+    return (shift * s / (1 + (shift - 1) * s)).float()
+
+
 def ode_step(velocity, sample, sigma, sigma_next) -> torch.Tensor:
     """Euler step of the ODE (E1): x_next = x + (sigma_next - sigma) v. Sigmas: float or per-sample [B]."""
     x = sample.float()

@@ -86,3 +86,43 @@ def test_bad_path_from_the_command_line_has_no_traceback(tmp_path):
     assert r.returncode != 0
     assert r.stderr.strip().startswith("error: --model-path") and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def lora_modules(transformer, target):
+    """Names of the modules that get a LoRA for LORA_TARGETS[target] (peft's own matching, as the scripts use it)."""
+    from peft import LoraConfig
+
+    from common.backbones import LORA_TARGETS
+
+    transformer.add_adapter(LoraConfig(r=2, lora_alpha=4, init_lora_weights="gaussian",
+                                       target_modules=LORA_TARGETS[target]))
+    return {n.rsplit(".lora_A", 1)[0] for n, _ in transformer.named_parameters() if ".lora_A" in n}
+
+
+def test_attention_lora_targets_skip_sd35_attn2():
+    """peft matches ".attn.to_q" as a name suffix: SD3.5's second attention (attn2) gets no LoRA, as in Flow-GRPO's
+    train_sd3.py; "attention-ff" adds the feed-forward layers (its train_flux.py set) and nothing else."""
+    from common.tiny import build_sd3
+
+    names = {n for n, m in build_sd3(sd35=True).transformer.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert "transformer_blocks.0.attn2.to_q" in names  # the tiny SD3.5 does have a dual-attention block
+    attn = lora_modules(build_sd3(sd35=True).transformer, "attention")
+    assert "transformer_blocks.0.attn.to_q" in attn and "transformer_blocks.0.attn.to_add_out" in attn
+    assert not any(".attn2." in n for n in attn)
+    assert all(".attn." in n for n in attn)
+    ff = lora_modules(build_sd3(sd35=True).transformer, "attention-ff")
+    assert {n for n in ff - attn} == {n for n in names if ".ff.net." in n or ".ff_context.net." in n}
+    assert not any(".attn2." in n for n in ff)
+
+
+def test_flux_lora_targets():
+    """FLUX: "attention" reaches the double blocks' projections and the single blocks' to_q/k/v; "attention-ff" is
+    Flow-GRPO's FLUX set, which adds the double blocks' ff / ff_context (single blocks have none)."""
+    from common.tiny import build_flux
+
+    attn = lora_modules(build_flux().transformer, "attention")
+    assert {n for n in attn if n.startswith("single_")} == {f"single_transformer_blocks.0.attn.to_{x}" for x in "qkv"}
+    assert "transformer_blocks.0.attn.add_q_proj" in attn and "transformer_blocks.0.attn.to_out.0" in attn
+    ff = lora_modules(build_flux().transformer, "attention-ff")
+    assert ff - attn == {"transformer_blocks.0.ff.net.0.proj", "transformer_blocks.0.ff.net.2",
+                         "transformer_blocks.0.ff_context.net.0.proj", "transformer_blocks.0.ff_context.net.2"}

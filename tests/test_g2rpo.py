@@ -192,10 +192,11 @@ def _flags(model, tmp_path, name="run", *extra):
 TINY_NFE = g2rpo.rollout_nfe(4, (0, 2), 3, (1, 2))  # per prompt, for _flags
 
 
-@pytest.mark.parametrize("fixture", ["tiny_sd3", "tiny_flux"])
-def test_smoke_tiny_backbones(request, fixture, tmp_path):
+@pytest.mark.parametrize("fixture,extra", [("tiny_sd3", []), ("tiny_flux", []),
+                                           ("tiny_flux", ["--sigma-grid", "official", "--lora-target", "attention-ff"])])
+def test_smoke_tiny_backbones(request, fixture, extra, tmp_path):
     guidance = ["--guidance-scale", "4.5" if fixture == "tiny_sd3" else "3.5"]
-    run_main(SCRIPT, *_flags(request.getfixturevalue(fixture), tmp_path), "--num-iterations", "1", *guidance)
+    run_main(SCRIPT, *_flags(request.getfixturevalue(fixture), tmp_path), "--num-iterations", "1", *guidance, *extra)
     m = read_metrics(tmp_path / "run")
     assert [x["iteration"] for x in m] == [0, 1]
     first = m[0]
@@ -233,12 +234,31 @@ def tyro_args(flags):
     (["--granularities", "0"], 1, "--granularities"),
     (["--group-size", "1"], 1, "at least 2 images"),
     (["--groups-per-iteration", "3"], 2, "multiple of 2"),  # groups never span ranks
+    (["--sigma-grid", "official", "--shift", "0"], 1, "--shift 0"),
 ])
 def test_bad_input_is_one_clear_line(flags, world, expect, tmp_path, tiny_sd3):
     args = tyro_args(_flags(tiny_sd3, tmp_path) + flags)
     with pytest.raises(SystemExit) as e:
         g2rpo.check_args(args, world)
     assert str(e.value.code).startswith("error: ") and expect in str(e.value.code)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_flux", "tiny_sd3"])
+def test_official_sigma_grid_is_the_released_codes(request, fixture):
+    """--sigma-grid official: shift 3 (the scheduler config's, or --shift) on linspace(1, 0, T+1) for FLUX too,
+    where the pipeline grid is FLUX's dynamic shift and ignores --shift (#17.6)."""
+    bb = load_backbone(request.getfixturevalue(fixture))
+    res = 720 * bb.vae_scale_factor // 8  # the packed token count of FLUX.1-dev at 720 px: 45 x 45
+    official = bb.schedule(16, res, res, grid="official")
+    assert round(float(official[7]), 3) == 0.794 and official[0] == 1 and official[-1] == 0
+    torch.testing.assert_close(official, bb.schedule(16, res, res, 3.0, grid="official"))
+    assert not torch.allclose(bb.schedule(16, res, res, 2.0, grid="official"), official)  # --shift is honoured
+    pipeline = bb.schedule(16, res, res)
+    assert pipeline.shape == official.shape and not torch.allclose(pipeline, official, atol=1e-3)
+    if fixture == "tiny_flux":
+        assert round(float(pipeline[7]), 3) == 0.741
+    assert tyro_args([]).sigma_grid == "pipeline"
+    assert tyro_args(["--sigma-grid", "official"]).sigma_grid == "official"
 
 
 def test_default_branch_steps_are_the_first_half(tmp_path, tiny_sd3):

@@ -16,6 +16,7 @@ from common.sampler import (  # noqa: E402
     ode_step,
     sde_step_with_logprob,
     sigma_schedule,
+    static_shift_schedule,
     x0_prediction,
 )
 
@@ -225,6 +226,25 @@ def test_sigma_schedule_matches_diffusers_flux(num_steps, image_seq_len):
     ours = sigma_schedule(num_steps, image_seq_len=image_seq_len)
     assert ours.dtype == torch.float32 and ours.shape == (num_steps + 1,) and ours[-1] == 0
     assert torch.allclose(ours, scheduler.sigmas, atol=1e-6, rtol=0)
+
+
+# The released G2RPO / DanceGRPO grid, T = 16, shift 3, by hand: sigma_i = 3 s / (1 + 2 s) with s = 1 - i/16, e.g.
+# sigma_7 = (27/16) / (34/16) = 27/34 (the reference's table: 1.0, .9783, .9545, ..., .3, .1667, 0).
+OFFICIAL_16 = [1, 45 / 46, 42 / 44, 39 / 42, 36 / 40, 33 / 38, 30 / 36, 27 / 34, 24 / 32, 21 / 30, 18 / 28, 15 / 26,
+               12 / 24, 9 / 22, 6 / 20, 3 / 18, 0]
+
+
+def test_static_shift_schedule_is_the_released_g2rpo_grid():
+    ours = static_shift_schedule(16, 3.0)
+    assert ours.dtype == torch.float32 and ours.shape == (17,)
+    torch.testing.assert_close(ours, torch.tensor(OFFICIAL_16, dtype=torch.float32), atol=1e-7, rtol=0)
+    assert round(float(ours[7]), 3) == 0.794
+    # not the pipeline grids: FLUX at 720 px (45 x 45 packed tokens) and SD3's shifted-twice linspace
+    assert round(float(sigma_schedule(16, image_seq_len=45 * 45)[7]), 3) == 0.741
+    assert not torch.allclose(sigma_schedule(16, 3.0), ours, atol=1e-3)
+    torch.testing.assert_close(static_shift_schedule(4, 1.0), torch.tensor([1, 0.75, 0.5, 0.25, 0]))  # no shift
+    with pytest.raises(ValueError, match="positive"):
+        static_shift_schedule(16, 0.0)
 
 
 # --------------------------------------------------------------------------- marginal preservation
