@@ -28,12 +28,14 @@ from tqdm import tqdm
 
 from common import toyworld
 from common.backbones import LORA_TARGETS, ConfigError, check_model_path, check_resolution, load_backbone
+from common.checkpoint import resolve_run_dir, restore_checkpoint, rng_state, save_checkpoint
+from common.checks import Rule, check_flag, check_ranges, read_prompt_file
 from common.evaluation import evaluate
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
 from common.sampler import gaussian_kl, ode_step, sde_step_with_logprob
 from common.training import EMA, Stats, Trainable, check_transitions, ema_weights, optimizer_step, plan_updates
-from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, line_plot, rng_state, save_checkpoint,
-                          seed_everything, set_rng_state, setup_distributed, truncate_metrics)
+from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, line_plot, seed_everything, setup_distributed,
+                          truncate_metrics)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOY_MODEL = os.path.join(HERE, "common", "toyworld", "model")
@@ -59,9 +61,14 @@ class Args:
     run_name: str | None = None
     """the run folder's name (default: {exp_name}__{seed}__{unix time})"""
     resume: str | None = None
-    """a checkpoint folder ({output_dir}/{run_name}/checkpoint) to continue from, exactly"""
+    """continue exactly from a run folder ({output_dir}/{run_name}: its latest complete checkpoint) or from one of its
+    checkpoint-N folders; flags that define the experiment must match (docs/design.md)"""
+    resume_override: bool = False
+    """with --resume and changed experiment-defining flags: start a NEW run folder from the checkpoint's weights"""
     save_every: int = 10
-    """save a checkpoint every N iterations (and at the end)"""
+    """save a checkpoint every N iterations (and at the end), as {run_dir}/checkpoint-{iteration}"""
+    keep_checkpoints: int = 2
+    """keep the newest K checkpoint-N folders (0 = all); older ones are deleted after a new one is complete"""
 
     # ---- backbone
     model_path: str = TOY_MODEL
@@ -206,6 +213,8 @@ class Args:
     # ---- filled in at runtime
     world_size: int = 0
     """number of processes (torchrun ranks)"""
+    resumed_from: str | None = None
+    """the checkpoint folder this run was resumed from"""
     images_per_iteration: int = 0
     """groups_per_iteration * group_size"""
     images_per_rank: int = 0
@@ -215,14 +224,14 @@ class Args:
 
 
 def check_args(args: Args, world_size: int) -> None:
-    """Batch arithmetic, checked before any model is loaded. Every message says what to change."""
+    """Flag ranges and batch arithmetic, checked before any model is loaded. Every message says what to change."""
+    check_ranges(args)  # common/checks.py: the numeric flags the scripts share
     args.world_size = world_size
     args.images_per_iteration = args.groups_per_iteration * args.group_size
     args.train_batch_size = args.train_batch_size or args.rollout_batch_size
     args.trained_steps = int(args.num_steps * args.timestep_fraction)
-    if args.group_size < 2:
-        raise ConfigError(f"--group-size {args.group_size}: a group needs at least 2 images to have a mean to "
-                          "compare against (paper: 24)")
+    # (A_i - mean) / (std + eps) is 0 / 0 for a group of equal rewards without eps (the shared table allows 0 for G²RPO)
+    check_flag(args, "std_eps", Rule(0, lo_open=True, why="a group of equal rewards has std 0"))
     if args.images_per_iteration % world_size:
         raise ConfigError(f"groups_per_iteration * group_size = {args.images_per_iteration} images cannot be "
                           f"split evenly over {world_size} ranks; make it a multiple of {world_size}")
@@ -233,9 +242,9 @@ def check_args(args: Args, world_size: int) -> None:
     if not 1 <= args.trained_steps <= args.num_steps:
         raise ConfigError(f"--timestep-fraction {args.timestep_fraction} trains {args.trained_steps} of "
                           f"{args.num_steps} steps; it must train at least one")
-    if args.completion_steps is not None and args.completion_steps < 1:
-        raise ConfigError(f"--completion-steps {args.completion_steps}: a completion needs at least one ODE step "
-                          "(None = t, the paper's choice; 1 or 2 = the cheap variants)")
+    check_flag(args, "completion_steps", Rule(1, integer=True, optional=True, why="a completion needs at least one "
+                                                "ODE step; unset = t, the paper's choice; 1 or 2 = the cheap variants"))
+    check_flag(args, "completion_batch_size", Rule(1, integer=True, why="completions per transformer call"))
     if args.balance_threshold is None:
         args.balance_threshold = 1 / 3 if args.balance_test == "fraction" else 2.0  # paper: epsilon_1 = 2
     lo, hi = args.psi_bounds
@@ -439,19 +448,16 @@ if __name__ == "__main__":
     try:
         parse_reward_spec(args.reward)
         guard_names = [n for n, _ in parse_reward_spec(args.guard_rewards)] if args.guard_rewards else []
-        train_prompts = toyworld.load_prompts(args.prompts_file)
-        eval_prompts = toyworld.load_prompts(args.eval_prompts)
-    except (ValueError, OSError) as e:
+    except ValueError as e:
         raise ConfigError(str(e))
+    train_prompts = read_prompt_file(args.prompts_file, "--prompts-file")
+    eval_prompts = read_prompt_file(args.eval_prompts, "--eval-prompts")
     check_resolution(args.model_path, check_model_path(args.model_path), args.resolution, args.resolution)
     rank, world_size, device = setup_distributed()
     check_args(args, world_size)
     is_main = rank == 0
     seed_everything(args.seed, args.torch_deterministic)
-    if args.resume:
-        run_dir = os.path.dirname(os.path.abspath(args.resume.rstrip("/")))
-    else:
-        run_dir = os.path.join(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    run_dir, resume_dir = resolve_run_dir(args, __file__, is_main)  # --resume: checkpoint verified, flags compared
     if is_main:
         print("batch arithmetic: " + ", ".join(f"{k}={getattr(args, k)}" for k in (
             "world_size", "groups_per_iteration", "group_size", "images_per_iteration", "images_per_rank",
@@ -481,15 +487,8 @@ if __name__ == "__main__":
     start_iteration = 0
     counts = {"images": 0, "nfe/rollout": 0, "nfe/completion": 0, "nfe/train_forward": 0, "nfe/train_backward": 0,
               "nfe/eval": 0}  # cumulative, over all ranks
-    if args.resume:
-        state = torch.load(os.path.join(args.resume, "trainer_state.pt"), weights_only=False)
-        for n, p in params.items():
-            p.data.copy_(state["params"][n])
-        optimizer.load_state_dict(state["optimizer"])
-        if ema is not None:
-            ema.load_state_dict(state["ema"])
-        start_iteration, counts = state["iteration"], state["counts"]
-        set_rng_state(state["rng"][rank])
+    if resume_dir:
+        start_iteration, counts = restore_checkpoint(resume_dir, rank, params, optimizer, ema)  # and this rank's RNG
         if is_main:
             truncate_metrics(run_dir, start_iteration)
 
@@ -500,7 +499,7 @@ if __name__ == "__main__":
     psi0 = torch.full((args.num_steps,), float(args.noise_level))
     if args.psi_scale == "raw":  # start from the baseline's std_dev_t, so both scales start at Flow-GRPO's noise
         psi0 = psi0 * psi_factor(sigmas)
-    psi_file = args.psi_file or (os.path.join(run_dir, "psi.json") if args.resume else None)
+    psi_file = args.psi_file or (os.path.join(os.path.dirname(resume_dir), "psi.json") if resume_dir else None)
     calib_metrics = {}
     if psi_file:
         if not os.path.isfile(psi_file):
@@ -716,8 +715,9 @@ if __name__ == "__main__":
             if is_main:
                 state = {"params": {k: p.detach().cpu() for k, p in params.items()}, "optimizer": optimizer.state_dict(),
                          "ema": ema.state_dict() if ema is not None else None,
-                         "iteration": iteration + 1, "counts": counts, "rng": rngs, "args": asdict(args)}
-                save_checkpoint(os.path.join(run_dir, "checkpoint"), state, save_weights)
+                         "iteration": iteration + 1, "counts": counts, "rng": rngs, "args": asdict(args),
+                         "script": os.path.basename(__file__)}
+                save_checkpoint(run_dir, state, save_weights, args.keep_checkpoints)  # checkpoint-{iteration}
             if world_size > 1:
                 dist.barrier()
 

@@ -26,12 +26,14 @@ from tqdm import tqdm
 
 from common import toyworld
 from common.backbones import LORA_TARGETS, ConfigError, check_model_path, check_resolution, load_backbone
+from common.checkpoint import resolve_run_dir, restore_checkpoint, rng_state, save_checkpoint
+from common.checks import check_ranges, read_prompt_file
 from common.evaluation import evaluate
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
 from common.sampler import gaussian_kl, ode_step, sde_step_with_logprob
 from common.training import EMA, Stats, Trainable, check_transitions, ema_weights, optimizer_step, plan_updates
-from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, line_plot, rng_state, save_checkpoint,
-                          seed_everything, set_rng_state, setup_distributed, truncate_metrics)
+from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, line_plot, seed_everything, setup_distributed,
+                          truncate_metrics)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOY_MODEL = os.path.join(HERE, "common", "toyworld", "model")
@@ -57,9 +59,14 @@ class Args:
     run_name: str | None = None
     """the run folder's name (default: {exp_name}__{seed}__{unix time})"""
     resume: str | None = None
-    """a checkpoint folder ({output_dir}/{run_name}/checkpoint) to continue from, exactly"""
+    """continue exactly from a run folder ({output_dir}/{run_name}: its latest complete checkpoint) or from one of its
+    checkpoint-N folders; flags that define the experiment must match (docs/design.md)"""
+    resume_override: bool = False
+    """with --resume and changed experiment-defining flags: start a NEW run folder from the checkpoint's weights"""
     save_every: int = 10
-    """save a checkpoint every N iterations (and at the end)"""
+    """save a checkpoint every N iterations (and at the end), as {run_dir}/checkpoint-{iteration}"""
+    keep_checkpoints: int = 2
+    """keep the newest K checkpoint-N folders (0 = all); older ones are deleted after a new one is complete"""
 
     # ---- backbone
     model_path: str = TOY_MODEL
@@ -191,6 +198,8 @@ class Args:
     # ---- filled in at runtime
     world_size: int = 0
     """number of processes (torchrun ranks)"""
+    resumed_from: str | None = None
+    """the checkpoint folder this run was resumed from"""
     prompts_per_rank: int = 0
     """groups_per_iteration / world_size: a prompt's groups never span ranks (as the official code)"""
     images_per_iteration: int = 0
@@ -202,7 +211,8 @@ class Args:
 
 
 def check_args(args: Args, world_size: int) -> None:
-    """Batch arithmetic, checked before any model is loaded. Every message says what to change."""
+    """Flag ranges and batch arithmetic, checked before any model is loaded. Every message says what to change."""
+    check_ranges(args)  # common/checks.py: the numeric flags the scripts share
     args.world_size = world_size
     args.train_batch_size = args.train_batch_size or args.rollout_batch_size
     if args.branch_steps is None:
@@ -210,19 +220,16 @@ def check_args(args: Args, world_size: int) -> None:
     args.branch_steps = tuple(sorted(set(args.branch_steps)))
     args.granularities = tuple(sorted(set(args.granularities)))
     args.trained_steps = len(args.branch_steps)
-    if args.group_size < 2:
-        raise ConfigError(f"--group-size {args.group_size}: the unbiased std of a group needs at least 2 images "
-                          "(paper: 12)")
     if args.groups_per_iteration % world_size:
         raise ConfigError(f"--groups-per-iteration {args.groups_per_iteration} cannot be split over {world_size} "
                           f"ranks (each rank samples whole groups); make it a multiple of {world_size}")
     if not args.branch_steps or not all(0 <= k < args.num_steps for k in args.branch_steps):
-        raise ConfigError(f"--branch-steps {list(args.branch_steps)}: give at least one step index in "
-                          f"0..{args.num_steps - 1} (0 is the noisiest step)")
+        raise ConfigError(f"--branch-steps {' '.join(map(str, args.branch_steps))}: give at least one step index in "
+                          f"0..{args.num_steps - 1} (0 is the noisiest step); the default is the first half, "
+                          f"range(num_steps // 2) (paper: 8 of T = 16)")
     if not args.granularities or min(args.granularities) < 1:
-        raise ConfigError(f"--granularities {list(args.granularities)}: give positive step strides, e.g. 1 2 3")
-    if args.rollout_batch_size < 1:
-        raise ConfigError(f"--rollout-batch-size {args.rollout_batch_size}: must be at least 1")
+        raise ConfigError(f"--granularities {' '.join(map(str, args.granularities))}: give positive step strides "
+                          "λ >= 1; the default is 1 2 3 (paper)")
     if args.shift is not None and args.shift <= 0:
         raise ConfigError(f"--shift {args.shift}: the timestep shift must be positive (the released code: 3)")
     args.prompts_per_rank = args.groups_per_iteration // world_size
@@ -358,19 +365,16 @@ if __name__ == "__main__":
     try:
         parse_reward_spec(args.reward)
         guard_names = [n for n, _ in parse_reward_spec(args.guard_rewards)] if args.guard_rewards else []
-        train_prompts = toyworld.load_prompts(args.prompts_file)
-        eval_prompts = toyworld.load_prompts(args.eval_prompts)
-    except (ValueError, OSError) as e:
+    except ValueError as e:
         raise ConfigError(str(e))
+    train_prompts = read_prompt_file(args.prompts_file, "--prompts-file")
+    eval_prompts = read_prompt_file(args.eval_prompts, "--eval-prompts")
     check_resolution(args.model_path, check_model_path(args.model_path), args.resolution, args.resolution)
     rank, world_size, device = setup_distributed()
     check_args(args, world_size)
     is_main = rank == 0
     seed_everything(args.seed, args.torch_deterministic)
-    if args.resume:
-        run_dir = os.path.dirname(os.path.abspath(args.resume.rstrip("/")))
-    else:
-        run_dir = os.path.join(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    run_dir, resume_dir = resolve_run_dir(args, __file__, is_main)  # --resume: checkpoint verified, flags compared
     if is_main:
         print("batch arithmetic: " + ", ".join(f"{k}={getattr(args, k)}" for k in (
             "world_size", "groups_per_iteration", "group_size", "images_per_iteration", "images_per_rank",
@@ -400,15 +404,8 @@ if __name__ == "__main__":
     start_iteration = 0
     counts = {"images": 0, "nfe/rollout": 0, "nfe/completion": 0, "nfe/train_forward": 0, "nfe/train_backward": 0,
               "nfe/eval": 0}  # cumulative, over all ranks
-    if args.resume:
-        state = torch.load(os.path.join(args.resume, "trainer_state.pt"), weights_only=False)
-        for n, p in params.items():
-            p.data.copy_(state["params"][n])
-        optimizer.load_state_dict(state["optimizer"])
-        if ema is not None:
-            ema.load_state_dict(state["ema"])
-        start_iteration, counts = state["iteration"], state["counts"]
-        set_rng_state(state["rng"][rank])
+    if resume_dir:
+        start_iteration, counts = restore_checkpoint(resume_dir, rank, params, optimizer, ema)  # and this rank's RNG
         if is_main:
             truncate_metrics(run_dir, start_iteration)
 
@@ -595,8 +592,9 @@ if __name__ == "__main__":
             if is_main:
                 state = {"params": {k: p.detach().cpu() for k, p in params.items()}, "optimizer": optimizer.state_dict(),
                          "ema": ema.state_dict() if ema is not None else None,
-                         "iteration": iteration + 1, "counts": counts, "rng": rngs, "args": asdict(args)}
-                save_checkpoint(os.path.join(run_dir, "checkpoint"), state, save_weights)
+                         "iteration": iteration + 1, "counts": counts, "rng": rngs, "args": asdict(args),
+                         "script": os.path.basename(__file__)}
+                save_checkpoint(run_dir, state, save_weights, args.keep_checkpoints)  # checkpoint-{iteration}
             if world_size > 1:
                 dist.barrier()
 

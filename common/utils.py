@@ -1,4 +1,4 @@
-"""Plumbing shared by the three training scripts: distributed set-up, run logging, checkpoints, plots.
+"""Plumbing shared by the three training scripts: distributed set-up (with a collective timeout), run logging, plots.
 
 None of this is algorithm: a reader can follow flowgrpo_baseline.py / g2rpo.py / densegrpo.py without
 opening this file. It lives here because it must behave identically in all three (CleanRL keeps the same
@@ -7,10 +7,12 @@ kind of code in cleanrl_utils).
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import random
-import shutil
+import re
+import sys
 import time
 
 import numpy as np
@@ -18,23 +20,76 @@ import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw  # noqa: F401
 
+from common.checkpoint import rng_state, save_checkpoint, set_rng_state  # noqa: F401 (moved to common/checkpoint.py)
+
 
 # ---------------------------------------------------------------------------------------- distributed
+TIMEOUT_ENV = "FLOW_RL_DIST_TIMEOUT"
+DEFAULT_TIMEOUT_S = 1800.0  # PyTorch's gloo default and PyTorch Lightning's; a long rank-0 checkpoint save must fit
+
+
+def collective_timeout() -> datetime.timedelta:
+    """How long a rank waits in a collective for the others before it gives up: $FLOW_RL_DIST_TIMEOUT seconds."""
+    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
+    try:
+        seconds = float(raw)
+        assert seconds > 0
+    except (ValueError, AssertionError):
+        from common.backbones import ConfigError
+
+        raise ConfigError(f"{TIMEOUT_ENV}={raw!r}: give the collective timeout in seconds, > 0 (default "
+                          f"{DEFAULT_TIMEOUT_S:g})") from None
+    return datetime.timedelta(seconds=seconds)
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """A collective that failed because a peer died, hung or was stopped (gloo / NCCL / c10d errors)."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in ("gloo", "NCCL", "c10d"))
+
+
+def _install_collective_failure_hook(rank: int, timeout: datetime.timedelta) -> None:
+    """Turn an uncaught collective failure into one line (instead of a C++-flavoured traceback), then exit at once:
+    tearing the process group down normally would wait on the lost peer again."""
+    previous = sys.excepthook
+
+    def hook(kind, e, tb):
+        if not is_collective_failure(e):
+            return previous(kind, e, tb)
+        # gloo: "[.../pair.cc:537] Read error [127.0.0.1]:20902: Connection reset by peer. This is typically ...":
+        # keep its first sentence, without the source location
+        first = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [kind.__name__])[-1]).split(". ")[0][:160]
+        print(f"error: rank {rank}: a collective operation failed ({first}): another rank died, hung or was stopped "
+              f"(collective timeout {timeout.total_seconds():g} s, set by {TIMEOUT_ENV}); look at the other ranks' "
+              "output, then continue from the run's last complete checkpoint with --resume RUN_FOLDER",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    sys.excepthook = hook
+
+
 def setup_distributed() -> tuple[int, int, torch.device]:
     """One code path for `python script.py` and `torchrun --nproc_per_node N script.py`.
 
     torchrun sets RANK/WORLD_SIZE/LOCAL_RANK and the rendezvous variables (also across nodes); we only pick
     the backend: NCCL between GPUs, gloo between CPU processes. Returns (rank, world_size, device).
+    Every collective gives up after $FLOW_RL_DIST_TIMEOUT seconds (default 1800): a rank whose peer died or hangs
+    exits with one line instead of waiting forever (under torchrun the agent also stops the survivors of a dead rank).
     """
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    timeout = collective_timeout()
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-        return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank)
-    dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=timeout)
+        device = torch.device("cuda", local_rank)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+        device = torch.device("cpu")
+    _install_collective_failure_hook(dist.get_rank(), timeout)
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 def all_gather_cat(t: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -108,35 +163,6 @@ def truncate_metrics(run_dir: str, iteration: int) -> None:
             keep = [line for line in f if line.strip() and json.loads(line)["iteration"] < iteration]
         with open(path, "w") as f:
             f.writelines(keep)
-
-
-# ---------------------------------------------------------------------------------------- checkpoints
-def save_checkpoint(ckpt_dir: str, state: dict, save_weights) -> None:
-    """Write everything into a temporary folder, then rename it into place: a crash mid-save never leaves a
-    half-written checkpoint, and the previous one stays intact until the new one is complete."""
-    tmp = ckpt_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_weights(tmp)
-    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-    old = ckpt_dir.rstrip("/") + ".old"
-    if os.path.exists(ckpt_dir):
-        os.replace(ckpt_dir, old)
-    os.replace(tmp, ckpt_dir)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def rng_state() -> dict:
-    return dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
-                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-
-
-def set_rng_state(s: dict) -> None:
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
-    torch.set_rng_state(s["torch"])
-    if s.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
 
 
 # ---------------------------------------------------------------------------------------- pictures

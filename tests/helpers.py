@@ -64,10 +64,10 @@ def assert_resume_is_exact(script: str, flags_for, total: int, extra) -> None:
     run_main(script, *flags_for("straight"), "--num-iterations", str(total), *extra)
     run_main(script, *flags_for("split"), "--num-iterations", str(total // 2), *extra)
     out = flags_for("split")[flags_for("split").index("--output-dir") + 1]
-    ckpt = os.path.join(out, "split", "checkpoint")
-    run_main(script, *flags_for("split"), "--num-iterations", str(total), "--resume", ckpt, *extra)
-    a = torch.load(os.path.join(out, "straight", "checkpoint", "trainer_state.pt"), weights_only=False)
-    b = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+    run = os.path.join(out, "split")  # the run folder: resume takes its latest complete checkpoint-N
+    run_main(script, *flags_for("split"), "--num-iterations", str(total), "--resume", run, *extra)
+    a = torch.load(os.path.join(out, "straight", f"checkpoint-{total}", "trainer_state.pt"), weights_only=False)
+    b = torch.load(os.path.join(run, f"checkpoint-{total}", "trainer_state.pt"), weights_only=False)
     assert a["iteration"] == b["iteration"] == total and a["counts"] == b["counts"]
     for k in a["params"]:
         assert torch.equal(a["params"][k], b["params"][k]), k

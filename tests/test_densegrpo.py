@@ -236,7 +236,7 @@ def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(request, fixt
     psi = json.load(open(run / "psi.json"))
     assert len(psi["psi"]) == T and len(psi["history"]) == 2 and psi["balance_test"] == "ratio"
     assert all(abs(p - 0.7) <= 0.02 + 1e-6 for p in psi["psi"])  # two steps of 0.01 at most
-    assert os.path.exists(run / "psi.png") and os.path.exists(run / "checkpoint" / "pytorch_lora_weights.safetensors")
+    assert os.path.exists(run / "psi.png") and os.path.exists(run / "checkpoint-1" / "pytorch_lora_weights.safetensors")
     if fixture == "tiny_sd3":  # reuse the calibration: no calibration time, same psi
         run_main(SCRIPT, *tiny_flags(model, tmp_path, prompts_file, "reuse"), "--num-iterations", "1",
                  "--psi-file", str(run / "psi.json"), "--eval-every", "100")

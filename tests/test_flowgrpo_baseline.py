@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from common.checkpoint import list_checkpoints
 from helpers import ROOT, assert_resume_is_exact, read_metrics, run_main, run_script, tiny_flags, write_prompts
 
 SCRIPT = "flowgrpo_baseline.py"
@@ -45,7 +46,7 @@ def test_smoke_one_iteration_and_ratio_is_one(request, fixture, tmp_path, prompt
     assert first["nfe"] > 0 and first["kl"] >= 0
     assert os.path.exists(tmp_path / "run" / "learning_curve.png")
     assert os.path.exists(tmp_path / "run" / "samples" / "eval_00000.png")
-    assert os.path.exists(tmp_path / "run" / "checkpoint" / "pytorch_lora_weights.safetensors")
+    assert os.path.exists(tmp_path / "run" / "checkpoint-1" / "pytorch_lora_weights.safetensors")
 
 
 def test_ddp_two_ranks_end_with_identical_weights(tiny_sd3, tmp_path, prompts_file):
@@ -74,7 +75,7 @@ def test_saved_lora_loads_into_stock_pipeline(tiny_sd3, tmp_path, prompts_file):
     kw = dict(height=64, width=64, num_inference_steps=2, guidance_scale=1.0, max_sequence_length=8,
               output_type="pt")
     before = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
-    pipe.load_lora_weights(str(tmp_path / "run" / "checkpoint"))
+    pipe.load_lora_weights(str(tmp_path / "run" / "checkpoint-2"))
     after = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
     assert (after - before).abs().max() > 1e-4
 
@@ -163,5 +164,6 @@ def test_non_finite_reward_stops_and_keeps_checkpoint(tmp_path, tiny_sd3, prompt
     msg = run_inprocess(monkeypatch, *tiny_flags(tiny_sd3, tmp_path, prompts_file), "--num-iterations", "5",
                         "--save-every", "1", "--eval-every", "100")
     assert "non-finite reward at iteration 2" in msg
-    state = torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert [i for i, _ in list_checkpoints(tmp_path / "run")] == [1, 2]  # --keep-checkpoints 2
+    state = torch.load(tmp_path / "run" / "checkpoint-2" / "trainer_state.pt", weights_only=False)
     assert state["iteration"] == 2

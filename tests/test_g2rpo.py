@@ -209,7 +209,7 @@ def test_smoke_tiny_backbones(request, fixture, extra, tmp_path):
     kept = first["train/kept_transitions"]
     assert kept > 0
     assert first["nfe"] == 2 * TINY_NFE + math.ceil(kept / 4) * 4
-    assert os.path.exists(tmp_path / "run" / "checkpoint" / "pytorch_lora_weights.safetensors")
+    assert os.path.exists(tmp_path / "run" / "checkpoint-1" / "pytorch_lora_weights.safetensors")
 
 
 def test_noise_zero_run_has_zero_advantages(tiny_sd3, tmp_path):

@@ -1,0 +1,408 @@
+"""Checkpoints that survive a crash at any point of a save, and a --resume that knows what it resumes.
+
+Layout (as diffusers' training scripts: rotated folders, the newest K kept):
+
+    {run_dir}/checkpoint-{iteration}/
+        pytorch_lora_weights.safetensors   the user's weights: `pipe.load_lora_weights(folder)` (or transformer/
+                                           with --full-finetune)
+        trainer_state.pt                   params, optimizer, EMA, iteration, NFE, every rank's RNG, args
+        COMPLETE.json                      written LAST: size and sha256 of every file above, the iteration, the
+                                           script and its arguments. No marker, or a file that does not match it,
+                                           means the checkpoint is not complete.
+
+A save writes everything into a hidden temporary folder `.checkpoint-{iteration}.tmp`, fsyncs the files, writes the
+marker, then renames the folder into place (one atomic rename on POSIX); only then are checkpoints beyond the newest
+K deleted. A SIGKILL at any instant therefore leaves either the previous set of complete checkpoints, or that set plus
+the new one: tests/test_faults.py kills a saving process at random points and checks exactly that.
+
+On --resume, `resolve_run_dir` (before any model is loaded) finds the checkpoint (a run folder: its latest complete
+one; a checkpoint folder: that one), verifies it against its marker, and compares the arguments that define the
+experiment with the ones it was written under. Anything not in MAY_CHANGE_ON_RESUME is experiment-defining, so a flag
+added later is protected by default. A difference stops the run in one line, unless --resume-override, which starts a
+NEW run folder from the checkpoint's weights and records where it came from (args.json: `resumed_from`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import time
+
+import numpy as np
+import torch
+
+from common.backbones import ConfigError
+
+MARKER = "COMPLETE.json"
+STATE_FILE = "trainer_state.pt"
+PREFIX = "checkpoint-"
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+# Run-level files a resume reads from its run folder (densegrpo's calibrated psi(t)); --resume-override copies them
+# into the new run folder.
+RUN_FILES = ("psi.json",)
+
+# Flags that may differ between a run and its resume: how long, how often to evaluate/log/save, where outputs go, what
+# the run is called, and tracking. Each changes neither the samples nor the updates of the iterations still to come.
+MAY_CHANGE_ON_RESUME = {
+    "num_iterations": "train longer (or stop sooner)",
+    "save_every": "checkpoint cadence",
+    "keep_checkpoints": "how many checkpoints are kept",
+    "eval_every": "evaluation cadence (the protocol itself, prompts, steps, seeds, guidance, is compared)",
+    "eval_batch_size": "how many evaluation images share a transformer call (same images)",
+    "guard_rewards": "rewards logged at evaluation only, never trained on",
+    "gradient_checkpointing": "recomputes the same activations in the backward pass (memory, not results)",
+    "output_dir": "where new run folders go",
+    "run_name": "the name of a new run folder (--resume-override)",
+    "exp_name": "part of the default run name",
+    "resume": "the checkpoint being resumed",
+    "resume_override": "this switch itself",
+    "resumed_from": "filled in by the resume",
+    "track": "wandb logging",
+    "wandb_project_name": "wandb logging",
+    "wandb_entity": "wandb logging",
+}
+# Filled in by check_args from flags that are compared (and world_size, which is): comparing them would only repeat
+# a difference already named.
+DERIVED = {"images_per_iteration", "images_per_rank", "prompts_per_rank", "trained_steps"}
+# Flags that change the shape of the trained weights: a checkpoint cannot be loaded into another shape, override or not.
+SHAPE_FLAGS = ("lora_rank", "lora_target", "full_finetune")
+
+
+# ---------------------------------------------------------------------------------------- RNG
+def rng_state() -> dict:
+    return dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
+                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def set_rng_state(s: dict) -> None:
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+# ---------------------------------------------------------------------------------------- save
+def checkpoint_dir(run_dir: str, iteration: int) -> str:
+    return os.path.join(run_dir, f"{PREFIX}{iteration}")
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: str) -> None:
+    """Flush a file (or a folder's entries) to the disk: a rename is only as durable as what it renames."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files(folder: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+
+
+def list_checkpoints(run_dir: str, interrupted: bool = False) -> list[tuple[int, str]]:
+    """(iteration, folder) of every checkpoint-N folder of a run, oldest first (complete or not).
+
+    interrupted: also a hidden .checkpoint-N.tmp (or .old) folder that holds a marker while checkpoint-N is missing:
+    a save killed between its last renames, whose files are complete (a resume can use it; a later save removes it).
+    """
+    if not os.path.isdir(run_dir):
+        return []
+    names = os.listdir(run_dir)
+    found = {int(m.group(1)): os.path.join(run_dir, n) for n in names if (m := _CKPT_RE.match(n))}
+    if interrupted:
+        for suffix in (".tmp", ".old"):  # the new copy first
+            for n in names:
+                m = re.match(rf"^\.{PREFIX}(\d+){re.escape(suffix)}$", n)
+                if m and int(m.group(1)) not in found and os.path.isfile(os.path.join(run_dir, n, MARKER)):
+                    found[int(m.group(1))] = os.path.join(run_dir, n)
+    return sorted(found.items())
+
+
+def _remove(path: str) -> None:
+    """Rename to a .del name first (atomic), then delete: a kill mid-delete leaves a hidden .del folder, never a
+    half-deleted checkpoint or temporary folder that still looks complete."""
+    trash = path if path.endswith(".del") else path + ".del"
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _tidy(run_dir: str) -> None:
+    """Finish or remove what killed saves left: a complete .checkpoint-N.tmp (or .old) whose checkpoint-N is missing
+    (killed before or between its renames) is renamed into place; every other hidden leftover is deleted."""
+    if not os.path.isdir(run_dir):
+        return
+    left = [(int(m.group(1)), m.group(2) != ".tmp", n) for n in os.listdir(run_dir)
+            if (m := re.match(rf"^\.{PREFIX}(\d+)(\.tmp|\.old)?(\.del)?$", n)) and (m.group(2) or m.group(3))]
+    for i, _, name in sorted(left):  # for one N, the new copy (.tmp) before the old one
+        path, final = os.path.join(run_dir, name), checkpoint_dir(run_dir, i)
+        if not name.endswith(".del") and not os.path.exists(final) and verify_checkpoint(path, quick=True) is None:
+            os.replace(path, final)
+        else:
+            _remove(path)
+
+
+def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> str:
+    """Write checkpoint-{state["iteration"]} completely or not at all, then keep the newest `keep` (0 = all).
+
+    save_weights(folder) writes the user's weights; state is the trainer state (it must hold "iteration" and "args";
+    "script" is recorded when present). Returns the checkpoint folder. A disk that fills up (or any OSError) stops
+    the run with one line; the checkpoints written before stay complete.
+    """
+    iteration = int(state["iteration"])
+    final = checkpoint_dir(run_dir, iteration)
+    tmp = os.path.join(run_dir, f".{PREFIX}{iteration}.tmp")
+    try:
+        _tidy(run_dir)
+        os.makedirs(tmp)
+        save_weights(tmp)
+        torch.save(state, os.path.join(tmp, STATE_FILE))
+        files = {}
+        for rel in _files(tmp):
+            path = os.path.join(tmp, rel)
+            _fsync(path)
+            files[rel] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+        marker = {"iteration": iteration, "script": state.get("script"), "saved_at": time.time(),
+                  "args": json.loads(json.dumps(state.get("args", {}), default=str)), "files": files}
+        with open(os.path.join(tmp, MARKER), "w") as f:  # LAST: its presence means every file above is complete
+            json.dump(marker, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync(tmp)
+        if os.path.exists(final):  # the same iteration saved again (a resume from an older checkpoint)
+            old = os.path.join(run_dir, f".{PREFIX}{iteration}.old")
+            os.replace(final, old)
+            os.replace(tmp, final)  # a kill between these two renames: a resume (or the next save) uses the .tmp copy
+            _remove(old)
+        else:
+            os.replace(tmp, final)
+        _fsync(run_dir)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        done = [c for _, c in list_checkpoints(run_dir) if verify_checkpoint(c) is None]
+        last = f"the last complete checkpoint, {done[-1]}, is intact" if done else "no complete checkpoint exists yet"
+        raise SystemExit(f"error: could not write {final} ({e.__class__.__name__}: {e.strerror or e}); {last}: free "
+                         f"space or fix the folder's permissions, then --resume {run_dir}") from None
+    if keep > 0:  # rotation only after the new checkpoint is complete and in place
+        found = list_checkpoints(run_dir)
+        kept = [i for i, c in found if verify_checkpoint(c, quick=True) is None][-keep:]
+        for i, c in found:
+            if i < kept[0]:  # older than the K kept ones, complete or not (an incomplete one is of no use)
+                _remove(c)
+    return final
+
+
+# ---------------------------------------------------------------------------------------- verify and find
+def read_marker(folder: str) -> dict:
+    with open(os.path.join(folder, MARKER)) as f:
+        return json.load(f)
+
+
+def verify_checkpoint(folder: str, quick: bool = False) -> str | None:
+    """None when `folder` is a complete checkpoint, else what is wrong with it (naming the file). quick: sizes only."""
+    if not os.path.isdir(folder):
+        return f"{folder} does not exist"
+    if not os.path.isfile(os.path.join(folder, MARKER)):
+        return (f"{folder} has no {MARKER}: its save never finished (the process stopped while writing it, or it was "
+                "written before checkpoints were checksummed)")
+    try:
+        files = read_marker(folder)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{os.path.join(folder, MARKER)} is unreadable ({e.__class__.__name__})"
+    if STATE_FILE not in files:
+        return f"{os.path.join(folder, MARKER)} lists no {STATE_FILE}"
+    for rel, info in files.items():
+        path = os.path.join(folder, rel)
+        if not os.path.isfile(path):
+            return f"{path} is missing"
+        size = os.path.getsize(path)
+        if size < info["size"]:
+            return f"{path} is truncated ({size} of {info['size']} bytes)"
+        if size != info["size"]:
+            return f"{path} has {size} bytes, {info['size']} were written"
+        if not quick and _sha256(path) != info["sha256"]:
+            return f"{path} is corrupt (its sha256 differs from the one recorded in {MARKER})"
+    return None
+
+
+def find_resume_checkpoint(path: str, log=print) -> str:
+    """The checkpoint folder --resume PATH means, verified; one ConfigError line when there is none to use.
+
+    PATH a run folder: its latest complete checkpoint (an unusable newer one is named in one warning line).
+    PATH a checkpoint folder: that one; if it is unusable, the error names the older complete one to pass instead.
+    """
+    p = os.path.abspath(path.rstrip("/") or "/")
+    if not os.path.exists(p):
+        raise ConfigError(f"--resume '{path}' does not exist: pass a run folder ({{output_dir}}/{{run_name}}) or one "
+                          "of its checkpoint-N folders")
+    if not os.path.isdir(p):
+        raise ConfigError(f"--resume '{path}' is a file: pass a run folder or one of its checkpoint-N folders")
+    is_ckpt = bool(_CKPT_RE.match(os.path.basename(p))) or any(
+        os.path.exists(os.path.join(p, f)) for f in (MARKER, STATE_FILE))
+    if is_ckpt:
+        problem = verify_checkpoint(p)
+        if problem is None:
+            return p
+        run = os.path.dirname(p)
+        older = [c for _, c in reversed(list_checkpoints(run, interrupted=True)) if c != p and verify_checkpoint(c) is None]
+        hint = (f"pass the older complete checkpoint instead: --resume {older[0]} (or the run folder {run})" if older
+                else "this run has no other complete checkpoint: start a new run without --resume")
+        raise ConfigError(f"--resume: {problem}; {hint}")
+    found = list_checkpoints(p, interrupted=True)
+    if not found:
+        raise ConfigError(f"--resume '{path}' holds no checkpoint-N folder: pass a run folder a training script wrote "
+                          "(with at least one saved checkpoint) or one of its checkpoint-N folders")
+    problems = []
+    for _, c in reversed(found):
+        problem = verify_checkpoint(c)
+        if problem is None:
+            if problems:
+                log(f"warning: {problems[0]}; resuming from {c}, the latest complete checkpoint, instead")
+            return c
+        problems.append(problem)
+    more = f" (and {len(problems) - 1} older checkpoint(s) are unusable too)" if len(problems) > 1 else ""
+    raise ConfigError(f"--resume: {problems[0]}{more}; this run has no complete checkpoint: start a new run without "
+                      "--resume")
+
+
+def _json(d: dict) -> dict:
+    return json.loads(json.dumps(d, default=str))  # tuples -> lists, as the marker stores them
+
+
+def changed_flags(saved: dict, now: dict) -> list[tuple[str, object, object]]:
+    """(flag, value in the checkpoint, value now) for every experiment-defining argument that differs."""
+    saved, now, missing = _json(saved), _json(now), "(absent)"
+    keys = sorted((set(saved) | set(now)) - set(MAY_CHANGE_ON_RESUME) - DERIVED)
+    return [(k, saved.get(k, missing), now.get(k, missing)) for k in keys if saved.get(k, missing) != now.get(k, missing)]
+
+
+def _describe(changes) -> str:
+    def show(v):
+        return repr(v) if isinstance(v, str) and v != "(absent)" else " ".join(map(str, v)) if isinstance(v, list) \
+            else str(v)
+
+    return ", ".join(f"--{k.replace('_', '-')} {show(a)} -> {show(b)}" for k, a, b in changes)
+
+
+def default_run_name(args) -> str:
+    return f"{args.exp_name}__{args.seed}__{int(time.time())}"
+
+
+def _same_on_all_ranks(name: str) -> str:
+    """Rank 0's value (a default run name holds the time, which ranks could read a second apart)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        box = [name]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return name
+
+
+def check_writable(folder: str, flag: str = "--output-dir") -> None:
+    """Create `folder` and write a probe file in it: an unwritable or full output folder is one line, up front."""
+    probe = os.path.join(folder, f".write_test_{os.getpid()}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot write the run folder {folder} ({e.__class__.__name__}: {e.strerror or e}): "
+                          "choose a folder you can write to, or free space") from None
+
+
+def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, str | None]:
+    """(run folder, checkpoint folder to resume or None), checked before any model is loaded.
+
+    Without --resume: {output_dir}/{run_name}, created and probed for writing. With --resume: the verified
+    checkpoint, and its run folder, unless the experiment-defining arguments differ: then one ConfigError line, or,
+    with --resume-override, a NEW run folder (args.resumed_from records the checkpoint; the old run is untouched).
+    """
+    if not args.resume:
+        run_dir = os.path.join(args.output_dir, _same_on_all_ranks(args.run_name or default_run_name(args)))
+        if is_main:
+            check_writable(run_dir)
+        return run_dir, None
+    ckpt = find_resume_checkpoint(args.resume, log=print if is_main else (lambda *_: None))
+    marker = read_marker(ckpt)
+    changes = changed_flags(marker.get("args", {}), dataclasses.asdict(args))
+    script, saved_script = os.path.basename(script_file), marker.get("script")
+    if saved_script and saved_script != script:
+        raise ConfigError(f"--resume {ckpt} was written by {saved_script}, not {script}: resume it with "
+                          f"`python {saved_script} --resume ...`")
+    shape = [c for c in changes if c[0] in SHAPE_FLAGS]
+    if shape:
+        raise ConfigError(f"--resume {ckpt}: {_describe(shape)} changes the shape of the trained weights, which "
+                          "cannot be loaded into it (not even with --resume-override): pass the checkpoint's value, "
+                          "or start a new run without --resume")
+    source_run = os.path.dirname(ckpt)
+    if changes and not args.resume_override:
+        raise ConfigError(f"--resume {ckpt} was trained with other experiment-defining flags: {_describe(changes)}; "
+                          "pass the checkpoint's values to continue that run, or add --resume-override to start a new "
+                          "run folder from its weights")
+    args.resumed_from = ckpt
+    if not args.resume_override:
+        return source_run, ckpt
+    run_dir = os.path.join(args.output_dir, _same_on_all_ranks(args.run_name or default_run_name(args)))
+    if os.path.abspath(run_dir) == source_run:
+        raise ConfigError(f"--resume-override starts a new run folder, but {run_dir} is the run being resumed: pass "
+                          "another --run-name")
+    if is_main:
+        if os.path.isdir(run_dir) and os.listdir(run_dir):
+            raise ConfigError(f"--resume-override: the new run folder {run_dir} already exists and is not empty: pass "
+                              "another --run-name")
+        check_writable(run_dir)
+        for name in RUN_FILES:
+            if os.path.isfile(os.path.join(source_run, name)):
+                shutil.copy2(os.path.join(source_run, name), os.path.join(run_dir, name))
+        what = _describe(changes) if changes else "no flag changed"
+        print(f"resuming {ckpt} (iteration {marker['iteration']}) as a NEW run in {run_dir} ({what}); {source_run} "
+              "is left as it is")
+    return run_dir, ckpt
+
+
+# ---------------------------------------------------------------------------------------- load
+def load_checkpoint(folder: str) -> dict:
+    try:
+        return torch.load(os.path.join(folder, STATE_FILE), weights_only=False, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - any unreadable pickle/zip is the same fault for the user
+        raise ConfigError(f"--resume: {os.path.join(folder, STATE_FILE)} is unreadable ({e.__class__.__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); resume from an older checkpoint-N folder") from None
+
+
+def restore_checkpoint(folder: str, rank: int, params: dict, optimizer, ema) -> tuple[int, dict]:
+    """Load a checkpoint (verified by resolve_run_dir) into params / optimizer / EMA (common.training.EMA) / this
+    rank's RNG, in place. Returns (iteration, the run's cumulative counts: images and NFE per phase). A parameter
+    whose name or shape differs is one line, not a tensor-size traceback."""
+    state = load_checkpoint(folder)
+    saved = state["params"]
+    for n, p in params.items():
+        if n not in saved or saved[n].shape != p.shape:
+            got = "missing" if n not in saved else f"of shape {tuple(saved[n].shape)}"
+            raise ConfigError(f"--resume {folder}: trained weight {n} is {got} in the checkpoint, the model has "
+                              f"{tuple(p.shape)}: resume with the model and LoRA flags it was trained with")
+        p.data.copy_(saved[n])
+    optimizer.load_state_dict(state["optimizer"])
+    if ema is not None:
+        if state.get("ema") is not None:
+            ema.load_state_dict(state["ema"])
+        else:  # the EMA starts now (--resume-override of a run without one): from the resumed weights
+            for n in ema.shadow:
+                ema.shadow[n].copy_(saved[n])
+    rngs = state["rng"]
+    set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])  # fewer ranks saved: only with --resume-override
+    return state["iteration"], state["counts"]
