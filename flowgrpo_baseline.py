@@ -74,6 +74,9 @@ class Args:
     """T5 tokens in the text context (default: 128 for SD3, 512 for FLUX, 1 without T5)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (saves memory, costs ~30% time)"""
+    mixed_precision: Literal["bf16", "fp16"] = "bf16"
+    """dtype of the frozen weights and activations on CUDA (CPU: always fp32); trained weights stay fp32 masters and
+    the VAE decodes in fp32. Flow-GRPO's SD3 code: fp16 (its FAQ: smaller log-prob error than bf16); FLUX: bf16"""
     full_finetune: bool = False
     """train every transformer weight instead of a LoRA (the KL reference is then a frozen copy)"""
     lora_rank: int = 16
@@ -254,7 +257,7 @@ if __name__ == "__main__":
 
     # ---- backbone, trained weights (common/training.py: LoRA or full, and the KL reference), optimizer, EMA
     backbone = load_backbone(args.model_path, device, max_sequence_length=args.max_sequence_length,
-                             gradient_checkpointing=args.gradient_checkpointing)
+                             gradient_checkpointing=args.gradient_checkpointing, precision=args.mixed_precision)
     trainable = Trainable(backbone, args.full_finetune, args.lora_rank, args.lora_alpha, LORA_TARGETS[args.lora_target],
                           need_reference=args.beta > 0)
     params = trainable.params
@@ -347,7 +350,7 @@ if __name__ == "__main__":
             all_scores = all_gather_cat(scores.to(device), world_size).cpu()  # rank-major = global order
             if not torch.isfinite(all_scores).all():
                 raise SystemExit(f"error: non-finite reward at iteration {iteration}; stopping before any update "
-                                 f"(last checkpoint in {run_dir}/checkpoint is intact)")
+                                 f"(the last checkpoint-N in {run_dir} is intact: --resume {run_dir})")
             if args.reward_mix == "score":
                 advantages = group_advantages(reward_model.mix(all_scores), group, args.global_std, args.std_eps)
             else:  # normalise each reward within its groups, then mix the advantages (G2RPO's multi-reward rule)
@@ -424,7 +427,7 @@ if __name__ == "__main__":
                                     optimizer_steps=1)
                     except FloatingPointError:
                         raise SystemExit(f"error: non-finite gradient at iteration {iteration}; stopping before the "
-                                         f"update (last checkpoint in {run_dir}/checkpoint is intact)")
+                                         f"update (the last checkpoint-N in {run_dir} is intact: --resume {run_dir})")
         # ============================================ END OF TRAINING ============================================
 
         # ---- logging (global numbers: sums over ranks, reduced once)

@@ -63,11 +63,6 @@ class PromptEmbeds:
         return replace(self, embeds=self.embeds[idx], pooled=self.pooled[idx])
 
 
-def torch_dtype_for(device: torch.device) -> torch.dtype:
-    # bf16 on GPUs (what SD3.5/FLUX were trained in); fp32 on CPU, where bf16 is slow and lossy.
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
 def read_model_index(path: str) -> dict:
     """model_index.json of a diffusers SD3/FLUX folder; fails fast, in one line, when `path` is not one."""
     index = os.path.join(path, "model_index.json")
@@ -231,12 +226,17 @@ class Backbone:
 
 
 def load_backbone(path: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                  max_sequence_length: int | None = None, gradient_checkpointing: bool = False) -> Backbone:
-    """Load an SD3/SD3.5/FLUX.1 diffusers folder. Bad paths stop with one clear line before any heavy work."""
+                  max_sequence_length: int | None = None, gradient_checkpointing: bool = False,
+                  precision: str = "bf16") -> Backbone:
+    """Load an SD3/SD3.5/FLUX.1 diffusers folder. Bad paths stop with one clear line before any heavy work.
+
+    precision ("bf16" or "fp16") is the dtype of the weights on CUDA; the VAE is kept in fp32 there, as Flow-GRPO's
+    code decodes (a fp16 VAE overflows on SD3). CPU runs everything in fp32 (bf16 is slow and lossy there)."""
     index = read_model_index(path)
     kind = PIPELINES[index["_class_name"]]
     device = torch.device(device)
-    dtype = dtype or torch_dtype_for(device)
+    if dtype is None:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision] if device.type == "cuda" else torch.float32
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
     cls = StableDiffusion3Pipeline if kind == "sd3" else FluxPipeline
@@ -247,6 +247,7 @@ def load_backbone(path: str, device: torch.device | str = "cpu", dtype: torch.dt
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"--model-path '{path}' could not be loaded as a {cls.__name__}: {first} ({HUB_HINT})")
+    pipe.vae.to(torch.float32)  # decode in fp32 (a no-op on CPU)
     if max_sequence_length is None:
         # T5 tokens in the context. Flow-GRPO uses 128 for SD3.5; FLUX was trained with 512. Without a T5
         # encoder (the toy model) SD3 feeds zeros, so one such token is enough.

@@ -20,8 +20,6 @@ import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw  # noqa: F401
 
-from common.checkpoint import rng_state, save_checkpoint, set_rng_state  # noqa: F401 (moved to common/checkpoint.py)
-
 
 # ---------------------------------------------------------------------------------------- distributed
 TIMEOUT_ENV = "FLOW_RL_DIST_TIMEOUT"
