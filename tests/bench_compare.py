@@ -182,6 +182,11 @@ def fmt_ci(m, lo, hi) -> str:
     return f"{m:+.3f}" if lo is None else f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]"
 
 
+def parallel(meta: dict) -> str:
+    """"jobs x threads, OpenMP wait policy" of a run, from its harness.json."""
+    return f"{meta.get('jobs', '?')} x {meta.get('threads', '?')}, {meta.get('omp_wait_policy', '?').lower()}"
+
+
 def report(out: str) -> str:
     """Write {out}/results.md and the two plots from the finished run folders; return the markdown."""
     groups = collect(out)
@@ -191,10 +196,10 @@ def report(out: str) -> str:
             cats += [c for c in (s["final"]["cats"] if s else {}) if c not in cats]
     head = ["algorithm", "variant", "seeds", "start (SE)", "final", "gain [95 % CI]",
             *[f"gain {c}" for c in cats], "final-eval SE", "iterations", "images", "NFE (training)",
-            "CPU s in loop", "CPU s process", "jobs x threads", "best eval − start (beside the last, biased up)"]
+            "CPU s in loop", "CPU s process", "jobs x threads, OMP wait", "best eval − start (beside the last, biased up)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     per_run = ["| algorithm | variant | seed | iterations | start | final | gain | final-eval SE | best | images | "
-               "NFE (training) | CPU s in loop | CPU s process | jobs x threads |", "|" + "---|" * 14]
+               "NFE (training) | CPU s in loop | CPU s process | jobs x threads, OMP wait |", "|" + "---|" * 14]
     commands, notes = set(), []
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     for (algo, variant), g in sorted(groups.items(), key=lambda kv: (ALGOS.index(kv[0][0]), kv[0][1])):
@@ -213,7 +218,7 @@ def report(out: str) -> str:
                      if all(c in s["final"]["cats"] and c in b["cats"] for s, b in zip(runs, st)) else "—"
                      for c in cats]
         ses = [s["final"]["se"] for s in runs if s["final"]["se"] is not None]
-        par = sorted({f"{s['meta'].get('jobs', '?')} x {s['meta'].get('threads', '?')}" for s in runs})
+        par = sorted({parallel(s["meta"]) for s in runs})
         proc = [s["meta"]["process_cpu_s"] for s in runs if s["meta"].get("process_cpu_s") is not None]
         start_txt = "—" if start is None else f"{start['acc']:.3f} ({start['se']:.3f})" if start["se"] is not None \
             else f"{start['acc']:.3f}"
@@ -230,7 +235,7 @@ def report(out: str) -> str:
                            f"{f['acc'] - b['acc']:+.3f} | {'—' if f['se'] is None else format(f['se'], '.3f')} | "
                            f"{s['best']:.3f} | {f['images']} | {s['nfe_train']} | {f['cpu_s']:.0f} | "
                            f"{s['meta'].get('process_cpu_s', float('nan')):.0f} | "
-                           f"{s['meta'].get('jobs', '?')} x {s['meta'].get('threads', '?')} |")
+                           f"{parallel(s['meta'])} |")
     md = [f"# Comparison at equal CPU seconds (report written {datetime.date.today().isoformat()})", "",
           "Runs made by:", "", *[f"    {c}" for c in sorted(commands)], "",
           "gain = final − start accuracy, mean over seeds with a 95 % t-interval; start = the starting model evaluated "
@@ -331,9 +336,13 @@ def launch(out: str, run: dict, threads: int, jobs: int, command: str) -> subpro
     os.makedirs(run_dir)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "WANDB_MODE": "disabled",
-           "HF_HUB_OFFLINE": "1"}
+           "HF_HUB_OFFLINE": "1",
+           # Waiting OpenMP threads sleep instead of spinning: spinning is counted as CPU time, 5-10x the work
+           # on a shared machine (docs/results.md, "The comparison harness"), and would make budgets unequal.
+           "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     cmd = [sys.executable, run["script"], "--output-dir", out, "--run-name", run["name"], *run["flags"]]
-    meta = {"flags": run["flags"], "threads": threads, "jobs": jobs, "command": command,
+    meta = {"flags": run["flags"], "threads": threads, "jobs": jobs, "omp_wait_policy": env["OMP_WAIT_POLICY"],
+            "command": command,
             "started": datetime.datetime.now().isoformat(timespec="seconds")}
     with open(os.path.join(run_dir, "harness.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -421,7 +430,7 @@ def main(argv=None):
     ap.add_argument("--script-dir", default=None,
                     help="take every script's file name from this folder instead (tests use stub scripts)")
     ap.add_argument("--max-wall-s", type=float, default=None,
-                    help="kill a run after this many wall-clock seconds (default: 4 x budget / threads + 900)")
+                    help="kill a run after this many wall-clock seconds (default: 4 x budget / threads + 3600)")
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table and plots from --out")
     ap.add_argument("--dry-run", action="store_true", help="print the runs and their commands, run nothing")
     ap.add_argument("extra", nargs="*", help="flags for every script (after --)")
@@ -441,7 +450,7 @@ def main(argv=None):
                 print(r["name"], " ".join([r["script"], *r["flags"]]))
             return
         os.makedirs(args.out, exist_ok=True)
-        max_wall = args.max_wall_s or 4 * args.cpu_seconds / threads + 900
+        max_wall = args.max_wall_s or 4 * args.cpu_seconds / threads + 3600
         command = shlex.join(["python", "tests/bench_compare.py", *(sys.argv[1:] if argv is None else argv)])
         failed = run_grid(args.out, runs, args.jobs, threads, max_wall, command)
         if failed:

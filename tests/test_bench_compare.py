@@ -64,6 +64,7 @@ def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path
     out = str(tmp_path / "grid")
     argv = ["--script-dir", stubs, "--out", out, "--algos", "flowgrpo_baseline", "yardstick", "--seeds", "1", "2",
             "--cpu-seconds", "30", "--jobs", "2", "--eval-every", "1"]
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setenv("STUB_CRASH", "yardstick__default__2")
     bc.main(argv)
     first = launches(out)
@@ -92,6 +93,7 @@ def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path
     assert s[s.index("--num-iterations") + 1] == "0"
     meta = json.load(open(os.path.join(out, "flowgrpo_baseline__default__1", "harness.json")))
     assert meta["jobs"] == 2 and meta["threads"] == 1 and meta["returncode"] == 0 and meta["process_cpu_s"] >= 0
+    assert meta["omp_wait_policy"] == "PASSIVE"
 
     # a finished run made with another budget is not silently mixed into the table
     with pytest.raises(ConfigError, match="other flags"):
@@ -106,7 +108,7 @@ def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path
     assert os.path.getsize(os.path.join(out, "accuracy_vs_images.png")) > 0
     # gains 0.05 and 0.10 over 2 seeds: mean 0.075, half-width t_{0.975,1} * 0.03536 / sqrt(2) = 0.3177
     assert "| flowgrpo_baseline | default | 2 | 0.500 (0.013) | 0.575 | +0.075 [-0.243, +0.393] |" in text
-    assert "| 1 x 2" not in text and "2 x 1" in text
+    assert "| 1 x 2" not in text and "| 2 x 1, passive |" in text  # side by side, 1 thread, no spinning
 
 
 def write_run(out, name, rows):
