@@ -1,19 +1,31 @@
-"""Benchmark (not a test): the three algorithms on the toy world, several seeds, same wall-clock budget.
+"""Benchmark (not a test): the algorithms on the toy world at an equal CPU-seconds budget, several seeds, with CIs.
 
-    python tests/bench_compare.py --minutes 10 --seeds 1 --algos flowgrpo_baseline   # issue: CPU, 10 minutes
-    python tests/bench_compare.py --minutes 5 --seeds 1 2 3 --parallel 9             # all three, 3 seeds (GPU)
-    python tests/bench_compare.py --report-only --out runs/bench                     # redo table and plots
+    python tests/bench_compare.py                                      # the grid: 3 scripts + yardstick x 5 seeds
+    python tests/bench_compare.py --jobs 2                             # two runs side by side, 1 thread each
+    python tests/bench_compare.py --algos yardstick --seeds 1 --cpu-seconds 20 --out /tmp/smoke   # a smoke run
+    python tests/bench_compare.py --report-only --out runs/compare     # redo every table and plot from the folders
+    python tests/bench_compare.py --variants "lr1e-4=--learning-rate 1e-4" -- --eval-every 20   # variants, extra flags
 
-Each run is the script with its default (toy-world) flags, `--eval-every` set here, killed after `--minutes`.
-`eval/accuracy` (strict, 100 held-out prompts x 2 fixed seeds, deterministic ODE) is read from metrics.jsonl
-and reported against cumulative NFE and against wall-clock seconds; plots go to `{out}/accuracy_vs_*.png`
-(means over seeds) and `{out}/accuracy_per_run.png` (every run against seconds), and a markdown table to
-`{out}/results.md`.
+Every run is one script (its toy-world defaults, then the variant's flags, then the flags after `--`) with
+`--cpu-budget-s`: it trains until its process CPU seconds since the training loop began (all threads) pass the
+budget, then runs a final evaluation with enough seeds per test prompt for a standard error <= --final-se
+(binomial, worst case p = 0.5, categories weighted as eval/accuracy weights them) and exits. Per (algorithm,
+variant) one more run with `--num-iterations 0` evaluates the starting model with the same seeds: the gain of a
+run is its final accuracy minus that start, so both ends of the gain have the same precision.
+
+It resumes: a run whose metrics.jsonl has the `final: true` row is kept and skipped; any other run folder is
+deleted and the run started again. So the grid can be finished in several sittings, and `--report-only`
+rebuilds `{out}/results.md` and the plots `{out}/accuracy_vs_cpu.png`, `{out}/accuracy_vs_images.png` from the
+run folders alone. Columns: docs/results.md, "The comparison harness".
 """
 import argparse
-import itertools
+import datetime
 import json
+import math
 import os
+import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -21,106 +33,429 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.utils import line_plot  # noqa: E402
+from common.backbones import ConfigError  # noqa: E402
 
-ALGOS = ("flowgrpo_baseline", "g2rpo", "densegrpo")
-
-
-def parse_variants(specs):
-    """"name=--flag value --flag2 value" -> {name: [flags]}; no spec -> one variant "default"."""
-    return {s.split("=", 1)[0]: s.split("=", 1)[1].split() for s in specs} if specs else {"default": []}
+SCRIPTS = {"flowgrpo_baseline": "flowgrpo_baseline.py", "g2rpo": "g2rpo.py", "densegrpo": "densegrpo.py",
+           "yardstick": "tests/yardstick_raft.py"}
+ALGOS = tuple(SCRIPTS)
+START = "start"  # the seed slot of the zero-iteration run that evaluates the starting model
 
 
-def launch(algo, seed, variant, flags, out, eval_every, threads, extra):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "disabled"}
-    name = f"{algo}__{variant}__{seed}"
-    cmd = [sys.executable, os.path.join(ROOT, f"{algo}.py"), "--seed", str(seed), "--output-dir", out,
-           "--run-name", name, "--num-iterations", "100000", "--eval-every", str(eval_every),
-           "--save-every", "100000", *flags, *extra]
-    log = open(os.path.join(out, f"{name}.log"), "w")
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+# ------------------------------------------------------------------------------------------------ statistics
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the regularised incomplete beta function (modified Lentz; Numerical Recipes 6.4)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1, a - 1
+    c, d = 1.0, 1 - qab * x / qap
+    d = 1 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        for num in (m * (b - m) * x / ((qam + 2 * m) * (a + 2 * m)),
+                    -(a + m) * (qab + m) * x / ((a + 2 * m) * (qap + 2 * m))):
+            d = 1 + num * d
+            d = 1 / (d if abs(d) > tiny else tiny)
+            c = 1 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1) < 1e-14:
+            break
+    return h
 
 
-def load(out, name):
-    path = os.path.join(out, name, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
+def betainc(a: float, b: float, x: float) -> float:
+    """I_x(a, b), the regularised incomplete beta function."""
+    if x <= 0 or x >= 1:
+        return 0.0 if x <= 0 else 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1) / (a + b + 2):
+        return front * _betacf(a, b, x) / a
+    return 1 - front * _betacf(b, a, 1 - x) / b
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with df degrees of freedom: 1 - I_{df/(df+t^2)}(df/2, 1/2) / 2 for t > 0."""
+    tail = 0.5 * betainc(df / 2, 0.5, df / (df + t * t))
+    return 1 - tail if t > 0 else tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The p-quantile of Student's t (bisection on t_cdf; |error| < 1e-10)."""
+    if not 0 < p < 1:
+        raise ValueError(f"p must be in (0, 1), got {p}")
+    lo, hi = -1e4, 1e4
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+        if hi - lo < 1e-10:
+            break
+    return (lo + hi) / 2
+
+
+def mean_ci(xs: list[float], level: float = 0.95) -> tuple[float, float | None, float | None]:
+    """(mean, low, high): the t-interval mean +- t_{(1+level)/2, n-1} s / sqrt(n) over seeds (None for n < 2)."""
+    n = len(xs)
+    m = sum(xs) / n
+    if n < 2:
+        return m, None, None
+    s = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    half = t_quantile((1 + level) / 2, n - 1) * s / math.sqrt(n)
+    return m, m - half, m + half
+
+
+def seeds_for_se(target: float, counts: dict[str, int]) -> int:
+    """Fewest seeds per prompt S with SE(eval/accuracy) <= target at p = 0.5 in every category, where
+    eval/accuracy = mean over the C categories, so SE^2 = sum_c 0.25 / (n_c S) / C^2 (n_c = prompts of c)."""
+    var1 = sum(0.25 / n for n in counts.values()) / len(counts) ** 2
+    return math.ceil(var1 / target ** 2 - 1e-12)
+
+
+# ------------------------------------------------------------------------------------------------ run folders
+def run_name(algo: str, variant: str, seed) -> str:
+    return f"{algo}__{variant}__{seed}"
+
+
+def read_rows(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
     rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # the last line of a killed run may be cut
-                pass
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:  # the last line of a killed run may be cut
+                    pass
     return rows
 
 
-def report(out, algos, seeds, variants):
-    lines = ["| algorithm | variant | seed | iterations | start acc. | final acc. | best acc. | NFE at final eval | "
-             "wall-clock s at final eval |", "|---|---|---|---|---|---|---|---|---|"]
-    by_nfe, by_time, by_acc, per_run = {}, {}, {}, {}
-    for algo, variant, seed in itertools.product(algos, variants, seeds):
-        rows = load(out, f"{algo}__{variant}__{seed}")
-        # an eval row is logged before the iteration's training: its NFE/time are the previous row's
-        evals, nfe, elapsed = [], 0, 0.0
-        for r in rows:
-            if "eval/accuracy" in r:
-                evals.append((nfe, elapsed, r["eval/accuracy"]))
-            nfe, elapsed = r.get("nfe", nfe), r.get("time/elapsed_s", elapsed)
-        if not evals:
+def is_finished(run_dir: str) -> bool:
+    return any(r.get("final") for r in read_rows(run_dir))
+
+
+def eval_points(rows: list[dict]) -> list[dict]:
+    """Every evaluation of a run, placed at what the run had consumed when it was made. A row's evaluation runs
+    at the start of its iteration, before that iteration's training, so its counters are the previous row's."""
+    out, prev = [], {}
+    for r in rows:
+        if "eval/accuracy" in r:
+            out.append({"iteration": r["iteration"], "acc": r["eval/accuracy"], "se": r.get("eval/accuracy_se"),
+                        "cats": {k[len("eval/accuracy_"):]: v for k, v in r.items()
+                                 if k.startswith("eval/accuracy_") and k != "eval/accuracy_se"},
+                        "cpu_s": prev.get("time/cpu_s", 0.0), "images": prev.get("images", 0),
+                        "nfe": prev.get("nfe", 0), "nfe_eval": prev.get("nfe/eval", 0), "final": bool(r.get("final"))})
+        prev = r
+    return out
+
+
+def summarize(run_dir: str) -> dict | None:
+    """The numbers of one finished run (None if it has no final row)."""
+    pts = eval_points(read_rows(run_dir))
+    if not pts or not pts[-1]["final"]:
+        return None
+    meta = {}
+    if os.path.exists(os.path.join(run_dir, "harness.json")):
+        with open(os.path.join(run_dir, "harness.json")) as f:
+            meta = json.load(f)
+    last = pts[-1]
+    return {"points": pts, "final": last, "best": max(p["acc"] for p in pts), "iterations": last["iteration"],
+            "nfe_train": last["nfe"] - last["nfe_eval"], "meta": meta}
+
+
+def collect(out: str) -> dict:
+    """{(algo, variant): {"start": summary or None, "seeds": {seed: summary}}} of every finished run in `out`."""
+    groups = {}
+    for name in sorted(os.listdir(out)) if os.path.isdir(out) else []:
+        parts = name.split("__")
+        if len(parts) != 3 or parts[0] not in SCRIPTS or not os.path.isdir(os.path.join(out, name)):
             continue
-        label = f"{algo} {variant}" if len(variants) > 1 else algo
-        by_nfe.setdefault(label, []).append([e[0] for e in evals])
-        by_time.setdefault(label, []).append([e[1] for e in evals])
-        by_acc.setdefault(label, []).append([e[2] for e in evals])
-        per_run[f"{label}, seed {seed}"] = ([e[1] for e in evals], [e[2] for e in evals])
-        lines.append(f"| {algo} | {variant} | {seed} | {len(rows)} | {evals[0][2]:.3f} | {evals[-1][2]:.3f} | "
-                     f"{max(e[2] for e in evals):.3f} | {evals[-1][0]} | {evals[-1][1]:.0f} |")
+        s = summarize(os.path.join(out, name))
+        if s is None:
+            continue
+        g = groups.setdefault((parts[0], parts[1]), {"start": None, "seeds": {}})
+        if parts[2] == START:
+            g["start"] = s
+        elif parts[2].isdigit():
+            g["seeds"][int(parts[2])] = s
+    return groups
 
-    def mean_curve(curves):  # mean over seeds, up to the shortest run
-        n = min(len(c) for c in curves)
-        return [sum(c[i] for c in curves) / len(curves) for i in range(n)]
 
-    by_nfe = {k: (mean_curve(v), mean_curve(by_acc[k])) for k, v in by_nfe.items()}
-    by_time = {k: (mean_curve(v), mean_curve(by_acc[k])) for k, v in by_time.items()}
-    line_plot(by_nfe, os.path.join(out, "accuracy_vs_nfe.png"), "NFE (cumulative)", "eval/accuracy", "mean over seeds")
-    line_plot(by_time, os.path.join(out, "accuracy_vs_wallclock.png"), "seconds", "eval/accuracy", "mean over seeds")
-    line_plot(per_run, os.path.join(out, "accuracy_per_run.png"), "seconds", "eval/accuracy", "every run")
+# ------------------------------------------------------------------------------------------------ report
+def fmt_ci(m, lo, hi) -> str:
+    return f"{m:+.3f}" if lo is None else f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
+def parallel(meta: dict) -> str:
+    """"jobs x threads, OpenMP wait policy" of a run, from its harness.json."""
+    return f"{meta.get('jobs', '?')} x {meta.get('threads', '?')}, {meta.get('omp_wait_policy', '?').lower()}"
+
+
+def report(out: str) -> str:
+    """Write {out}/results.md and the two plots from the finished run folders; return the markdown."""
+    groups = collect(out)
+    cats = []
+    for g in groups.values():
+        for s in [g["start"], *g["seeds"].values()]:
+            cats += [c for c in (s["final"]["cats"] if s else {}) if c not in cats]
+    head = ["algorithm", "variant", "seeds", "start (SE)", "final", "gain [95 % CI]",
+            *[f"gain {c}" for c in cats], "final-eval SE", "iterations", "images", "NFE (training)",
+            "CPU s in loop", "CPU s process", "jobs x threads, OMP wait", "best eval − start (beside the last, biased up)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    per_run = ["| algorithm | variant | seed | iterations | start | final | gain | final-eval SE | best | images | "
+               "NFE (training) | CPU s in loop | CPU s process | jobs x threads, OMP wait |", "|" + "---|" * 14]
+    commands, notes = set(), []
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    for (algo, variant), g in sorted(groups.items(), key=lambda kv: (ALGOS.index(kv[0][0]), kv[0][1])):
+        runs = [g["seeds"][k] for k in sorted(g["seeds"])]
+        for s in [g["start"], *runs]:
+            if s and s["meta"].get("command"):
+                commands.add(s["meta"]["command"])
+        if not runs:
+            continue
+        start = g["start"]["final"] if g["start"] else None
+        if start is None:  # no start run: fall back on each run's own first (periodic, fewer seeds) evaluation
+            notes.append(f"{algo} {variant}: no start run; gains are against each run's first evaluation")
+        st = [start or s["points"][0] for s in runs]
+        gains = [s["final"]["acc"] - b["acc"] for s, b in zip(runs, st)]
+        cat_gains = [fmt_ci(*mean_ci([s["final"]["cats"][c] - b["cats"][c] for s, b in zip(runs, st)]))
+                     if all(c in s["final"]["cats"] and c in b["cats"] for s, b in zip(runs, st)) else "—"
+                     for c in cats]
+        ses = [s["final"]["se"] for s in runs if s["final"]["se"] is not None]
+        par = sorted({parallel(s["meta"]) for s in runs})
+        proc = [s["meta"]["process_cpu_s"] for s in runs if s["meta"].get("process_cpu_s") is not None]
+        start_txt = "—" if start is None else f"{start['acc']:.3f} ({start['se']:.3f})" if start["se"] is not None \
+            else f"{start['acc']:.3f}"
+        lines.append("| " + " | ".join([
+            algo, variant, str(len(runs)), start_txt, f"{mean([s['final']['acc'] for s in runs]):.3f}",
+            fmt_ci(*mean_ci(gains)), *cat_gains, f"{mean(ses):.3f}" if ses else "—",
+            f"{mean([s['iterations'] for s in runs]):.0f}", f"{mean([s['final']['images'] for s in runs]):.0f}",
+            f"{mean([s['nfe_train'] for s in runs]):.0f}", f"{mean([s['final']['cpu_s'] for s in runs]):.0f}",
+            f"{mean(proc):.0f}" if proc else "—", ", ".join(par),
+            fmt_ci(*mean_ci([s["best"] - b["acc"] for s, b in zip(runs, st)]))]) + " |")
+        for seed, s, b in zip(sorted(g["seeds"]), runs, st):
+            f = s["final"]
+            per_run.append(f"| {algo} | {variant} | {seed} | {s['iterations']} | {b['acc']:.3f} | {f['acc']:.3f} | "
+                           f"{f['acc'] - b['acc']:+.3f} | {'—' if f['se'] is None else format(f['se'], '.3f')} | "
+                           f"{s['best']:.3f} | {f['images']} | {s['nfe_train']} | {f['cpu_s']:.0f} | "
+                           f"{s['meta'].get('process_cpu_s', float('nan')):.0f} | "
+                           f"{parallel(s['meta'])} |")
+    md = [f"# Comparison at equal CPU seconds (report written {datetime.date.today().isoformat()})", "",
+          "Runs made by:", "", *[f"    {c}" for c in sorted(commands)], "",
+          "gain = final − start accuracy, mean over seeds with a 95 % t-interval; start = the starting model evaluated "
+          "with the final evaluation's seeds. 'CPU s in loop' = the run's CPU seconds (all threads) when it stopped "
+          "training, what the budget limits; 'CPU s process' = the whole process (imports, model load, setup, final "
+          "evaluation). Images and NFE are the means at the final evaluation; NFE (training) excludes evaluation.",
+          "", *lines, "", *[f"- {n}" for n in notes], "", "Per run:", "", *per_run, "",
+          "![accuracy vs CPU seconds](accuracy_vs_cpu.png) ![accuracy vs images](accuracy_vs_images.png)", ""]
+    text = "\n".join(md)
+    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "results.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        f.write(text)
+    for key, label in (("cpu_s", "CPU seconds in the training loop (all threads)"), ("images", "images sampled")):
+        plot(groups, key, label, os.path.join(out, f"accuracy_vs_{key.split('_')[0]}.png"))
+    return text
 
 
-def main():
+def plot(groups: dict, key: str, xlabel: str, path: str) -> None:
+    """Accuracy against `key`: every seed faint, the mean over seeds bold (interpolated on the range that every
+    seed covers), one colour per (algorithm, variant)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, ((algo, variant), g) in enumerate(sorted(groups.items())):
+        runs = [g["seeds"][k] for k in sorted(g["seeds"])]
+        if not runs:
+            continue
+        colour = plt.cm.tab10(i % 10)
+        curves = [(np.array([p[key] for p in s["points"]], float), np.array([p["acc"] for p in s["points"]]))
+                  for s in runs]
+        for x, y in curves:
+            ax.plot(x, y, color=colour, alpha=0.25, lw=1)
+            ax.plot(x[-1:], y[-1:], "o", color=colour, alpha=0.4, ms=3)  # the final (many-seed) evaluation
+        end = min(x[-1] for x, _ in curves)
+        grid = np.linspace(0, end, 50) if end > 0 else np.zeros(1)
+        ax.plot(grid, np.mean([np.interp(grid, x, y) for x, y in curves], 0), color=colour, lw=2.5,
+                label=f"{algo} {variant} ({len(runs)} seeds)")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("eval/accuracy (held-out, strict)")
+    ax.set_title("faint: each seed (dot: its final evaluation); bold: mean over seeds", fontsize=9)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------ running
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+    """"name=--flag value --flag2 value" -> {name: [flags]}; no spec -> one variant "default"."""
+    out = {}
+    for s in specs:
+        name, sep, flags = s.partition("=")
+        if not sep or not name or "__" in name or not name.replace("-", "").replace(".", "").replace("_", "").isalnum():
+            raise ConfigError(f"--variants '{s}': expected NAME=FLAGS with NAME of letters, digits, '.', '-', single "
+                              "'_' (it names the run folders), e.g. \"lr1e-4=--learning-rate 1e-4\"")
+        out[name] = flags.split()
+    return out or {"default": []}
+
+
+def plan(args, variants: dict[str, list[str]], final_seeds: int) -> list[dict]:
+    """Every run of the grid: the start runs first, then seed by seed (a partial grid stays balanced)."""
+    runs = []
+    for seed in [START, *args.seeds]:
+        for algo in args.algos:
+            for variant, flags in variants.items():
+                script = os.path.join(args.script_dir, os.path.basename(SCRIPTS[algo])) if args.script_dir \
+                    else os.path.join(ROOT, SCRIPTS[algo])
+                budget = ["--num-iterations", "0", "--cpu-budget-s", "0"] if seed == START else \
+                    ["--num-iterations", "100000", "--cpu-budget-s", str(args.cpu_seconds)]
+                flags_all = ["--seed", str(1 if seed == START else seed), *budget, "--eval-every", str(args.eval_every),
+                             "--save-every", "100000", "--eval-seeds-per-prompt", str(args.eval_seeds_per_prompt),
+                             "--final-eval-seeds-per-prompt", str(final_seeds), *flags, *args.extra]
+                runs.append({"name": run_name(algo, variant, seed), "algo": algo, "variant": variant, "seed": seed,
+                             "script": script, "flags": flags_all})
+    return runs
+
+
+def check_kept_run(out: str, run: dict) -> None:
+    """A finished run is reused only if it was made with the same flags: else the table would mix budgets."""
+    path = os.path.join(out, run["name"], "harness.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f).get("flags")
+        if old is not None and old != run["flags"]:
+            raise ConfigError(f"{out}/{run['name']} is finished but was made with other flags ({' '.join(old)}) than "
+                              f"this grid asks for ({' '.join(run['flags'])}); use another --out or delete that folder")
+
+
+def launch(out: str, run: dict, threads: int, jobs: int, command: str) -> subprocess.Popen:
+    run_dir = os.path.join(out, run["name"])
+    shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run starts again from nothing
+    os.makedirs(run_dir)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "WANDB_MODE": "disabled",
+           "HF_HUB_OFFLINE": "1",
+           # Waiting OpenMP threads sleep instead of spinning: spinning is counted as CPU time, 5-10x the work
+           # on a shared machine (docs/results.md, "The comparison harness"), and would make budgets unequal.
+           "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    cmd = [sys.executable, run["script"], "--output-dir", out, "--run-name", run["name"], *run["flags"]]
+    meta = {"flags": run["flags"], "threads": threads, "jobs": jobs, "omp_wait_policy": env["OMP_WAIT_POLICY"],
+            "command": command,
+            "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    with open(os.path.join(run_dir, "harness.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    log = open(os.path.join(run_dir, "stdout.log"), "w")
+    p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    p.run, p.meta, p.t0, p.log = run, meta, time.time(), log
+    return p
+
+
+def reap(p: subprocess.Popen) -> bool:
+    """True once `p` has exited; records its exit code and its whole-process CPU seconds (os.wait4's rusage)."""
+    pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+    if pid == 0:
+        return False
+    p.returncode = os.waitstatus_to_exitcode(status)
+    p.meta.update(returncode=p.returncode, process_cpu_s=usage.ru_utime + usage.ru_stime,
+                  wall_s=time.time() - p.t0, ended=datetime.datetime.now().isoformat(timespec="seconds"))
+    p.log.close()
+    return True
+
+
+def run_grid(out: str, runs: list[dict], jobs: int, threads: int, max_wall_s: float, command: str) -> list[str]:
+    """Run what is not finished, `jobs` at a time; return the names of runs that failed."""
+    todo = []
+    for r in runs:
+        if is_finished(os.path.join(out, r["name"])):
+            check_kept_run(out, r)
+            print(f"kept     {r['name']} (finished)")
+        else:
+            todo.append(r)
+    failed, active = [], []
+    try:
+        while todo or active:
+            while todo and len(active) < jobs:
+                active.append(launch(out, todo.pop(0), threads, jobs, command))
+                print(f"started  {active[-1].run['name']}", flush=True)
+            time.sleep(0.2)
+            for p in list(active):
+                if time.time() - p.t0 > max_wall_s and not p.meta.get("killed"):
+                    print(f"killing  {p.run['name']}: over --max-wall-s {max_wall_s:.0f}", flush=True)
+                    os.kill(p.pid, signal.SIGKILL)  # not p.kill(): its poll() would reap the child before reap()
+                    p.meta["killed"] = True
+                if not reap(p):
+                    continue
+                active.remove(p)
+                run_dir = os.path.join(out, p.run["name"])
+                with open(os.path.join(run_dir, "harness.json"), "w") as f:
+                    json.dump(p.meta, f, indent=1)
+                ok = p.returncode == 0 and is_finished(run_dir)
+                print(f"{'finished' if ok else 'FAILED  '} {p.run['name']} ({p.meta['wall_s']:.0f} s"
+                      f"{'' if ok else f', exit {p.returncode}, see {run_dir}/stdout.log'})", flush=True)
+                if not ok:
+                    failed.append(p.run["name"])
+    finally:  # Ctrl-C: stop the children; their folders are unfinished and start again next time
+        for p in active:
+            p.kill()
+            p.wait()
+    return failed
+
+
+def eval_prompt_counts() -> dict[str, int]:
+    from common import toyworld
+
+    counts = {}
+    for p in toyworld.load_prompts(toyworld.TEST_FILE):
+        counts[toyworld.category_of(p)] = counts.get(toyworld.category_of(p), 0) + 1
+    return counts
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
-    ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
-    ap.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget of each run")
-    ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--parallel", type=int, default=1, help="runs at a time")
-    ap.add_argument("--threads", type=int, default=2, help="CPU threads per run")
-    ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench"))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
+    ap.add_argument("--cpu-seconds", type=float, default=1200.0,
+                    help="training budget of every run in process CPU seconds, all threads (1200 = 10 min on 2 cores)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs side by side")
+    ap.add_argument("--threads", type=int, default=None, help="threads per run (default: 2 with --jobs 1, else 1)")
+    ap.add_argument("--final-se", type=float, default=0.02,
+                    help="the final evaluation gets enough seeds per test prompt for this standard error at p = 0.5")
+    ap.add_argument("--eval-every", type=int, default=10, help="iterations between the periodic evaluations")
+    ap.add_argument("--eval-seeds-per-prompt", type=int, default=2, help="seeds per test prompt, periodic evaluations")
     ap.add_argument("--variants", nargs="*", default=[],
-                    help='flag sets to compare, e.g. "lr1e-3=--learning-rate 1e-3" (default: the scripts\' defaults)')
-    ap.add_argument("--report-only", action="store_true")
-    ap.add_argument("extra", nargs="*", help="flags passed to every script (after --)")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+                    help='flag sets, e.g. "lr1e-4=--learning-rate 1e-4" (default: one variant, the defaults)')
+    ap.add_argument("--out", default=os.path.join(ROOT, "runs", "compare"))
+    ap.add_argument("--script-dir", default=None,
+                    help="take every script's file name from this folder instead (tests use stub scripts)")
+    ap.add_argument("--max-wall-s", type=float, default=None,
+                    help="kill a run after this many wall-clock seconds (default: 4 x budget / threads + 3600)")
+    ap.add_argument("--report-only", action="store_true", help="only rebuild the table and plots from --out")
+    ap.add_argument("--dry-run", action="store_true", help="print the runs and their commands, run nothing")
+    ap.add_argument("extra", nargs="*", help="flags for every script (after --)")
+    args = ap.parse_args(argv)
+    threads = args.threads or (2 if args.jobs == 1 else 1)
+    if args.jobs < 1 or threads < 1 or args.cpu_seconds <= 0 or not 0 < args.final_se < 0.5:
+        raise ConfigError(f"--jobs {args.jobs} / --threads {threads} / --cpu-seconds {args.cpu_seconds} / --final-se "
+                          f"{args.final_se}: need jobs and threads >= 1, a positive budget and 0 < final-se < 0.5")
     variants = parse_variants(args.variants)
     if not args.report_only:
-        queue = [(a, s, v, f) for s in args.seeds for a in args.algos for v, f in variants.items()]
-        while queue:
-            batch, queue = queue[: args.parallel], queue[args.parallel:]
-            procs = [launch(a, s, v, f, args.out, args.eval_every, args.threads, args.extra) for a, s, v, f in batch]
-            deadline = time.time() + 60 * args.minutes
-            while time.time() < deadline and any(p.poll() is None for p in procs):
-                time.sleep(2)
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-                    p.wait()
-    report(args.out, args.algos, args.seeds, list(variants))
+        final_seeds = seeds_for_se(args.final_se, eval_prompt_counts())
+        runs = plan(args, variants, final_seeds)
+        print(f"{len(runs)} runs; final evaluation: {final_seeds} seeds per test prompt (SE <= {args.final_se} at "
+              f"p = 0.5); {args.jobs} at a time, {threads} thread(s) each")
+        if args.dry_run:
+            for r in runs:
+                print(r["name"], " ".join([r["script"], *r["flags"]]))
+            return
+        os.makedirs(args.out, exist_ok=True)
+        max_wall = args.max_wall_s or 4 * args.cpu_seconds / threads + 3600
+        command = shlex.join(["python", "tests/bench_compare.py", *(sys.argv[1:] if argv is None else argv)])
+        failed = run_grid(args.out, runs, args.jobs, threads, max_wall, command)
+        if failed:
+            print(f"{len(failed)} run(s) failed (they start again on the next call): {', '.join(failed)}")
+    print(report(args.out))
 
 
 if __name__ == "__main__":

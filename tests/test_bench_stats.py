@@ -34,3 +34,35 @@ def test_pass_at_k_matches_enumeration():
         samples = [True] * c + [False] * (n - c)
         subsets = list(itertools.combinations(samples, k))
         assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+
+
+# ---- the comparison harness's interval (bench_compare.py): t quantiles without scipy
+from bench_compare import mean_ci, seeds_for_se, t_cdf, t_quantile  # noqa: E402
+
+
+@pytest.mark.parametrize("p, df, expected", [(0.975, 1, 12.7062), (0.975, 2, 4.3027), (0.975, 4, 2.7764),
+                                             (0.975, 9, 2.2622), (0.975, 29, 2.0452), (0.95, 4, 2.1318),
+                                             (0.995, 10, 3.1693), (0.975, 10_000, 1.9602), (0.5, 3, 0.0),
+                                             (0.025, 4, -2.7764)])
+def test_t_quantile_matches_tables(p, df, expected):
+    assert t_quantile(p, df) == pytest.approx(expected, abs=1e-4)
+    assert t_cdf(t_quantile(p, df), df) == pytest.approx(p, abs=1e-9)
+
+
+def test_t_interval_of_known_samples():
+    m, lo, hi = mean_ci([0.1, 0.2, 0.3])  # s = 0.1, n = 3: half-width t_{0.975,2} 0.1 / sqrt(3) = 0.24841
+    assert m == pytest.approx(0.2) and lo == pytest.approx(0.2 - 0.24841, abs=1e-5) and hi == pytest.approx(0.44841, abs=1e-5)
+    assert mean_ci([0.3]) == (0.3, None, None)  # one seed: no interval
+    # coverage: over many normal samples of 5 the 95 % t-interval holds the true mean ~95 % of the time
+    g = torch.Generator().manual_seed(0)
+    hits = sum(lo <= 0 <= hi for lo, hi in (mean_ci(torch.randn(5, generator=g).tolist())[1:] for _ in range(4000)))
+    assert 0.94 <= hits / 4000 <= 0.96
+
+
+def test_final_eval_seeds_give_the_standard_error():
+    # the toy test file: 12 / 24 / 32 / 32 prompts; eval/accuracy is the mean of the 4 categories
+    counts = {"single": 12, "counting": 24, "two_object": 32, "position": 32}
+    s = seeds_for_se(0.02, counts)
+    se = lambda k: math.sqrt(sum(0.25 / (n * k) for n in counts.values())) / 4  # noqa: E731
+    assert se(s) <= 0.02 < se(s - 1) and s == 8
+    assert seeds_for_se(0.05, {"a": 100}) == 1 and seeds_for_se(0.02, {"a": 100}) == 7  # 0.5 / sqrt(100 S) <= 0.02

@@ -1,0 +1,157 @@
+"""The comparison harness (bench_compare.py) with stub "algorithms": the resume rule (finished runs kept, unfinished
+ones deleted and run again), the flags every run gets, and the table's numbers. No model is loaded: fast."""
+import json
+import os
+import sys
+import textwrap
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_compare as bc  # noqa: E402
+from common.backbones import ConfigError  # noqa: E402
+
+# A stand-in for a training script: the harness's flags in, a metrics.jsonl out. Accuracy 0.5 at the start and
+# 0.5 + 0.05 * seed at the end; it logs every launch and fails on demand (STUB_CRASH = the run's name).
+STUB = textwrap.dedent('''
+    import argparse, json, os, sys
+    ap = argparse.ArgumentParser()
+    for f in ("--output-dir", "--run-name"):
+        ap.add_argument(f)
+    for f in ("--seed", "--num-iterations", "--eval-every", "--save-every", "--eval-seeds-per-prompt",
+              "--final-eval-seeds-per-prompt"):
+        ap.add_argument(f, type=int)
+    ap.add_argument("--cpu-budget-s", type=float)
+    a, rest = ap.parse_known_args()
+    run = os.path.join(a.output_dir, a.run_name)
+    os.makedirs(run, exist_ok=True)
+    with open(os.path.join(a.output_dir, "launches.txt"), "a") as f:
+        f.write(a.run_name + " " + " ".join(sys.argv[1:]) + "\\n")
+    n = 0 if a.num_iterations == 0 else 3  # "the budget ran out after 3 iterations"
+    cats = lambda v: {"eval/accuracy_single": v, "eval/accuracy_counting": v / 2}
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        for it in range(n + 1):
+            row = {"iteration": it, "nfe": 100 * (it + 1), "nfe/eval": 10 * (it + 1), "images": 64 * it,
+                   "time/cpu_s": 7.0 * (it + 1)}
+            if it == n:
+                acc = 0.5 + 0.05 * a.seed * (n > 0)
+                row.update({"eval/accuracy": acc, **cats(acc), "eval/accuracy_se": 0.1 / a.final_eval_seeds_per_prompt,
+                            "final": True})
+            elif it % a.eval_every == 0:
+                row.update({"eval/accuracy": 0.5, **cats(0.5), "eval/accuracy_se": 0.035})
+            f.write(json.dumps(row) + "\\n")
+            f.flush()
+            if os.environ.get("STUB_CRASH") == a.run_name and it == 1:
+                sys.exit(1)
+''')
+
+
+@pytest.fixture
+def stubs(tmp_path):
+    d = tmp_path / "scripts"
+    d.mkdir()
+    for name in ("flowgrpo_baseline.py", "yardstick_raft.py"):
+        (d / name).write_text(STUB)
+    return str(d)
+
+
+def launches(out):
+    with open(os.path.join(out, "launches.txt")) as f:
+        return [line.split()[0] for line in f]
+
+
+def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path, monkeypatch):
+    out = str(tmp_path / "grid")
+    argv = ["--script-dir", stubs, "--out", out, "--algos", "flowgrpo_baseline", "yardstick", "--seeds", "1", "2",
+            "--cpu-seconds", "30", "--jobs", "2", "--eval-every", "1"]
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("STUB_CRASH", "yardstick__default__2")
+    bc.main(argv)
+    first = launches(out)
+    assert sorted(first) == sorted(["flowgrpo_baseline__default__start", "yardstick__default__start",
+                                    "flowgrpo_baseline__default__1", "yardstick__default__1",
+                                    "flowgrpo_baseline__default__2", "yardstick__default__2"])
+    crashed = os.path.join(out, "yardstick__default__2")
+    assert not bc.is_finished(crashed) and os.path.exists(os.path.join(crashed, "metrics.jsonl"))
+    assert json.load(open(os.path.join(crashed, "harness.json")))["returncode"] == 1
+    (tmp_path / "grid" / "yardstick__default__2" / "leftover").write_text("from the crashed run")
+
+    monkeypatch.delenv("STUB_CRASH")
+    bc.main(argv)
+    assert launches(out)[len(first):] == ["yardstick__default__2"]  # only the unfinished run ran again
+    assert bc.is_finished(crashed) and not os.path.exists(os.path.join(crashed, "leftover"))
+    bc.main(argv)
+    assert len(launches(out)) == len(first) + 1  # a complete grid launches nothing
+
+    # the flags a run got: the budget, 8 final seeds (SE <= 0.02 on the toy test file), no checkpoints
+    flags = {line.split()[0]: line.split()[1:] for line in open(os.path.join(out, "launches.txt"))}
+    f = flags["flowgrpo_baseline__default__1"]
+    for k, v in [("--cpu-budget-s", "30.0"), ("--final-eval-seeds-per-prompt", "8"), ("--seed", "1"),
+                 ("--eval-every", "1"), ("--save-every", "100000")]:
+        assert f[f.index(k) + 1] == v, (k, f)
+    s = flags["yardstick__default__start"]
+    assert s[s.index("--num-iterations") + 1] == "0"
+    meta = json.load(open(os.path.join(out, "flowgrpo_baseline__default__1", "harness.json")))
+    assert meta["jobs"] == 2 and meta["threads"] == 1 and meta["returncode"] == 0 and meta["process_cpu_s"] >= 0
+    assert meta["omp_wait_policy"] == "PASSIVE"
+
+    # a finished run made with another budget is not silently mixed into the table
+    with pytest.raises(ConfigError, match="other flags"):
+        bc.main([*argv[:-6], "--cpu-seconds", "60", "--jobs", "2", "--eval-every", "1"])
+
+    # --report-only rebuilds everything from the folders
+    os.remove(os.path.join(out, "results.md"))
+    os.remove(os.path.join(out, "accuracy_vs_cpu.png"))
+    bc.main(["--out", out, "--report-only"])
+    text = open(os.path.join(out, "results.md")).read()
+    assert os.path.getsize(os.path.join(out, "accuracy_vs_cpu.png")) > 0
+    assert os.path.getsize(os.path.join(out, "accuracy_vs_images.png")) > 0
+    # gains 0.05 and 0.10 over 2 seeds: mean 0.075, half-width t_{0.975,1} * 0.03536 / sqrt(2) = 0.3177
+    assert "| flowgrpo_baseline | default | 2 | 0.500 (0.013) | 0.575 | +0.075 [-0.243, +0.393] |" in text
+    assert "| 1 x 2" not in text and "| 2 x 1, passive |" in text  # side by side, 1 thread, no spinning
+
+
+def write_run(out, name, rows):
+    os.makedirs(os.path.join(out, name))
+    with open(os.path.join(out, name, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def test_table_numbers(tmp_path):
+    out = str(tmp_path)
+    cat = lambda a, b: {"eval/accuracy_single": a, "eval/accuracy_position": b}  # noqa: E731
+    write_run(out, "g2rpo__lr1e-4__start", [{"iteration": 0, "eval/accuracy": 0.5, **cat(0.6, 0.4),
+                                             "eval/accuracy_se": 0.019, "nfe": 0, "final": True}])
+    for seed, final, best in [(1, 0.6, 0.75), (2, 0.7, 0.7), (3, 0.8, 0.8)]:
+        write_run(out, f"g2rpo__lr1e-4__{seed}", [
+            {"iteration": 0, "eval/accuracy": 0.45, **cat(0.5, 0.4), "nfe": 1000, "nfe/eval": 400, "images": 64,
+             "time/cpu_s": 10.0},
+            {"iteration": 1, "eval/accuracy": best, **cat(0.5, 0.4), "nfe": 2400, "nfe/eval": 800, "images": 128,
+             "time/cpu_s": 20.0 + seed},
+            {"iteration": 2, "eval/accuracy": final, **cat(final + 0.1, final - 0.1), "eval/accuracy_se": 0.018,
+             "nfe": 4000, "nfe/eval": 2000, "images": 128, "time/cpu_s": 40.0, "final": True}])
+    write_run(out, "g2rpo__lr1e-4__4", [{"iteration": 0, "eval/accuracy": 0.5, "nfe": 0}])  # unfinished: left out
+    text = bc.report(out)
+    row = next(line for line in text.splitlines() if line.startswith("| g2rpo | lr1e-4 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    head = [c.strip() for c in text.splitlines()[text.splitlines().index(next(
+        line for line in text.splitlines() if line.startswith("| algorithm | variant | seeds")))].strip("|").split("|")]
+    got = dict(zip(head, cells))
+    assert got["seeds"] == "3" and got["start (SE)"] == "0.500 (0.019)" and got["final"] == "0.700"
+    assert got["gain [95 % CI]"] == "+0.200 [-0.048, +0.448]"  # gains .1 .2 .3: s = .1, t_{.975,2} = 4.303
+    assert got["gain single"] == "+0.200 [-0.048, +0.448]" and got["gain position"] == "+0.200 [-0.048, +0.448]"
+    assert got["final-eval SE"] == "0.018" and got["iterations"] == "2"
+    # consumption at the final evaluation = the counters of the row before it (the last training iteration)
+    assert got["images"] == "128" and got["NFE (training)"] == "1600" and got["CPU s in loop"] == "22"
+    # the best evaluation only beside the last: bests .75 .7 .8 minus .5
+    assert got["best eval − start (beside the last, biased up)"] == "+0.250 [+0.126, +0.374]"
+    assert "| g2rpo | lr1e-4 | 4 |" not in text and "| g2rpo | lr1e-4 | 3 | 2 | 0.500 | 0.800 | +0.300 |" in text
+
+
+def test_bad_variant_is_one_clear_line():
+    with pytest.raises(ConfigError, match="NAME=FLAGS"):
+        bc.parse_variants(["lr__1=--learning-rate 1e-4"])
+    with pytest.raises(ConfigError, match="NAME=FLAGS"):
+        bc.parse_variants(["--learning-rate 1e-4"])
+    assert bc.parse_variants(["lr1e-4=--learning-rate 1e-4"]) == {"lr1e-4": ["--learning-rate", "1e-4"]}
+    assert bc.parse_variants([]) == {"default": []}
