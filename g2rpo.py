@@ -142,7 +142,7 @@ class Args:
     every λ-th step from the branch's sigma and always a last Euler step to sigma = 0. Same NFE either way"""
     update_schedule: Literal["accumulate", "per-k"] = "accumulate"
     """one optimizer step over all branch steps (the paper's (1/|M|) sum, default) or one per k (the released hps
-    script; the shared training section honours transitions["update_group"])"""
+    script; the shared training section honours transitions["update_block"])"""
     clip_range: float = 1e-4
     """PPO clip epsilon on the ratio (tiny because the log-prob is a per-element mean; the released code: 1e-4)"""
     adv_clip_max: float = 5.0
