@@ -28,9 +28,10 @@ from tqdm import tqdm
 from common import toyworld
 from common.backbones import LORA_TARGETS, ConfigError, check_model_path, check_resolution, load_backbone
 from common.evaluation import evaluate
+from common.plots import line_plot
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
 from common.sampler import gaussian_kl, ode_step, sde_step_with_logprob
-from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, line_plot, rng_state,
+from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, rng_state,
                           save_checkpoint, seed_everything, set_rng_state, setup_distributed, truncate_metrics)
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -21,7 +21,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.utils import line_plot  # noqa: E402
+from common.plots import line_plot  # noqa: E402
 
 ALGOS = ("flowgrpo_baseline", "g2rpo", "densegrpo")
 
