@@ -42,6 +42,19 @@ class Panel:
         return captioned_grid(self.images, self.prompts, self.verdicts, self.rewards, ncol=4,
                               header=when + accuracy_line(self.metrics))
 
+    def captioned(self) -> list[tuple[object, str]]:
+        """(PIL image, caption) per image, for wandb (`RunLogger.log(..., {"eval/panel": panel.captioned()})`)."""
+        from PIL import Image
+
+        out = []
+        for k, p in enumerate(self.prompts):
+            verdict = "" if self.verdicts is None else (", correct" if self.verdicts[k] else ", wrong")
+            im = Image.fromarray(self.images[k])
+            side = im.width * max(1, 128 // im.width)  # toy images: 32 -> 128 px, pixels repeated
+            out.append((im.resize((side, side), Image.NEAREST), f"{p} (seed {self.seeds[k]}): reward "
+                        f"{self.rewards[k]:.2f}{verdict}"))
+        return out
+
     def save(self, path: str) -> None:
         """As .npz (the images are small: 16 toy images are 50 KB), so a resumed run still has its first panel."""
         import json

@@ -85,7 +85,9 @@ class RunLogger:
         if self.wandb is not None:
             import wandb
 
-            extra = {k: wandb.Image(v) for k, v in (images or {}).items()}
+            # an image, or a list of (image, caption) pairs (wandb shows them as one captioned gallery)
+            extra = {k: [wandb.Image(im, caption=c) for im, c in v] if isinstance(v, list) else wandb.Image(v)
+                     for k, v in (images or {}).items()}
             self.wandb.log({**metrics, **extra}, step=metrics["iteration"])
 
     def history(self) -> list[dict]:

@@ -1,6 +1,7 @@
 """common/plots.py: every chart is a PNG of the promised size, whatever the log holds; grids frame correct
 images green and wrong ones red (read back from the pixels); the before/after image pairs the same prompts."""
 import math
+import os
 
 import numpy as np
 import pytest
@@ -114,3 +115,40 @@ def test_before_after_pairs_the_same_prompts_and_panel_round_trips(tmp_path):
     assert frame_pixels(arr, GREEN) > 0 and frame_pixels(arr, RED) > 0  # correct before, wrong after
     with pytest.raises(ValueError, match="different prompts"):
         before_after(before, make_panel(prompts[::-1], 60), str(tmp_path / "x.png"))
+
+
+def test_run_pictures_draws_curve_heatmap_and_before_after_from_the_run_folder(tmp_path):
+    from common.plots import run_pictures
+
+    prompts = [p for c in toyworld.CATEGORIES for p in toyworld.all_prompts(c)[:1]]
+    os.makedirs(tmp_path / "samples")
+    for it, flip in ((0, False), (5, True), (10, True)):
+        make_panel(prompts, it, flip).save(str(tmp_path / "samples" / f"eval_{it:05d}.npz"))
+    written = run_pictures(str(tmp_path), history(), "run")
+    assert [os.path.basename(w) for w in written] == ["learning_curve.png", "steps_heatmap.png", "before_after.png"]
+    for w in written:
+        png_size(w)
+    os.remove(tmp_path / "samples" / "eval_00005.npz")
+    os.remove(tmp_path / "samples" / "eval_00010.npz")
+    assert len(run_pictures(str(tmp_path), history(steps=False), "run")) == 1  # one evaluation, no step metrics
+
+
+def test_run_logger_sends_captioned_panels_to_wandb(tmp_path, monkeypatch):
+    """--track: a list of (image, caption) pairs becomes a list of captioned wandb.Images (wandb faked here)."""
+    import sys
+    import types
+
+    from common.utils import RunLogger
+
+    logged = {}
+    fake = types.ModuleType("wandb")
+    fake.Image = lambda im, caption=None: ("Image", im.size, caption)
+    fake.init = lambda **kw: types.SimpleNamespace(log=lambda d, step: logged.update(d, step=step), finish=lambda: 0)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    panel = make_panel(["a photo of a red circle", "a photo of two blue squares"], 0)
+    logger = RunLogger(str(tmp_path), True, True, {}, "p", None, "n")
+    logger.log({"iteration": 3}, {"eval/samples": panel.grid(), "eval/panel": panel.captioned()})
+    assert logged["step"] == 3 and logged["eval/samples"][0] == "Image"
+    assert [c for _, _, c in logged["eval/panel"]] == ["a photo of a red circle (seed 0): reward 0.50, correct",
+                                                       "a photo of two blue squares (seed 1): reward 0.50, correct"]
+    assert logged["eval/panel"][0][1] == (128, 128)

@@ -31,7 +31,8 @@ def save_lora(folder: str, b_std: float) -> None:
     from common.backbones import LORA_TARGETS
 
     tr = SD3Transformer2DModel.from_pretrained(os.path.join(ROOT, "common", "toyworld", "model", "transformer"))
-    tr.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=LORA_TARGETS["attention"]))
+    tr.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
+                              target_modules=LORA_TARGETS["attention"]))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in tr.named_parameters():
