@@ -55,9 +55,12 @@ def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) 
     """The run at a glance, against the iteration: the training reward (`train/reward_mean`, left axis) and the
     held-out accuracy (`eval/accuracy`, else `eval/reward_mean`; right axis) with a band of +-1 standard error
     (`eval/accuracy_se`) and one thin line per category (`eval/accuracy_<category>`). Either side may be absent."""
+    from matplotlib.ticker import MaxNLocator
+
     fig = _figure(*size, layout="constrained")
     ax = fig.add_subplot()
     ax.set_xlabel("iteration")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     handles = []
     tr_x, tr_y = _points([h.get("iteration") for h in history], [h.get("train/reward_mean") for h in history])
@@ -105,6 +108,7 @@ def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, pa
     without a value are grey. The mean ratio's colours are centred on 1 (on-policy); GRPO-Guard (arXiv 2510.22319)
     reads over-optimisation off the per-step ratio mean and spread drifting apart."""
     from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.ticker import MaxNLocator
 
     prefix = key_prefix.rstrip("/") + "/"
     cells: dict[str, dict[tuple[int, int], float]] = {}
@@ -139,6 +143,7 @@ def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, pa
         im.cmap.set_bad("0.85")
         ax.set_title(STEP_LABELS.get(metric, metric), fontsize="medium")
         ax.set_xlabel("iteration")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("trained step index")
         ax.set_yticks(range(steps) if steps <= 12 else np.linspace(0, steps - 1, 6).round().astype(int))
         fig.colorbar(im, ax=ax)
