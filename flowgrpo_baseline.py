@@ -26,10 +26,11 @@ from common.backbones import LORA_TARGETS, ConfigError, check_model_path, check_
 from common.checkpoint import resolve_run_dir, restore_checkpoint, rng_state, save_checkpoint
 from common.checks import Rule, check_flag, check_ranges, read_prompt_file
 from common.evaluation import evaluate
+from common.plots import run_pictures
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
 from common.sampler import gaussian_kl, sde_step_with_logprob
 from common.training import EMA, Stats, Trainable, check_transitions, ema_weights, optimizer_step, plan_updates
-from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, line_plot, seed_everything, setup_distributed,
+from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, seed_everything, setup_distributed,
                           truncate_metrics)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -301,19 +302,20 @@ if __name__ == "__main__":
             seeds = args.final_eval_seeds_per_prompt if final and args.final_eval_seeds_per_prompt else \
                 args.eval_seeds_per_prompt
             with timer("eval"), ema_weights(ema):  # common/evaluation.py: ODE from fixed seeds, same in all scripts
-                eval_metrics, grid_img = evaluate(backbone, reward_model, guard_model, eval_prompts, args.eval_num_steps,
-                                                  args.shift, eval_cfg, seeds, args.eval_batch_size, args.resolution,
-                                                  rank, world_size)
+                eval_metrics, grid_img, panel = evaluate(
+                    backbone, reward_model, guard_model, eval_prompts, args.eval_num_steps, args.shift, eval_cfg, seeds,
+                    args.eval_batch_size, args.resolution, rank, world_size, return_panel=True, iteration=iteration)
             counts["nfe/eval"] += len(eval_prompts) * seeds * args.eval_num_steps
             metrics.update(eval_metrics)
             last_eval = f"{metrics.get('eval/accuracy', metrics['eval/reward_mean']):.3f}@{iteration}"
             if is_main:
                 os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
                 grid_img.save(os.path.join(run_dir, "samples", f"eval_{iteration:05d}.png"))
+                panel.save(os.path.join(run_dir, "samples", f"eval_{iteration:05d}.npz"))  # for before_after.png
         if final:
             metrics.update({**counts, "nfe": sum(v for k, v in counts.items() if k.startswith("nfe/")), "final": True,
                             "time/elapsed_s": time.time() - t_start, "time/cpu_s": time.process_time() - cpu_start})
-            logger.log(metrics, {"eval/samples": grid_img} if grid_img else None)
+            logger.log(metrics, {"eval/samples": grid_img, "eval/panel": panel.captioned()} if grid_img else None)
             break
 
         # ================================ ROLLOUT: sample groups and build transitions ================================
@@ -329,7 +331,7 @@ if __name__ == "__main__":
             my_prompts = [train_prompts[prompt_ids[k]] for k in group[mine]]
             emb = backbone.encode(my_prompts)
             gen = torch.Generator(device).manual_seed(args.seed * 1_000_003 + iteration * 1009 + rank)
-            chains, images = [], []  # per rollout batch: (latents, next_latents, log_prob), each [trained steps, B, ...]
+            chains, images = [], []  # per rollout batch: (latents, next_latents, log_prob), [trained steps, B, ...]
             with torch.no_grad():
                 for b in range(0, args.images_per_rank, args.rollout_batch_size):
                     idx = slice(b, b + args.rollout_batch_size)
@@ -407,9 +409,9 @@ if __name__ == "__main__":
                             if args.beta > 0:  # KL to the reference policy on the step's Gaussian means (sampler E5)
                                 v_ref = trainable.reference_velocity(tr["latents"][s], tr["sigma"][s], e,
                                                                      args.guidance_scale)[mb.expand]
-                                mean_ref = sde_step_with_logprob(v_ref, tr["latents"][r], tr["sigma"][r],
-                                                                 tr["sigma_next"][r], tr["noise_level"][r],
-                                                                 prev_sample=tr["next_latents"][r], sigma_max=sigmas[1])[2]
+                                mean_ref = sde_step_with_logprob(
+                                    v_ref, tr["latents"][r], tr["sigma"][r], tr["sigma_next"][r], tr["noise_level"][r],
+                                    prev_sample=tr["next_latents"][r], sigma_max=sigmas[1])[2]
                                 kl = gaussian_kl(mean, mean_ref, std_dev_t)
                             loss = ((policy_loss + args.beta * kl) * mb.weight).sum() / step.divisor
                             loss.backward()
@@ -434,23 +436,23 @@ if __name__ == "__main__":
         stats.count(**rollout_counts)  # this rank's images and rollout / completion NFE
         red = stats.reduce(world_size, device)
         counts.update({k: v + int(red.get(k, 0)) for k, v in counts.items()})
-        n_opt = red.get("optimizer_steps", 0)
-        ratio_std = {j: max(red["ratio_sq/per_step"][j] - m ** 2, 0.0) ** 0.5 for j, m in red.get("ratio/per_step", {}).items()}
+        n_opt = int(red.get("optimizer_steps", 0))
+        means = {"ratio/mean": red.get("ratio", 1.0), "ratio/min": red.get("ratio/min", 1.0),  # nothing trained: 1
+                 "ratio/max": red.get("ratio/max", 1.0), **{k: red.get(k, 0.0) for k in ("clipfrac", "approx_kl_k2",
+                                                                                        "kl", "policy_loss")}}
+        per_step = {f"steps/{k}/{j}": v for k in ("ratio", "clipfrac", "kl", "abs_adv", "kept")
+                    for j, v in red.get(f"{k}/per_step", {}).items()}
+        per_step.update({f"steps/ratio_std/{j}": max(red["ratio_sq/per_step"][j] - m ** 2, 0.0) ** 0.5
+                         for j, m in red.get("ratio/per_step", {}).items()})
         metrics.update({
-            **counts, "nfe": sum(v for k, v in counts.items() if k.startswith("nfe/")),
-            "ratio/mean": red.get("ratio", 1.0), "ratio/min": red.get("ratio/min", 1.0), "ratio/max": red.get("ratio/max", 1.0),
-            "ratio/first_minibatch_max_dev": first_ratio_dev or 0.0, "clipfrac": red.get("clipfrac", 0.0),
-            "approx_kl_k2": red.get("approx_kl_k2", 0.0), "kl": red.get("kl", 0.0), "policy_loss": red.get("policy_loss", 0.0),
-            "train/kept_transitions": int(red.get("ratio/weight", 0)), "train/optimizer_steps": int(n_opt),
-            "grad_norm": red["grad_norm"] / n_opt if n_opt else 0.0,
-            **{f"steps/{k}/{j}": v for k in ("ratio", "clipfrac", "kl", "abs_adv", "kept")
-               for j, v in red.get(f"{k}/per_step", {}).items()},
-            **{f"steps/ratio_std/{j}": v for j, v in ratio_std.items()},
+            **counts, "nfe": sum(v for k, v in counts.items() if k.startswith("nfe/")), **means, **per_step,
+            "ratio/first_minibatch_max_dev": first_ratio_dev or 0.0, "train/optimizer_steps": n_opt,
+            "train/kept_transitions": int(red.get("ratio/weight", 0)), "grad_norm": red["grad_norm"] / n_opt if n_opt else 0.0,
             **{f"time/{k}_s": timer.times.get(k, 0.0) for k in ("rollout", "reward", "train", "eval")},
             "time/elapsed_s": time.time() - t_start, "time/cpu_s": time.process_time() - cpu_start})
         if device.type == "cuda":
             metrics["mem/max_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-        logger.log(metrics, {"eval/samples": grid_img} if grid_img else None)
+        logger.log(metrics, {"eval/samples": grid_img, "eval/panel": panel.captioned()} if grid_img else None)
         bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", eval=last_eval)
 
         # ---- checkpoint (rank 0 writes; every rank contributes its RNG state)
@@ -474,12 +476,8 @@ if __name__ == "__main__":
     print(f"final weights: rank {rank} sha256 {digest.hexdigest()[:16]}", flush=True)
     if is_main:
         hist = logger.history()
-        tr_pts = [(h["iteration"], h["train/reward_mean"]) for h in hist if "train/reward_mean" in h]
+        run_pictures(run_dir, hist, args.exp_name)  # learning_curve.png, steps_heatmap.png, before_after.png
         ev_key = "eval/accuracy" if any("eval/accuracy" in h for h in hist) else "eval/reward_mean"
-        ev_pts = [(h["iteration"], h[ev_key]) for h in hist if ev_key in h]
-        series = {"train reward": tuple(map(list, zip(*tr_pts))) if tr_pts else ([], []),
-                  ev_key: tuple(map(list, zip(*ev_pts))) if ev_pts else ([], [])}
-        line_plot(series, os.path.join(run_dir, "learning_curve.png"), "iteration", "reward / accuracy", args.exp_name)
         evals = [h for h in hist if ev_key in h]
         se = {h["iteration"]: f" ± {h['eval/accuracy_se']:.3f}" if "eval/accuracy_se" in h else "" for h in evals}
         print(f"held-out {ev_key}: {evals[0][ev_key]:.3f}{se[evals[0]['iteration']]} at iteration "

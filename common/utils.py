@@ -1,4 +1,5 @@
-"""Plumbing shared by the three training scripts: distributed set-up (with a collective timeout), run logging, plots.
+"""Plumbing shared by the three training scripts: distributed set-up (with a collective timeout), run logging
+(pictures: common/plots.py, checkpoints: common/checkpoint.py).
 
 None of this is algorithm: a reader can follow flowgrpo_baseline.py / g2rpo.py / densegrpo.py without
 opening this file. It lives here because it must behave identically in all three (CleanRL keeps the same
@@ -18,7 +19,6 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-from PIL import Image, ImageDraw  # noqa: F401
 
 
 # ---------------------------------------------------------------------------------------- distributed
@@ -139,7 +139,9 @@ class RunLogger:
         if self.wandb is not None:
             import wandb
 
-            extra = {k: wandb.Image(v) for k, v in (images or {}).items()}
+            # an image, or a list of (image, caption) pairs (wandb shows them as one captioned gallery)
+            extra = {k: [wandb.Image(im, caption=c) for im, c in v] if isinstance(v, list) else wandb.Image(v)
+                     for k, v in (images or {}).items()}
             self.wandb.log({**metrics, **extra}, step=metrics["iteration"])
 
     def history(self) -> list[dict]:
@@ -163,46 +165,6 @@ def truncate_metrics(run_dir: str, iteration: int) -> None:
             f.writelines(keep)
 
 
-# ---------------------------------------------------------------------------------------- pictures
-COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
-
-
-def line_plot(series: dict[str, tuple[list, list]], path: str, xlabel: str, ylabel: str, title: str = "",
-              size=(640, 400)) -> None:
-    """A minimal line chart with PIL (no matplotlib dependency): one coloured line per series, a legend."""
-    w, h = size
-    left, right, top, bottom = 60, 20, 30, 45
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
-    pts = [(x, y) for xs, ys in series.values() for x, y in zip(xs, ys) if y is not None and np.isfinite(y)]
-    if not pts:
-        img.save(path)
-        return
-    x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
-    y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
-    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1e-6)
-    pad_y = 0.05 * (y1 - y0)
-    y0, y1 = y0 - pad_y, y1 + pad_y
-
-    def to_px(x, y):
-        return (left + (x - x0) / (x1 - x0) * (w - left - right), top + (y1 - y) / (y1 - y0) * (h - top - bottom))
-
-    d.rectangle([left, top, w - right, h - bottom], outline="black")
-    for k in range(5):
-        yv, xv = y0 + k * (y1 - y0) / 4, x0 + k * (x1 - x0) / 4
-        d.text((5, to_px(x0, yv)[1] - 5), f"{yv:.3g}", fill="black")
-        d.text((to_px(xv, y0)[0] - 10, h - bottom + 5), f"{xv:.3g}", fill="black")
-    d.text((w // 2 - 3 * len(xlabel), h - 18), xlabel, fill="black")
-    d.text((5, 8), f"{ylabel}   {title}", fill="black")
-    for i, (name, (xs, ys)) in enumerate(series.items()):
-        c = COLORS[i % len(COLORS)]
-        line = [to_px(x, y) for x, y in zip(xs, ys) if y is not None and np.isfinite(y)]
-        if len(line) > 1:
-            d.line(line, fill=c, width=2)
-        for p in line:
-            d.ellipse([p[0] - 2, p[1] - 2, p[0] + 2, p[1] + 2], fill=c)
-        d.text((left + 10, top + 5 + 14 * i), name, fill=c)
-    img.save(path)
 
 
 class Timer:

@@ -122,7 +122,7 @@ def encode_latents(vae, images_u8, device, set_stats: bool = True) -> torch.Tens
 
 def evaluate(backbone: Backbone, steps: int, cfg: float, batch: int = 256) -> tuple[dict, object]:
     """The RL scripts' evaluation (common/evaluation.py: the test prompts, 2 fixed seeds each, ODE, strict accuracy),
-    with short keys for the log: accuracy, reward and one accuracy per category; and the grid of the first 64 images."""
+    with short keys for the log: accuracy, reward and one accuracy per category; and its captioned grid."""
     m, grid = evaluate_prompts(backbone, build_reward("toyworld"), None, toyworld.load_prompts(toyworld.TEST_FILE),
                                steps, None, cfg, 2, batch, toyworld.RESOLUTION)
     per_cat = {c: m[f"eval/accuracy_{c}"] for c in toyworld.CATEGORIES}
