@@ -243,11 +243,12 @@ def load_backbone(path: str, device: torch.device | str = "cpu", dtype: torch.dt
     # A pipeline saved without a T5 encoder (the toy model) records it as null; diffusers then wants it passed.
     absent = {k: None for k in ("text_encoder_3", "tokenizer_3") if kind == "sd3" and index.get(k, [None])[0] is None}
     try:
-        pipe = cls.from_pretrained(path, dtype=dtype, local_files_only=True, **absent).to(device)
+        # the VAE decodes in fp32 whatever the model dtype (a no-op on CPU)
+        pipe = cls.from_pretrained(path, dtype={"default": dtype, "vae": torch.float32}, local_files_only=True,
+                                   **absent).to(device)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"--model-path '{path}' could not be loaded as a {cls.__name__}: {first} ({HUB_HINT})")
-    pipe.vae.to(torch.float32)  # decode in fp32 (a no-op on CPU)
     if max_sequence_length is None:
         # T5 tokens in the context. Flow-GRPO uses 128 for SD3.5; FLUX was trained with 512. Without a T5
         # encoder (the toy model) SD3 feeds zeros, so one such token is enough.
