@@ -14,6 +14,7 @@ Docs: docs/densegrpo.md.  Run: `python densegrpo.py` (toy world, CPU, minutes, n
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from contextlib import nullcontext
@@ -33,7 +34,7 @@ from common.checks import Rule, check_flag, check_ranges, read_prompt_file
 from common.evaluation import evaluate
 from common.plots import line_plot, run_pictures
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
-from common.sampler import gaussian_kl, ode_step, sde_step_with_logprob
+from common.sampler import gaussian_kl, ode_along_paths, sde_step_with_logprob
 from common.training import EMA, Stats, Trainable, check_transitions, ema_weights, optimizer_step, plan_updates
 from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, seed_everything, setup_distributed,
                           truncate_metrics)
@@ -149,26 +150,30 @@ class Args:
     completion_batch_size: int = 64
     """completions advanced per transformer call in the staircase, per rank"""
     psi_scale: Literal["multiplier", "raw"] = "multiplier"
-    """psi(t) replaces a in std_dev_t = psi(t) sqrt(sigma/(1-sigma)) (multiplier), or is std_dev_t itself (raw,
-    Eq. 11 read literally; then psi starts at the baseline's std_dev_t)"""
+    """psi(t) replaces a in std_dev_t = psi(t) sqrt(sigma/(1-sigma)) (multiplier), or is std_dev_t itself (raw, Eq. 11
+    read literally; it starts at the baseline's std_dev_t and --calibration-step / --psi-bounds are scaled by
+    sqrt(sigma/(1-sigma)) at each t, so both scales calibrate the same noise and differ only in the unit of psi)"""
     psi_file: str | None = None
     """a psi.json from an earlier run: use its psi(t) and skip the calibration"""
-    calibration_iterations: int = 6
-    """iterations K of Algorithm 1 (0 = no calibration: psi(t) = noise_level at every step). Toy default 6 x 16
-    trajectories, about a minute of CPU: psi moves by +-0.06 at most (the paper's setting needs ~50, see docs)"""
+    calibration_iterations: int = 12
+    """iterations K of Algorithm 1 (0 = no calibration: psi(t) = noise_level at every step). Toy default 12 x 16
+    trajectories, under 2 CPU minutes; the paper gives no K (see docs: the precision this buys)"""
     calibration_trajectories: int = 16
     """trajectories N per calibration iteration, over all ranks, each with its own random prompt"""
-    calibration_step: float = 0.01
-    """epsilon_2: psi(t) moves up (balanced) or down (imbalanced) by this much per iteration (paper: 0.01)"""
-    balance_test: Literal["ratio", "literal", "fraction"] = "ratio"
-    """when are the signs of DeltaR_t balanced: literal |#pos - #neg| < e (paper, e = 2), ratio
-    max(#pos, #neg) < e min(#pos, #neg) (e = 2), fraction |#pos - #neg| < e N (e = 1/3). See docs for the choice"""
+    calibration_step: float | None = None
+    """epsilon_2, the largest move of psi(t) per iteration (default: 0.2 for share; 0.01, the paper's, otherwise)"""
+    balance_test: Literal["share", "literal", "ratio", "fraction"] = "share"
+    """the update rule of Algorithm 1: share psi += eps2 (#pos - #neg) / (#pos + #neg), which settles at #pos = #neg
+    (balance); or the paper's psi += eps2 if balanced else -= eps2 with the test literal |#pos - #neg| < e (paper,
+    e = 2), ratio max(#pos, #neg) < e min(#pos, #neg) (e = 2) or fraction |#pos - #neg| < e N (e = 1/3). A timestep
+    whose DeltaR are all 0 holds its psi (literal: counts as balanced, as the paper). See docs"""
     balance_threshold: float | None = None
-    """e of the balance test (default: 2 for literal and ratio, 1/3 for fraction)"""
+    """e of the balance test (default: 2 for literal and ratio, 1/3 for fraction; share has none)"""
     psi_bounds: tuple[float, float] = (0.0, 1.5)
-    """psi(t) is clamped to [low, high] after every calibration update"""
-    calibration_average: int = 5
-    """the calibrated psi(t) is the mean of the last this-many iterates (Algorithm 1 oscillates by +-epsilon_2)"""
+    """psi(t) is clamped to [low, high] after every calibration update, in units of the multiplier a (raw: times
+    sqrt(sigma/(1-sigma))); must contain --noise-level, the start"""
+    calibration_average: int = 6
+    """the calibrated psi(t) is the mean of the last this-many iterates (the iterates jitter by ~epsilon_2)"""
 
     # ---- optimisation
     num_iterations: int = 60
@@ -251,9 +256,14 @@ def check_args(args: Args, world_size: int) -> None:
     check_flag(args, "completion_batch_size", Rule(1, integer=True, why="completions per transformer call"))
     if args.balance_threshold is None:
         args.balance_threshold = 1 / 3 if args.balance_test == "fraction" else 2.0  # paper: epsilon_1 = 2
+    if args.calibration_step is None:
+        args.calibration_step = 0.2 if args.balance_test == "share" else 0.01  # paper: epsilon_2 = 0.01
     lo, hi = args.psi_bounds
     if not 0 <= lo <= hi:
         raise ConfigError(f"--psi-bounds {lo} {hi}: need 0 <= low <= high (psi enters the SDE squared)")
+    if not lo <= args.noise_level <= hi:
+        raise ConfigError(f"--psi-bounds {lo} {hi} do not contain the start --noise-level {args.noise_level} (bounds "
+                          "are in units of the multiplier a, also with --psi-scale raw); widen them or move the start")
     if args.calibration_average < 1:
         raise ConfigError(f"--calibration-average {args.calibration_average}: average at least the last iterate")
     if args.psi_file is not None and not os.path.isfile(args.psi_file):
@@ -299,56 +309,34 @@ def step_noise_levels(psi: torch.Tensor, sigmas: torch.Tensor, scale: str) -> to
 def sample_trajectories(backbone, emb, sigmas, noise_levels, n, batch_size, resolution, guidance_scale, gen):
     """SDE rollout exactly as the baseline's (same generator draws in the same order, so psi == noise_level gives the
     baseline's trajectories), with a noise level per step. Returns latents [T+1, n, ...] (index 0 = x_T, pure noise;
-    index T = the SDE's image x_0) and the rollout policy's log-probs [T, n]."""
-    lat, lps = [], []
+    index T = the SDE's image x_0), the rollout policy's log-probs [T, n] and the velocities v(latents[k], sigma_k)
+    [T, n, ...] (kept: each is also the first Euler step of the completion from latents[k])."""
+    lat, lps, vels = [], [], []
     for b in range(0, n, batch_size):
         m = min(batch_size, n - b)
         x = backbone.initial_noise(m, resolution, resolution, generator=gen)
-        xs, lp = [x], []
+        xs, lp, vs = [x], [], []
         for j in range(len(sigmas) - 1):
             v = backbone.velocity(x, sigmas[j], emb[b:b + m], guidance_scale)
             x, log_prob, _, _ = sde_step_with_logprob(v, x, sigmas[j], sigmas[j + 1], float(noise_levels[j]),
                                                       generator=gen, sigma_max=sigmas[1])
             xs.append(x)
             lp.append(log_prob)
+            vs.append(v)
         lat.append(torch.stack(xs))
         lps.append(torch.stack(lp))
-    return torch.cat(lat, 1), torch.cat(lps, 1)
+        vels.append(torch.stack(vs))
+    return torch.cat(lat, 1), torch.cat(lps, 1), torch.cat(vels, 1)
 
 
 def completion_grid(num_steps: int, k: int, n: int | None) -> list[int]:
     """Schedule indices of the ODE completion of the latent at index k (paper timestep t = T - k) down to sigma = 0
-    (Eq. 8). n None: all t remaining steps of the rollout grid (paper default n = t). n < t: n steps on a coarser
-    sub-grid of it (paper: x_t -> x_{t, floor(t/n)} -> ... -> x_{t,0}; n = 1 is the one-step x0 prediction)."""
+    (Eq. 8). n None: all t remaining steps of the rollout grid (paper default n = t). n < t: the paper's sub-grid
+    x_t -> ... -> x_{t, floor(t/n)} -> x_{t, 0}, i.e. paper timesteps t, (n-1)s, ..., 2s, s, 0 with s = floor(t/n)
+    (the first jump takes the remainder); n = 1 is the one-step x0 prediction. Index of paper timestep u: T - u."""
     t = num_steps - k
     m = t if n is None else min(n, t)
-    return np.round(np.linspace(k, num_steps, m + 1)).astype(int).tolist()
-
-
-def staircase_completions(velocity: Callable, starts: torch.Tensor, paths: list[torch.Tensor], batch_size: int):
-    """Run many ODE completions at once: job m starts at starts[m] and walks the sigmas paths[m] (ending at 0).
-
-    Every transformer call advances up to batch_size active jobs by one Euler step (E1), each at its own sigma
-    (per-sample sigmas): completions from early timesteps are long, from late ones short, so the batch looks like a
-    staircase. Finished jobs leave, waiting ones join (longest first), which keeps the batch full: the NFE are those of
-    running the jobs one by one, the sequential calls ~ NFE / batch_size. velocity(x, sigma [B], jobs [B]) -> v.
-    Returns (clean latents [M, ...] float32, number of transformer calls)."""
-    x = starts.float().clone()
-    pos = [0] * len(paths)  # how many steps job m has taken
-    waiting = sorted(range(len(paths)), key=lambda m: -len(paths[m]))  # longest first: fewest calls in total
-    active, calls = [], 0
-    while waiting or active:
-        take = batch_size - len(active)
-        active, waiting = active + waiting[:take], waiting[take:]
-        jobs = torch.tensor(active, device=x.device)
-        sig = torch.stack([paths[m][pos[m]] for m in active])
-        sig_next = torch.stack([paths[m][pos[m] + 1] for m in active])
-        x[jobs] = ode_step(velocity(x[jobs], sig, jobs), x[jobs], sig, sig_next)
-        calls += 1
-        for m in active:
-            pos[m] += 1
-        active = [m for m in active if pos[m] < len(paths[m]) - 1]
-    return x, calls
+    return [k] + [num_steps - j * (t // m) for j in range(m - 1, -1, -1)]
 
 
 @torch.no_grad()
@@ -357,24 +345,34 @@ def dense_rollout(backbone, reward_model, prompts: list[str], emb, sigmas, noise
 
     R[:, k] = R(ODE completion of latents[k]) for k < T, and R[:, T] = R(the SDE's own image): x_hat_{0,0} = x_0 needs
     no completion. Index k is the paper's timestep t = T - k, so R[:, 0] (the paper's R_T) is the reward of the plain
-    ODE sample from the trajectory's initial noise. Returns latents, log_probs, scores [n, T+1, K], nfe, calls."""
+    ODE sample from the trajectory's initial noise. Returns latents, log_probs, scores [n, T+1, K], and the NFE and
+    sequential transformer calls of sampling and of the completions: nfe / calls = {"rollout": .., "completion": ..}
+    (a CFG pair is one). Completion NFE per trajectory: sum_k (len(grid_k) - 1) - T (first steps reused)."""
     n, T = len(prompts), len(sigmas) - 1
-    latents, log_probs = sample_trajectories(backbone, emb, sigmas, noise_levels, n, args.rollout_batch_size,
-                                             args.resolution, args.guidance_scale, gen)
-    # Completion jobs: job m = k * n + i completes latents[k] of trajectory i.
-    grids = [completion_grid(T, k, args.completion_steps) for k in range(T)]
-    paths = [sigmas[grids[k]].to(latents.device) for k in range(T) for _ in range(n)]
-    prompt_of = torch.arange(n, device=latents.device).repeat(T)
-    clean, calls = staircase_completions(
-        lambda x, sig, jobs: backbone.velocity(x, sig, emb[prompt_of[jobs]], args.guidance_scale),
-        latents[:T].flatten(0, 1), paths, args.completion_batch_size)
-    clean = torch.cat([clean.view(T, *latents.shape[1:]), latents[T:]])  # [T+1, n, ...]: index T = the SDE image
+    latents, log_probs, vels = sample_trajectories(backbone, emb, sigmas, noise_levels, n, args.rollout_batch_size,
+                                                   args.resolution, args.guidance_scale, gen)
+    grids = [completion_grid(T, k, args.completion_steps) for k in range(T)] + [[T]]  # [T]: the SDE image
+    # A step with psi = 0 is the Euler step (E1) with v(latents[k]), the first step of latents[k]'s completion. Where
+    # that completion then goes on along latents[k+1]'s own grid (always for n = t), both are one computation:
+    # R_k = R_{k+1}, DeltaR = 0 by definition, and running it again could only add float noise. Not run.
+    same = [bool(noise_levels[k] == 0) and grids[k][1:] == grids[k + 1] for k in range(T)]
+    run = [k for k in range(T) if not same[k]]
+    paths = [sigmas[grids[k]].to(latents.device) for k in run for _ in range(n)]  # job m = r * n + i
+    prompt_of = torch.arange(n).repeat(len(run))
+    # Staircase-batched Euler ODE (common/sampler.py); the first step of each reuses the SDE step's v(x_k, sigma_k).
+    clean, nfe, calls = ode_along_paths(
+        lambda x, sig, rows: backbone.velocity(x, sig, emb[prompt_of[rows]], args.guidance_scale),
+        latents[run].flatten(0, 1), paths, args.completion_batch_size, first_velocity=vels[run].flatten(0, 1))
+    clean = torch.cat([clean.view(len(run), *latents.shape[1:]), latents[T:]])  # last: the SDE image (index T)
     images = torch.cat([backbone.decode(c, args.resolution, args.resolution)
                         for c in clean.flatten(0, 1).split(args.rollout_batch_size)])
-    scores = reward_model(images, list(prompts) * (T + 1))  # [(T+1) n, K], k-major
-    scores = scores.view(T + 1, n, -1).transpose(0, 1)  # [n, T+1, K]
-    return {"latents": latents, "log_probs": log_probs, "scores": scores, "calls": calls,
-            "nfe": n * (T + sum(len(g) - 1 for g in grids))}
+    scores = reward_model(images, list(prompts) * (len(run) + 1)).view(len(run) + 1, n, -1)  # k-major
+    row = [len(run)] * (T + 1)  # row of scores holding R_k
+    for k in reversed(range(T)):
+        row[k] = row[k + 1] if same[k] else run.index(k)
+    return {"latents": latents, "log_probs": log_probs, "scores": scores[row].transpose(0, 1),  # [n, T+1, K]
+            "nfe": {"rollout": n * T, "completion": nfe},
+            "calls": {"rollout": T * math.ceil(n / args.rollout_batch_size), "completion": calls}}
 
 
 # ALGO LOGIC: dense reward (Eq. 7) and per-timestep advantages (Eq. 10).
@@ -390,31 +388,40 @@ def per_step_advantages(dR: torch.Tensor, group: torch.Tensor, global_std: bool,
     return torch.stack([group_advantages(dR[:, j], group, global_std, eps) for j in range(dR.shape[1])], 1)
 
 
-# ALGO LOGIC: reward-aware calibration of psi(t) (Algorithm 1). The balance test decides, per timestep, whether the
-# signs of DeltaR_t over the N calibration trajectories are balanced: then psi(t) may grow, else it must shrink.
-BALANCE_TESTS = {
-    # the paper's rule (epsilon_1 = 2): an absolute count, so for N >= 4 random signs fail it most of the time
-    "literal": lambda pos, neg, n, e: abs(pos - neg) < e,
-    # scale-free: the majority sign is less than e times the minority; no nonzero DeltaR counts as balanced
-    "ratio": lambda pos, neg, n, e: pos == neg == 0 or max(pos, neg) < e * min(pos, neg),
-    # the literal rule with a threshold proportional to N; zero DeltaR (discrete rewards) count as balance
-    "fraction": lambda pos, neg, n, e: abs(pos - neg) < e * n,
+# ALGO LOGIC: reward-aware calibration of psi(t) (Algorithm 1). A rule maps the signs of DeltaR_t over the N calibration
+# trajectories (#pos, #neg, N) to a move of psi(t) in units of the step epsilon_2: +1 up, -1 down, 0 hold.
+CALIBRATION_RULES = {
+    # default: the lead of one sign among the nonzero DeltaR_t. Expected move 2q - 1 with q = P(DeltaR_t > 0 | != 0):
+    # zero exactly at balance, q = 1/2; up while positives lead (the noise still helps as often as it hurts: room to
+    # explore), down while negatives do (the paper's "excess noise"). No nonzero DeltaR_t: no evidence, hold.
+    "share": lambda pos, neg, n, e: (pos - neg) / (pos + neg) if pos + neg else 0.0,
+    # the paper's rule, literally (epsilon_1 = 2): up if |#pos - #neg| < e, else down (an all-zero timestep: up).
+    # With random signs it passes with probability 0.27 at N = 8, 0.16 at N = 24: psi falls even at balance.
+    "literal": lambda pos, neg, n, e: 1.0 if abs(pos - neg) < e else -1.0,
+    # up/down by a scale-free test, max(#pos, #neg) < e min(...) (e = 2), or |#pos - #neg| < e N (e = 1/3). Their
+    # fixed point is where the test passes half the time (ratio, 8 nonzero DeltaR: a positive share ~1/3), not balance.
+    "ratio": lambda pos, neg, n, e: 0.0 if pos + neg == 0 else 1.0 if max(pos, neg) < e * min(pos, neg) else -1.0,
+    "fraction": lambda pos, neg, n, e: 0.0 if pos + neg == 0 else 1.0 if abs(pos - neg) < e * n else -1.0,
 }
 
 
 def calibrate_psi(psi: torch.Tensor, sample_dR: Callable, iterations: int, step: float, bounds: tuple[float, float],
-                  balanced: Callable, average: int) -> tuple[torch.Tensor, list[dict]]:
-    """Algorithm 1. sample_dR(psi, iteration) -> DeltaR [N, T] of N fresh trajectories sampled with noise psi.
-    At each timestep: psi += step if balanced(#pos, #neg, N) else psi -= step, clamped to bounds. Returns the mean
-    of the last `average` iterates (the rule ends oscillating by +-step around its fixed point) and the history."""
+                  rule: Callable, average: int, unit: torch.Tensor | None = None) -> tuple[torch.Tensor, list[dict]]:
+    """Algorithm 1. sample_dR(psi, iteration) -> DeltaR [N, T] of N fresh trajectories sampled with noise psi. At each
+    timestep: psi += step * unit * rule(#pos, #neg, N), clamped to [low, high] * unit. unit [T] is psi's own scale
+    (ones on the multiplier scale; sqrt(sigma / (1 - sigma)) on the raw one, so step and bounds mean the same noise
+    at every t on both). A stochastic approximation (Robbins-Monro): psi settles where the rule's expected move is 0
+    (for "share": where #pos = #neg in expectation), jittering around it by ~step; the result is the mean of the last
+    `average` iterates. Returns it and the history."""
+    unit = torch.ones_like(psi) if unit is None else unit
     history = []
     for it in range(iterations):
         dR = sample_dR(psi, it)
         pos, neg = (dR > 0).sum(0).tolist(), (dR < 0).sum(0).tolist()
-        ok = torch.tensor([balanced(p, q, len(dR)) for p, q in zip(pos, neg)])
+        move = torch.tensor([float(rule(p, q, len(dR))) for p, q in zip(pos, neg)])
         history.append({"iteration": it, "psi": psi.tolist(), "pos": pos, "neg": neg, "n": len(dR),
-                        "balanced": ok.tolist()})
-        psi = (psi + torch.where(ok, step, -step)).clamp(*bounds)
+                        "move": move.tolist()})
+        psi = torch.minimum(torch.maximum(psi + step * unit * move, bounds[0] * unit), bounds[1] * unit)
         history[-1]["psi_next"] = psi.tolist()
     if history:
         psi = torch.tensor([h["psi_next"] for h in history[-average:]]).mean(0)
@@ -443,7 +450,7 @@ def save_psi(run_dir: str, info: dict, psi0: torch.Tensor, average: int) -> None
         frac = [float(p / n) if n else None for p, n in counts]
         series["positive fraction of nonzero dR"] = (ts, frac)
     line_plot(series, os.path.join(run_dir, "psi.png"), "paper timestep t (T = first step)", "psi / fraction",
-              f"calibration, {info.get('balance_test')} test")
+              f"calibration, rule {info.get('balance_test')}")
 
 
 if __name__ == "__main__":
@@ -500,9 +507,9 @@ if __name__ == "__main__":
     eval_cfg = args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale
 
     # ---- ALGO LOGIC: psi(t) by Algorithm 1, once, with the starting model (the LoRA starts as a no-op), then frozen
-    psi0 = torch.full((args.num_steps,), float(args.noise_level))
-    if args.psi_scale == "raw":  # start from the baseline's std_dev_t, so both scales start at Flow-GRPO's noise
-        psi0 = psi0 * psi_factor(sigmas)
+    # psi's own scale: a (multiplier) or std_dev_t = a sqrt(sigma / (1 - sigma)) (raw); both start at Flow-GRPO's noise
+    unit = psi_factor(sigmas) if args.psi_scale == "raw" else torch.ones(args.num_steps)
+    psi0 = args.noise_level * unit
     psi_file = args.psi_file or (os.path.join(os.path.dirname(resume_dir), "psi.json") if resume_dir else None)
     calib_metrics = {}
     if psi_file:
@@ -521,20 +528,24 @@ if __name__ == "__main__":
             dR = dense_step_rewards(reward_model.mix(out["scores"]))
             return all_gather_cat(dR.to(device), world_size).cpu()
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         psi, history = calibrate_psi(psi0, sample_dR, args.calibration_iterations, args.calibration_step,
-                                     args.psi_bounds, lambda p, q, n: BALANCE_TESTS[args.balance_test](
-                                         p, q, n, args.balance_threshold), args.calibration_average)
-        calib_metrics["time/calibration_s"] = time.perf_counter() - t0
+                                     args.psi_bounds, lambda p, q, n: CALIBRATION_RULES[args.balance_test](
+                                         p, q, n, args.balance_threshold), args.calibration_average, unit)
+        calib_metrics.update({"time/calibration_s": time.perf_counter() - t0,
+                              "time/calibration_cpu_s": time.process_time() - c0})  # this rank's CPU, all threads
         info = {"psi": psi.tolist(), "psi_scale": args.psi_scale, "model_path": args.model_path, "reward": args.reward,
-                "balance_test": args.balance_test, "balance_threshold": args.balance_threshold, "history": history}
+                "balance_test": args.balance_test, "balance_threshold": args.balance_threshold,
+                "calibration_step": args.calibration_step, "history": history}
     psi = torch.tensor(info["psi"], dtype=torch.float32)
     noise_levels = step_noise_levels(psi, sigmas, args.psi_scale)  # the sampler's noise_level of each step
     calib_metrics.update({f"psi/t{args.num_steps - j}": float(psi[j]) for j in range(args.num_steps)})
     if is_main:
         os.makedirs(run_dir, exist_ok=True)
         save_psi(run_dir, info, psi0, args.calibration_average)
-        print("psi(t), t = T..1: " + " ".join(f"{p:.3f}" for p in psi.tolist()))
+        took = [calib_metrics[k] for k in ("time/calibration_s", "time/calibration_cpu_s") if k in calib_metrics]
+        print("psi(t), t = T..1: " + " ".join(f"{p:.3f}" for p in psi.tolist())
+              + (" (calibration: {:.0f} s, {:.0f} CPU s)".format(*took) if took else ""), flush=True)
 
     timer, t_start, cpu_start = Timer(), time.time(), time.process_time()
     bar = tqdm(range(start_iteration, args.num_iterations + 1), disable=not is_main, initial=start_iteration,
@@ -583,8 +594,7 @@ if __name__ == "__main__":
             # SDE trajectories with psi(t), T ODE completions each (staircase-batched), T+1 rewards each (Eq. 8-9)
             out = dense_rollout(backbone, reward_model, my_prompts, emb, sigmas, noise_levels, args, gen)
             rollout_counts = {"images": len(my_prompts) * (args.num_steps + 1),  # every latent's completion is scored
-                              "nfe/rollout": len(my_prompts) * args.num_steps,
-                              "nfe/completion": int(out["nfe"]) - len(my_prompts) * args.num_steps}
+                              "nfe/rollout": out["nfe"]["rollout"], "nfe/completion": out["nfe"]["completion"]}
         with timer("reward"):
             all_scores = all_gather_cat(out["scores"].to(device), world_size).cpu()  # [N, T+1, K], global order
             if not torch.isfinite(all_scores).all():
@@ -623,8 +633,9 @@ if __name__ == "__main__":
                             "train/dR_abs_mean": dR.abs().mean().item(),
                             "train/dR_zero_frac": (dR == 0).float().mean().item(),
                             "train/zero_adv_sample_frac": (advantages[:, :L] == 0).all(1).float().mean().item(),
-                            "rollout/completion_nfe": int(out["nfe"]) - n_traj * args.num_steps,
-                            "rollout/completion_calls": out["calls"]})
+                            "rollout/completion_nfe": out["nfe"]["completion"],
+                            "rollout/completion_calls": out["calls"]["completion"],
+                            "rollout/transformer_calls": sum(out["calls"].values())})
             for j in range(args.num_steps):  # sign balance per timestep, what Algorithm 1 watches
                 pos, neg = int((dR[:, j] > 0).sum()), int((dR[:, j] < 0).sum())
                 if pos + neg:

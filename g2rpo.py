@@ -31,7 +31,7 @@ from common.checks import check_ranges, read_prompt_file
 from common.evaluation import evaluate
 from common.plots import run_pictures
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
-from common.sampler import gaussian_kl, ode_step, sde_step_with_logprob
+from common.sampler import gaussian_kl, ode_along_paths, ode_step, sde_step_with_logprob
 from common.training import EMA, Stats, Trainable, check_transitions, ema_weights, optimizer_step, plan_updates
 from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, seed_everything, setup_distributed,
                           truncate_metrics)
@@ -288,26 +288,6 @@ def anchor_trajectory(velocity, x, sigmas, last: int, batch: int):
 
 
 @torch.no_grad()
-def ode_complete(velocity, x, paths: list[torch.Tensor], prompt_index: torch.Tensor, batch: int):
-    """Euler ODE (E1) of every row x[n] along its own sigma path paths[n] (ending at 0). Returns (x_0, NFE).
-
-    Rows of any branch step and granularity advance in lockstep: at tick t every unfinished row takes its t-th step,
-    and those rows go through the transformer in chunks of `batch` with per-row sigmas.
-    """
-    x, n_steps, nfe = x.clone(), torch.tensor([len(p) - 1 for p in paths]), 0
-    for t in range(int(n_steps.max())):
-        active = (n_steps > t).nonzero().squeeze(1)
-        for b in range(0, len(active), batch):
-            rows = active[b:b + batch]
-            s = torch.stack([paths[i][t] for i in rows])
-            s_next = torch.stack([paths[i][t + 1] for i in rows])
-            r = rows.to(x.device)
-            x[r] = ode_step(velocity(x[r], s, prompt_index[rows]), x[r], s, s_next)
-        nfe += len(active)
-    return x, nfe
-
-
-@torch.no_grad()
 def singular_stochastic_rollout(velocity, x_T, sigmas, branch_steps, granularities, group_size: int,
                                 noise_level: float, generator=None, batch: int = 64, official: bool = False) -> dict:
     """Singular Stochastic Sampling + MGAI completions for P prompts (rows of x_T, each group's shared noise).
@@ -341,7 +321,9 @@ def singular_stochastic_rollout(velocity, x_T, sigmas, branch_steps, granulariti
     paths = [sigmas[completion_schedule(k, lam, T, official)] for k in branch_steps for lam in granularities]
     paths = [p for _ in range(P) for p in paths for _ in range(n)]
     prompt_index = torch.arange(P).repeat_interleave(K * L * n)
-    final, nfe_ode = ode_complete(velocity, start.reshape(P * K * L * n, *start.shape[4:]), paths, prompt_index, batch)
+    # Euler ODE (E1) of every row along its own path, staircase-batched (common/sampler.py)
+    final, nfe_ode, _ = ode_along_paths(lambda x, s, rows: velocity(x, s, prompt_index[rows]),
+                                        start.reshape(P * K * L * n, *start.shape[4:]), paths, batch)
     final = final.view(P, K, L, n, *final.shape[1:])
     return {"latents": torch.stack(latents), "next_latents": next_latents.expand(K, P, G, *next_latents.shape[3:]),
             "log_prob": torch.stack(log_prob).expand(K, P, G), "final": final.expand(P, K, L, G, *final.shape[4:]),

@@ -145,3 +145,42 @@ def gaussian_kl(mean, mean_ref, std_dev_t) -> torch.Tensor:
     """
     sq = (mean.float() - mean_ref.float()) ** 2
     return _mean_non_batch(sq) / (2 * _per_sample(std_dev_t, sq).reshape(-1) ** 2)
+
+
+@torch.no_grad()
+def ode_along_paths(velocity, x, paths: list[torch.Tensor], batch_size: int, first_velocity=None):
+    """Euler ODE (E1) of every row x[m] along its own decreasing sigma path paths[m] (ending at 0, say).
+
+    The rows share the transformer: each call advances up to batch_size unfinished rows by one step, each at its
+    own sigma (per-sample sigmas). Longest paths start first, a finished row leaves and a waiting one joins (a
+    "staircase"), so calls stay full: ~NFE / batch_size calls for the NFE of running the rows one by one. Rows go
+    through a call in index order. velocity(x [B, ...], sigma [B], rows [B] CPU long) -> v.
+    first_velocity [M, ...]: v(x[m], paths[m][0]) when the caller has it already (e.g. from the SDE step at that
+    state); the first step of every row then costs no call.
+    Returns (x_0 [M, ...] float32, NFE = rows evaluated, calls)."""
+    x = x.float().clone()
+    pos = [0] * len(paths)  # steps taken by row m
+    if first_velocity is not None:
+        first = [m for m, p in enumerate(paths) if len(p) > 1]
+        if first:
+            r = torch.tensor(first, device=x.device)
+            s0, s1 = torch.stack([paths[m][0] for m in first]), torch.stack([paths[m][1] for m in first])
+            x[r] = ode_step(first_velocity[r], x[r], s0, s1)
+            for m in first:
+                pos[m] = 1
+    left = [len(p) - 1 - pos[m] for m, p in enumerate(paths)]  # steps still to go
+    waiting = sorted((m for m in range(len(paths)) if left[m] > 0), key=lambda m: -left[m])  # longest first
+    active, nfe, calls = [], 0, 0
+    while waiting or active:
+        take = batch_size - len(active)
+        active, waiting = sorted(active + waiting[:take]), waiting[take:]
+        rows = torch.tensor(active, dtype=torch.long)
+        r = rows.to(x.device)
+        sig = torch.stack([paths[m][pos[m]] for m in active])
+        sig_next = torch.stack([paths[m][pos[m] + 1] for m in active])
+        x[r] = ode_step(velocity(x[r], sig, rows), x[r], sig, sig_next)
+        nfe, calls = nfe + len(active), calls + 1
+        for m in active:
+            pos[m] += 1
+        active = [m for m in active if pos[m] < len(paths[m]) - 1]
+    return x, nfe, calls

@@ -13,6 +13,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
 
 from common.sampler import (  # noqa: E402
     gaussian_kl,
+    ode_along_paths,
     ode_step,
     sde_step_with_logprob,
     sigma_schedule,
@@ -313,3 +314,58 @@ def test_marginals_preserved(step, num_steps, shift):
 def test_marginal_check_detects_wrong_drift(wrong_step):
     _, var = _run_chain(wrong_step, 100, 1.0)
     assert abs(var - S**2) > 5 * TOL_VAR, var
+
+
+# --------------------------------------------------------------------------- ODE along per-row paths
+
+
+def _row_velocity(calls):
+    """A fake model whose output depends nonlinearly on the row's state, its sigma and its row id; counts rows."""
+    def velocity(x, sigma, rows):
+        calls.append(len(x))
+        s = sigma.reshape(-1, 1, 1, 1)
+        return torch.tanh(x) * (1 + s) + 0.1 * rows.to(torch.float32).reshape(-1, 1, 1, 1) * s**2
+    return velocity
+
+
+def _paths(seed=0, n=11):
+    """Rows with paths of 1 (nothing to do) to 6 points: sub-grids of a 10-step schedule, ending at 0."""
+    g = torch.Generator().manual_seed(seed)
+    grid = sigma_schedule(10, 3.0)
+    out = []
+    for m in range(n):
+        k = int(torch.randint(0, 11, (1,), generator=g))
+        idx = sorted(set([k, 10] + torch.randint(k, 11, (4,), generator=g).tolist()))
+        out.append(grid[idx])
+    return out
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 64])
+@pytest.mark.parametrize("reuse", [False, True])
+def test_ode_along_paths_equals_rows_one_by_one(batch_size, reuse):
+    paths = _paths()
+    assert min(len(p) for p in paths) == 1 and max(len(p) for p in paths) >= 5  # the edge cases are in there
+    x = torch.randn(len(paths), 2, 3, 3, generator=torch.Generator().manual_seed(1))
+    first = _row_velocity([])(x, torch.stack([p[0] for p in paths]), torch.arange(len(paths))) if reuse else None
+    calls = []
+    out, nfe, n_calls = ode_along_paths(_row_velocity(calls), x, paths, batch_size, first_velocity=first)
+    for m, p in enumerate(paths):  # the reference: row m alone, scalar sigmas, plain Euler steps (E1)
+        y = x[m:m + 1]
+        for a, b in zip(p[:-1], p[1:]):
+            y = y + (b - a) * _row_velocity([])(y, a.reshape(1), torch.tensor([m]))
+        torch.testing.assert_close(out[m:m + 1], y, rtol=1e-6, atol=1e-6)
+    steps = sum(len(p) - 1 for p in paths)
+    reused = sum(len(p) > 1 for p in paths) if reuse else 0
+    assert nfe == sum(calls) == steps - reused  # a reused first step costs no evaluation
+    assert n_calls == len(calls) and max(calls) <= batch_size
+    assert n_calls <= -(-nfe // batch_size) + max(len(p) for p in paths)  # the staircase keeps calls full
+
+
+def test_ode_along_paths_fills_calls_longest_first():
+    """16 rows of 1, 2, 3 and 4 steps (in that order) in batches of 8: longest first makes 5 full calls; in row
+    order the short rows would go first and the last 4-step rows would run alone (6 calls)."""
+    grid = sigma_schedule(4, 3.0)
+    paths = [grid[k:] for k in (3, 2, 1, 0) for _ in range(4)]
+    calls = []
+    ode_along_paths(_row_velocity(calls), torch.zeros(16, 1, 1, 1), paths, 8)
+    assert sum(calls) == 40 and calls == [8, 8, 8, 8, 8]
