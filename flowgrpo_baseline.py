@@ -29,7 +29,8 @@ from common.evaluation import evaluate
 from common.plots import run_pictures
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
 from common.sampler import gaussian_kl, sde_step_with_logprob
-from common.training import EMA, Stats, Trainable, check_transitions, ema_weights, optimizer_step, plan_updates
+from common.training import (EMA, Stats, Trainable, check_transitions, ema_weights, optimizer_step, plan_updates,
+                             training_nfe)
 from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, seed_everything, setup_distributed,
                           truncate_metrics)
 
@@ -313,7 +314,7 @@ if __name__ == "__main__":
                 grid_img.save(os.path.join(run_dir, "samples", f"eval_{iteration:05d}.png"))
                 panel.save(os.path.join(run_dir, "samples", f"eval_{iteration:05d}.npz"))  # for before_after.png
         if final:
-            metrics.update({**counts, "nfe": sum(v for k, v in counts.items() if k.startswith("nfe/")), "final": True,
+            metrics.update({**counts, "nfe": training_nfe(counts), "final": True,
                             "time/elapsed_s": time.time() - t_start, "time/cpu_s": time.process_time() - cpu_start})
             logger.log(metrics, {"eval/samples": grid_img, "eval/panel": panel.captioned()} if grid_img else None)
             break
@@ -445,7 +446,7 @@ if __name__ == "__main__":
         per_step.update({f"steps/ratio_std/{j}": max(red["ratio_sq/per_step"][j] - m ** 2, 0.0) ** 0.5
                          for j, m in red.get("ratio/per_step", {}).items()})
         metrics.update({
-            **counts, "nfe": sum(v for k, v in counts.items() if k.startswith("nfe/")), **means, **per_step,
+            **counts, "nfe": training_nfe(counts), **means, **per_step,
             "ratio/first_minibatch_max_dev": first_ratio_dev or 0.0, "train/optimizer_steps": n_opt,
             "train/kept_transitions": int(red.get("ratio/weight", 0)), "grad_norm": red["grad_norm"] / n_opt if n_opt else 0.0,
             **{f"time/{k}_s": timer.times.get(k, 0.0) for k in ("rollout", "reward", "train", "eval")},

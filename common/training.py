@@ -224,6 +224,13 @@ class Stats:
         return out
 
 
+def training_nfe(counts: dict) -> int:
+    """The `nfe` of metrics.jsonl: transformer forwards spent on training (rollout, completions, training forwards
+    incl. the KL reference), a CFG pair counted once. Backward passes and evaluation are counted apart
+    (`nfe/train_backward`, `nfe/eval`): the evaluation is the same for every algorithm and buys no learning."""
+    return sum(counts[f"nfe/{k}"] for k in ("rollout", "completion", "train_forward"))
+
+
 # ------------------------------------------------------------------------------------------ EMA
 class EMA:
     """Flow-GRPO's EMA of the trained weights (flow_grpo/ema.py): after optimizer step s (0-based),

@@ -140,7 +140,7 @@ def eval_points(rows: list[dict]) -> list[dict]:
                         "cats": {k[len("eval/accuracy_"):]: v for k, v in r.items()
                                  if k.startswith("eval/accuracy_") and k != "eval/accuracy_se"},
                         "cpu_s": prev.get("time/cpu_s", 0.0), "images": prev.get("images", 0),
-                        "nfe": prev.get("nfe", 0), "nfe_eval": prev.get("nfe/eval", 0), "final": bool(r.get("final"))})
+                        "nfe": prev.get("nfe", 0), "final": bool(r.get("final"))})  # nfe: training forwards
         prev = r
     return out
 
@@ -156,7 +156,7 @@ def summarize(run_dir: str) -> dict | None:
             meta = json.load(f)
     last = pts[-1]
     return {"points": pts, "final": last, "best": max(p["acc"] for p in pts), "iterations": last["iteration"],
-            "nfe_train": last["nfe"] - last["nfe_eval"], "meta": meta}
+            "nfe_train": last["nfe"], "meta": meta}
 
 
 def collect(out: str) -> dict:

@@ -126,7 +126,7 @@ def test_table_numbers(tmp_path):
         write_run(out, f"g2rpo__lr1e-4__{seed}", [
             {"iteration": 0, "eval/accuracy": 0.45, **cat(0.5, 0.4), "nfe": 1000, "nfe/eval": 400, "images": 64,
              "time/cpu_s": 10.0},
-            {"iteration": 1, "eval/accuracy": best, **cat(0.5, 0.4), "nfe": 2400, "nfe/eval": 800, "images": 128,
+            {"iteration": 1, "eval/accuracy": best, **cat(0.5, 0.4), "nfe": 1600, "nfe/eval": 800, "images": 128,
              "time/cpu_s": 20.0 + seed},
             {"iteration": 2, "eval/accuracy": final, **cat(final + 0.1, final - 0.1), "eval/accuracy_se": 0.018,
              "nfe": 4000, "nfe/eval": 2000, "images": 128, "time/cpu_s": 40.0, "final": True}])

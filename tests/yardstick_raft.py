@@ -202,7 +202,8 @@ if __name__ == "__main__":
                 count["train_backward"] += len(kept)
             metrics.update({"train/reward_mean": rewards.mean().item(), "train/correct_frac": correct.float().mean()
                             .item(), "train/kept": int(len(kept)) // args.fm_draws, "train/loss": loss.item()})
-        metrics.update({"nfe": sum(count.values()), **{f"nfe/{k}": v for k, v in count.items()},
+        metrics.update({"nfe": sum(count[k] for k in ("rollout", "completion", "train_forward")),  # as training_nfe
+                        **{f"nfe/{k}": v for k, v in count.items()},
                         "images": images_seen, "time/cpu_s": time.process_time() - cpu0,
                         "time/elapsed_s": time.time() - t0})
         if final:
