@@ -150,3 +150,31 @@ def test_optimizer_steps_per_iteration_is_honoured(tiny_sd3, tmp_path, n_opt):
     m = read_metrics(tmp_path / "run")[0]
     assert m["train/optimizer_steps"] == n_opt  # 8 images x 2 trained steps = 16 micro-batches of 1
     assert m["nfe/train_forward"] == m["nfe/train_backward"] == 16
+    # per-step diagnostics: one value per trained step (2 of 3), consistent with the overall numbers (every step has
+    # 8 transitions, all kept, so the overall mean is the mean of the per-step means)
+    for k in ("ratio", "ratio_std", "clipfrac", "kl", "abs_adv", "kept"):
+        assert sorted(int(key.rsplit("/", 1)[1]) for key in m if key.startswith(f"steps/{k}/")) == [0, 1], k
+    assert m["steps/kept/0"] == m["steps/kept/1"] == 1.0
+    assert (m["steps/ratio/0"] + m["steps/ratio/1"]) / 2 == pytest.approx(m["ratio/mean"], abs=1e-12)
+    assert (m["steps/clipfrac/0"] + m["steps/clipfrac/1"]) / 2 == pytest.approx(m["clipfrac"], abs=1e-12)
+    assert all(m[f"steps/ratio_std/{j}"] >= 0 for j in (0, 1))
+    if n_opt > 1:  # later optimizer steps are off-policy: the ratio spreads
+        assert m["ratio/max"] > m["ratio/min"]
+
+
+def test_tied_groups_get_exactly_zero_advantage():
+    """Groups whose rewards are tied at a partial credit (0.3, 2/3, ...) get A = 0 exactly, at several group sizes and
+    with either std, so --drop-zero-advantage drops them; in float32 the rounded group mean left 1e-7..3e-4."""
+    import flowgrpo_baseline
+
+    for value in (0.3, 2 / 3, 0.1, 0.7, 1 / 3):
+        for G in (3, 8, 24):
+            tied = torch.full((G,), value, dtype=torch.float32)
+            varied = torch.linspace(0, 1, G)
+            rewards = torch.cat([tied, varied, tied + 0.05])
+            group = torch.arange(3).repeat_interleave(G)
+            for global_std in (True, False):
+                a = flowgrpo_baseline.group_advantages(rewards, group, global_std, 1e-4)
+                assert a.dtype == torch.float32
+                assert torch.equal(a[:G], torch.zeros(G)) and torch.equal(a[2 * G:], torch.zeros(G)), (value, G)
+                assert (a[G:2 * G] != 0).sum() >= G - 1  # the varied group still has its advantages
