@@ -695,8 +695,8 @@ if __name__ == "__main__":
                         stats.count(grad_norm=optimizer_step(params, optimizer, args.max_grad_norm, ema),
                                     optimizer_steps=1)
                     except FloatingPointError:
-                        raise SystemExit(f"error: non-finite gradient at iteration {iteration}; stopping before the "
-                                         f"update (the last checkpoint-N in {run_dir} is intact: --resume {run_dir})")
+                        raise SystemExit(f"error: non-finite loss or gradient at iteration {iteration}; stopping before "
+                                         f"the update (the last checkpoint-N in {run_dir} is intact: --resume {run_dir})")
         # ============================================ END OF TRAINING ============================================
 
         # ---- logging (global numbers: sums over ranks, reduced once)

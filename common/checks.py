@@ -92,6 +92,10 @@ RANGES: dict[str, Rule] = {
     "weight_decay": Rule(0, why="AdamW decoupled weight decay"),
     "max_grad_norm": Rule(0, lo_open=True, allow_inf=True, why="gradient-norm clip; inf = no clip"),
     "ema_decay": Rule(0, 1, hi_open=True, why="weight of the old average; 0 = no EMA"),
+    "ema_update_interval": _int(1, "blend the EMA every N optimizer steps"),
+    "final_eval_seeds_per_prompt": _int(1, "images per prompt at the final evaluation; unset = --eval-seeds-per-prompt",
+                                        optional=True),
+    "cpu_budget_s": Rule(0, why="CPU seconds before the run stops and evaluates; 0 = no budget"),
     # LoRA
     "lora_rank": _int(1, "LoRA rank r"),
     "lora_alpha": Rule(0, lo_open=True, why="LoRA scale alpha / r"),

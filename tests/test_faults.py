@@ -391,7 +391,7 @@ def test_non_finite_loss_stops_before_the_update(base_run, tmp_path, monkeypatch
     monkeypatch.setattr(sampler, "sde_step_with_logprob", poisoned)
     run, flags = copy_run(base_run, tmp_path)
     msg = script_error(*flags, "--num-iterations", "4", "--resume", run)
-    assert msg.startswith("error: non-finite loss at iteration 2; stopping before the update")
+    assert msg.startswith("error: non-finite loss or gradient at iteration 2; stopping before the update")
     assert [i for i, _ in ck.list_checkpoints(run)] == [1, 2] and ck.verify_checkpoint(ck.checkpoint_dir(run, 2)) is None
 
 
@@ -404,7 +404,8 @@ SHARED_BAD = [("noise_level", -1.0), ("noise_level", float("nan")), ("learning_r
               ("groups_per_iteration", 0), ("group_size", 1), ("rollout_batch_size", 0), ("train_batch_size", 0),
               ("eval_batch_size", 0), ("eval_seeds_per_prompt", 0), ("optimizer_steps_per_iteration", 0),
               ("num_inner_epochs", 0), ("resolution", 0), ("lora_rank", 0), ("lora_alpha", 0.0),
-              ("guidance_scale", -1.0), ("shift", 0.0), ("max_sequence_length", 0), ("learning_rate", float("inf"))]
+              ("guidance_scale", -1.0), ("shift", 0.0), ("max_sequence_length", 0), ("learning_rate", float("inf")),
+              ("ema_update_interval", 0), ("final_eval_seeds_per_prompt", 0), ("cpu_budget_s", -1.0)]
 OWN_BAD = {
     "flowgrpo_baseline.py": [("timestep_fraction", 0.0), ("timestep_fraction", 1.5), ("std_eps", 0.0)],
     "g2rpo.py": [("branch_steps", (99,)), ("granularities", (0,))],
