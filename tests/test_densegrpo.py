@@ -335,7 +335,8 @@ def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(request, fixt
         assert key in first, key
     T, n = 3, 4
     assert first["rollout/completion_nfe"] == n * (T * (T + 1) // 2 - T)  # the first steps reuse the SDE's v
-    assert first["nfe"] >= n * (T + T * (T + 1) // 2 - T) + first["train/kept_transitions"]
+    assert first["nfe/rollout"] == n * T and first["nfe/completion"] == first["rollout/completion_nfe"]
+    assert first["nfe/train_forward"] == 2 * first["nfe/train_backward"] > 0  # beta > 0: a reference forward each
     psi = json.load(open(run / "psi.json"))
     assert len(psi["psi"]) == T and len(psi["history"]) == 2 and psi["balance_test"] == "share"
     assert all(abs(p - 0.7) <= 2 * 0.2 + 1e-6 for p in psi["psi"])  # two steps of 0.2 at most

@@ -205,22 +205,22 @@ def test_smoke_tiny_backbones(request, fixture, extra, tmp_path):
                 "eval/reward_mean"):
         assert key in first and math.isfinite(first[key]), key
     assert first["ratio/first_minibatch_max_dev"] < 1e-5  # on-policy: the rollout's log-probs are recomputed
-    # NFE: the closed-form rollout count plus the training forwards (padded micro-batches, as the baseline counts).
-    kept = first["train/kept_transitions"]
-    assert kept > 0
-    assert first["nfe"] == 2 * TINY_NFE + math.ceil(kept / 4) * 4
+    # NFE: the closed-form rollout count; training runs one forward + backward per shared state x_k, i.e.
+    # |M| x prompts = 2 x 2 rows, not |M| x prompts x G = 12.
+    assert first["train/kept_transitions"] > 0
+    assert first["nfe/rollout"] + first["nfe/completion"] == 2 * TINY_NFE
+    assert first["nfe/train_forward"] == first["nfe/train_backward"] == 2 * 2
     assert os.path.exists(tmp_path / "run" / "checkpoint-1" / "pytorch_lora_weights.safetensors")
 
 
 def test_noise_zero_run_has_zero_advantages(tiny_sd3, tmp_path):
-    # --no-drop-zero-advantage: the shared training section cannot yet run with 0 kept transitions (per_step = 0)
-    run_main(SCRIPT, *_flags(tiny_sd3, tmp_path), "--num-iterations", "1", "--noise-level", "0",
-             "--no-drop-zero-advantage")
+    run_main(SCRIPT, *_flags(tiny_sd3, tmp_path), "--num-iterations", "1", "--noise-level", "0")
     first = read_metrics(tmp_path / "run")[0]
     assert first["train/zero_std_frac"] == 1.0 and first["train/group_std_mean"] == 0.0
-    assert first["policy_loss"] == 0.0 and first["grad_norm"] == 0.0  # every advantage is 0
-    # the G identical branches of a group were run once: G = 1 in the closed form (+ 12 training forwards)
-    assert first["nfe"] == 2 * g2rpo.rollout_nfe(4, (0, 2), 1, (1, 2)) + 2 * 2 * 3
+    # every advantage is 0, so every transition is dropped: no training forward, no optimizer step
+    assert first["train/optimizer_steps"] == 0 and first["nfe/train_forward"] == 0 and first["grad_norm"] == 0.0
+    # the G identical branches of a group were run once: G = 1 in the closed form
+    assert first["nfe/rollout"] + first["nfe/completion"] == 2 * g2rpo.rollout_nfe(4, (0, 2), 1, (1, 2))
 
 
 def tyro_args(flags):
@@ -277,8 +277,7 @@ def test_ddp_two_ranks_end_with_identical_weights(tiny_sd3, tmp_path):
     assert sums[0][1] == sums[1][1], sums
     m = read_metrics(tmp_path / "run")
     assert m[0]["train/kept_transitions"] > 0
-    # rollout NFE of both ranks (1 prompt each) + each rank's padded training forwards (at least the kept ones)
-    assert m[0]["nfe"] >= 2 * TINY_NFE + m[0]["train/kept_transitions"]
+    assert m[0]["nfe/rollout"] + m[0]["nfe/completion"] == 2 * TINY_NFE  # both ranks, 1 prompt each
 
 
 def test_resume_is_exact(tiny_sd3, tmp_path):
@@ -310,3 +309,50 @@ def test_per_k_update_schedule_steps_once_per_branch_step(tmp_path, tiny_sd3):
     first = read_metrics(tmp_path / "run")[0]
     assert first["ratio/first_minibatch_max_dev"] < 1e-5  # the first k is still on-policy
     assert first["ratio/max"] - first["ratio/min"] > 1e-6  # later k are trained after an update
+    assert first["train/optimizer_steps"] == 2  # |M| = 2
+
+
+@pytest.mark.parametrize("fixture", ["tiny_sd3", "tiny_flux"])
+def test_shared_state_gradient_equals_per_transition_gradient(request, fixture):
+    """One forward per shared state x_k, its v given to each of the G members (v[expand]), has the gradient of one
+    forward per member: within 1e-5 relative, noise > 0, LoRA with non-zero B so every weight gets a gradient."""
+    from peft import LoraConfig
+
+    from common.training import plan_updates
+
+    bb = load_backbone(request.getfixturevalue(fixture), "cpu", max_sequence_length=8)
+    bb.transformer.requires_grad_(False)
+    bb.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
+                                          target_modules=["to_q", "to_k", "to_v"]))
+    params = [p for n, p in bb.transformer.named_parameters() if p.requires_grad]
+    torch.manual_seed(0)
+    for p in params:
+        p.data.normal_(0, 0.05)
+    P, G, cfg = 2, 3, 4.5 if fixture == "tiny_sd3" else 3.5
+    sigmas = bb.schedule(4, RES, RES)
+    emb = bb.encode(["a photo of a red circle", "a photo of two blue squares"])
+    states = bb.initial_noise(P, RES, RES, generator=torch.Generator().manual_seed(1))
+    rows_x = states.repeat_interleave(G, 0)  # transitions (prompt, member), each starting from its prompt's state
+    with torch.no_grad():
+        v0 = bb.velocity(rows_x, sigmas[1], emb[torch.arange(P).repeat_interleave(G)], cfg)
+        nxt, lp_old, _, _ = sde_step_with_logprob(v0, rows_x, sigmas[1], sigmas[2], 0.9, sigma_max=sigmas[1],
+                                                  generator=torch.Generator().manual_seed(2))
+    adv = torch.randn(P * G, generator=torch.Generator().manual_seed(3))
+    state_index = torch.arange(P).repeat_interleave(G)
+
+    def grad(shared: bool):
+        for p in params:
+            p.grad = None
+        keep = torch.ones(P * G, dtype=torch.bool)
+        (mb,) = plan_updates(keep, 8, 1, state_index=state_index if shared else None)[0].micro_batches
+        s, r = mb.states, mb.rows
+        v = bb.velocity(rows_x[s], sigmas[1], emb[state_index[s]], cfg)[mb.expand]
+        _, lp, _, _ = sde_step_with_logprob(v, rows_x[r], sigmas[1], sigmas[2], 0.9, prev_sample=nxt[r],
+                                            sigma_max=sigmas[1])
+        (-(adv[r] * torch.exp(lp - lp_old[r]))).sum().backward()
+        return (len(s), torch.cat([p.grad.flatten() for p in params]))
+
+    (n_shared, g_shared), (n_rows, g_rows) = grad(True), grad(False)
+    assert (n_shared, n_rows) == (P, P * G)  # forwards: one per state against one per transition
+    assert g_rows.norm() > 0
+    assert ((g_shared - g_rows).norm() / g_rows.norm()).item() < 1e-5
