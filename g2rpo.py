@@ -231,7 +231,7 @@ def check_args(args: Args, world_size: int) -> None:
     if not args.branch_steps or not all(0 <= k < args.num_steps for k in args.branch_steps):
         raise ConfigError(f"--branch-steps {' '.join(map(str, args.branch_steps))}: give at least one step index in "
                           f"0..{args.num_steps - 1} (0 is the noisiest step); the default is the first half, "
-                          f"range(num_steps // 2) (paper: 8 of T = 16)")
+                          f"range(num_steps // 2): the paper branches the first 8 of its 16 steps")
     if not args.granularities or min(args.granularities) < 1:
         raise ConfigError(f"--granularities {' '.join(map(str, args.granularities))}: give positive step strides "
                           "λ >= 1; the default is 1 2 3 (paper)")
