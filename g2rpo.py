@@ -502,6 +502,7 @@ if __name__ == "__main__":
             tr = {k: v.to(device) for k, v in check_transitions(transitions, sigmas, len(my_prompts)).items()}
             keep = tr["advantage"] != 0 if args.drop_zero_advantage else torch.ones_like(tr["advantage"], dtype=bool)
             stats = Stats(num_slots=args.num_steps)
+            stats.add(torch.ones_like(tr["advantage"]), tr["step_index"], kept=keep.float())  # share kept, per step
             first_ratio_dev = None
             for _epoch in range(args.num_inner_epochs):
                 for step in plan_updates(keep, args.train_batch_size, args.optimizer_steps_per_iteration, world_size,
@@ -535,7 +536,6 @@ if __name__ == "__main__":
                         stats.add(mb.weight, tr["step_index"][r], ratio=ratio, ratio_sq=ratio ** 2, kl=kl,
                                   clipfrac=((ratio - 1).abs() > args.clip_range).float(), policy_loss=policy_loss,
                                   approx_kl_k2=0.5 * (log_prob - tr["log_prob"][r]) ** 2, abs_adv=adv.abs())
-                        stats.add(torch.ones_like(mb.weight), tr["step_index"][r], kept=mb.weight)
                         stats.add_extremes(mb.weight, ratio=ratio)
                         stats.count(**{"nfe/train_forward": len(s) * (2 if args.beta > 0 else 1),
                                        "nfe/train_backward": len(s)})

@@ -178,3 +178,40 @@ def test_tied_groups_get_exactly_zero_advantage():
                 assert a.dtype == torch.float32
                 assert torch.equal(a[:G], torch.zeros(G)) and torch.equal(a[2 * G:], torch.zeros(G)), (value, G)
                 assert (a[G:2 * G] != 0).sum() >= G - 1  # the varied group still has its advantages
+
+
+def test_cfg_gradient_goes_through_both_branches_unless_detached(tiny_sd3):
+    """Default (the paper): d/dθ of v = v_u + w (v_c - v_u) is w dv_c - (w - 1) dv_u; --detach-uncond keeps only
+    w dv_c. The scripts default to the former (the old code hard-coded the latter)."""
+    from peft import LoraConfig
+
+    import flowgrpo_baseline
+    from common.backbones import load_backbone
+
+    assert flowgrpo_baseline.Args().detach_uncond is False
+    bb = load_backbone(tiny_sd3, "cpu", max_sequence_length=8)
+    bb.transformer.requires_grad_(False)
+    bb.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q"]))
+    params = [p for p in bb.transformer.parameters() if p.requires_grad]
+    torch.manual_seed(0)
+    for p in params:
+        p.data.normal_(0, 0.05)
+    emb = bb.encode(["a photo of a red circle"])
+    x = bb.initial_noise(1, 64, 64, generator=torch.Generator().manual_seed(1))
+    w = 4.5
+
+    def grad(fn):
+        for p in params:
+            p.grad = None
+        fn().sum().backward()
+        return torch.cat([p.grad.flatten() for p in params])
+
+    both = grad(lambda: bb.velocity(x, 0.7, emb, w))
+    cond_only = grad(lambda: bb.velocity(x, 0.7, emb, w, detach_uncond=True))
+    g_c = grad(lambda: bb.velocity(x, 0.7, emb, 1.0))  # the conditional branch alone
+    g_u = grad(lambda: bb.transformer(hidden_states=x, timestep=torch.full((1,), 700.0),
+                                      encoder_hidden_states=emb.neg_embeds, pooled_projections=emb.neg_pooled,
+                                      return_dict=False)[0].float())
+    torch.testing.assert_close(both, w * g_c - (w - 1) * g_u, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(cond_only, w * g_c, rtol=1e-4, atol=1e-6)
+    assert (both - cond_only).norm() > 1e-3 * both.norm()
