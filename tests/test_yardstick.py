@@ -27,10 +27,10 @@ def test_short_run_logs_the_harness_keys_and_stops_on_its_budget(tmp_path):
               "--groups-per-iteration", "2", "--group-size", "4", "--eval-seeds-per-prompt", "1",
               "--final-eval-seeds-per-prompt", "3", "--learning-rate", "1e-3"]
     # a budget far below one iteration: the run stops at the first boundary after iteration 0, evaluates, exits 0
-    run_main(SCRIPT, *common, "--run-name", "run", "--num-iterations", "1000", "--cpu-budget-s", "0.5")
+    run_main(SCRIPT, *common, "--run-name", "run", "--num-iterations", "1000", "--cpu-budget-s", "0.01")
     m = read_metrics(tmp_path / "run")
     assert [r["iteration"] for r in m] == [0, 1] and m[-1]["final"] and not m[0].get("final")
-    assert m[0]["time/cpu_s"] > 0.5
+    assert m[0]["time/cpu_s"] > 0.01
     for key in ("eval/accuracy", "eval/accuracy_single", "eval/accuracy_counting", "eval/accuracy_se",
                 "eval/reward_mean", "nfe", "nfe/rollout", "nfe/completion", "nfe/train_forward", "nfe/train_backward",
                 "nfe/eval", "images", "time/cpu_s", "time/elapsed_s"):
