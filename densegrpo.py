@@ -267,8 +267,9 @@ def check_args(args: Args, world_size: int) -> None:
     lo, hi = args.psi_bounds = args.psi_bounds or (0.0, 1.0 if args.sde_type == "cps" else 1.5)
     check_sde_type(args, args.trained_steps == args.num_steps, f"--timestep-fraction {args.timestep_fraction}")
     if args.sde_type == "cps" and (hi > 1 or args.psi_scale == "raw"):
-        raise ConfigError(f"--sde-type cps with --psi-bounds {lo} {hi} and --psi-scale {args.psi_scale}: psi is CPS's a "
-                          "in sin(a pi / 2) (bounds at most 1, --psi-scale multiplier); raw reads it as the SDE's std_dev_t")
+        raise ConfigError(f"--sde-type cps with --psi-bounds {lo} {hi} and --psi-scale {args.psi_scale}: psi is CPS's "
+                          "a in sin(a pi / 2) (bounds at most 1, --psi-scale multiplier); raw reads it as the SDE's "
+                          "std_dev_t")
     if not 0 <= lo <= hi:
         raise ConfigError(f"--psi-bounds {lo} {hi}: need 0 <= low <= high (psi enters the SDE squared)")
     if not lo <= args.noise_level <= hi:
@@ -439,13 +440,15 @@ def calibrate_psi(psi: torch.Tensor, sample_dR: Callable, iterations: int, step:
     return psi, history
 
 
-def load_psi(path: str, num_steps: int, psi_scale: str) -> dict:
-    """A psi.json written by save_psi, checked against this run's schedule."""
+def load_psi(path: str, num_steps: int, psi_scale: str, sde_type: str = "sde") -> dict:
+    """A psi.json written by save_psi, checked against this run's schedule and step type (psi means another noise)."""
     with open(path) as f:
         info = json.load(f)
-    if len(info["psi"]) != num_steps or info.get("psi_scale") != psi_scale:
-        raise ConfigError(f"--psi-file '{path}' holds {len(info['psi'])} steps on the {info.get('psi_scale')} scale; "
-                          f"this run has --num-steps {num_steps} and --psi-scale {psi_scale}: recalibrate or match")
+    have = len(info["psi"]), info.get("psi_scale"), info.get("sde_type", "sde")  # files before CPS: the SDE
+    if have != (num_steps, psi_scale, sde_type):
+        raise ConfigError(f"--psi-file '{path}' holds {have[0]} steps on the {have[1]} scale for --sde-type {have[2]}; "
+                          f"this run has --num-steps {num_steps}, --psi-scale {psi_scale} and --sde-type {sde_type}: "
+                          "recalibrate or match")
     return info
 
 
@@ -526,7 +529,7 @@ if __name__ == "__main__":
     if psi_file:
         if not os.path.isfile(psi_file):
             raise ConfigError(f"resuming needs the run's psi.json ({psi_file}); pass --psi-file")
-        info = load_psi(psi_file, args.num_steps, args.psi_scale)
+        info = load_psi(psi_file, args.num_steps, args.psi_scale, args.sde_type)
     else:
         def sample_dR(psi, it):
             """DeltaR [N, T] of N calibration trajectories, each with its own random prompt, split over ranks."""
@@ -545,8 +548,9 @@ if __name__ == "__main__":
                                          p, q, n, args.balance_threshold), args.calibration_average, unit)
         calib_metrics.update({"time/calibration_s": time.perf_counter() - t0,
                               "time/calibration_cpu_s": time.process_time() - c0})  # this rank's CPU, all threads
-        info = {"psi": psi.tolist(), "psi_scale": args.psi_scale, "model_path": args.model_path, "reward": args.reward,
-                "balance_test": args.balance_test, "balance_threshold": args.balance_threshold,
+        info = {"psi": psi.tolist(), "psi_scale": args.psi_scale, "sde_type": args.sde_type,
+                "model_path": args.model_path, "reward": args.reward, "balance_test": args.balance_test,
+                "balance_threshold": args.balance_threshold,
                 "calibration_step": args.calibration_step, "history": history}
     psi = torch.tensor(info["psi"], dtype=torch.float32)
     noise_levels = step_noise_levels(psi, sigmas, args.psi_scale)  # the sampler's noise_level of each step

@@ -145,8 +145,8 @@ class Args:
     iteration inside --sde-window-range; exact Euler (ODE) steps before and after it. 0 = off: noise at every step,
     the first int(num_steps * timestep_fraction) trained. The released fast configs: 3"""
     sde_window_range: tuple[int, int] | None = None
-    """START END of the window (needs --sde-window-size): its first step is uniform in START..END - size, so its steps lie
-    in START..END - 1, as Flow-GRPO-Fast's randint (default: 0 and num_steps // 2, the released fast configs)"""
+    """START END of the window (needs --sde-window-size): its first step is uniform in START..END - size, so its steps
+    lie in START..END - 1, as Flow-GRPO-Fast's randint (default: 0 and num_steps // 2, the released fast configs)"""
     drop_zero_advantage: bool = True
     """skip transitions whose advantage is 0 (groups whose rewards are all equal teach nothing)"""
 
@@ -225,8 +225,9 @@ def check_args(args: Args, world_size: int) -> None:
     check_flag(args, "sde_window_size", Rule(0, integer=True, why="steps in the SDE window; 0 = no window"))
     if args.sde_window_size:  # Flow-GRPO-Fast: the window replaces --timestep-fraction (the released code ignores it)
         if args.timestep_fraction is not None:
-            raise ConfigError(f"--timestep-fraction {args.timestep_fraction} and --sde-window-size {args.sde_window_size}"
-                              " both choose the trained steps; pass one (the window trains its own steps)")
+            raise ConfigError(f"--timestep-fraction {args.timestep_fraction} and --sde-window-size "
+                              f"{args.sde_window_size} both choose the trained steps; pass one (the window trains its "
+                              "own steps)")
         lo, hi = args.sde_window_range = args.sde_window_range or (0, args.num_steps // 2)
         if not (0 <= lo and lo + args.sde_window_size <= hi <= args.num_steps):
             raise ConfigError(f"--sde-window-range {lo} {hi} with --sde-window-size {args.sde_window_size}: need 0 <= "

@@ -300,8 +300,8 @@ def singular_stochastic_rollout(velocity, x_T, sigmas, branch_steps, granulariti
                                 sde_type: str = "sde") -> dict:
     """Singular Stochastic Sampling + MGAI completions for P prompts (rows of x_T, each group's shared noise).
 
-    For each k in M: G SDE steps (E3; or CPS, E6) from the anchor state x_k, with the anchor's velocity at x_k; then every branch
-    is finished by the ODE at every granularity. Returns
+    For each k in M: G SDE steps (E3; --sde-type cps: E6) from the anchor state x_k, with the anchor's velocity at
+    x_k; then every branch is finished by the ODE at every granularity. Returns
       latents [K, P, ...]        the shared state before each branch step (the transitions' latents)
       next_latents [K, P, G, ...] and log_prob [K, P, G]: the SDE steps, the only ones that carry the loss
       final [P, K, L, G, ...]    the clean latents to decode and score (K = |M|, L = |Λ|)

@@ -12,7 +12,7 @@ The equations used below (Flow-GRPO = Liu et al., arXiv 2505.05470, Sec. 4 and A
   (E4) x0_hat = x - sigma v
   (E5) KL of two Gaussians with one std s: |mean - mean_ref|^2 / (2 s^2)
 Coefficients-Preserving Sampling (CPS = Wang & Yu 2025, arXiv 2509.05952; the released Flow-GRPO's sde_type="cps"):
-  (E6) x0_hat = x - sigma v,  x1_hat = x + (1 - sigma) v   (the predicted data and noise: x = (1-sigma) x0_hat + sigma x1_hat)
+  (E6) x0_hat = x - sigma v,  x1_hat = x + (1 - sigma) v   (predicted data and noise; x = (1-sigma) x0_hat + sigma x1_hat)
        x_next ~ N(mu, s^2),  mu = (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - s^2) x1_hat,
        s = sigma_next sin(noise_level pi / 2)
        A DDIM-like step: x_next = (1 - sigma_next) x0_hat + [sqrt(sigma_next^2 - s^2) x1_hat + s eps], and the noise
@@ -124,7 +124,8 @@ def sde_step_with_logprob(velocity, sample, sigma, sigma_next, noise_level,
       - the factor 1 / (2 s^2): this one does NOT cancel. It multiplies the step's log-ratio by 2 s^2, so the ratio
         the loss sees is rho_exact^(2 s^2), and its gradient at rho = 1 is 2 s^2 times the exact policy gradient: a
         per-step weight that is largest at the noisiest steps (a = 0.8, 10 steps, shift 3: 2 s^2 = 1.67 at the
-        first step, sigma_next = 0.960, and 0.14 at sigma_next = 0.278). The clip range then bounds the rescaled ratio (the released CPS configs use 1e-5).
+        first step, sigma_next = 0.960, and 0.14 at sigma_next = 0.278). The clip range then bounds the rescaled
+        ratio (the released CPS configs use 1e-5).
     On-policy both give ratio exactly 1 (the same mu is recomputed). We keep the released convention so that its
     clip ranges and learning rates transfer; tests/test_sampler.py checks the 2 s^2 relation.
     """

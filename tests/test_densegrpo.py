@@ -372,6 +372,16 @@ def test_resume_reuses_the_runs_psi(tiny_sd3, tmp_path, prompts_file):
                            ["--learning-rate", "1e-2", "--eval-every", "100", *CALIB])
 
 
+
+def test_psi_file_must_match_the_sde_type(tmp_path):
+    """psi is a under the SDE and CPS's a in sin(a pi / 2) under CPS: a psi.json of one type is refused by the other.
+    A file without "sde_type" (written before CPS) is an SDE one."""
+    path = tmp_path / "psi.json"
+    path.write_text(json.dumps({"psi": [0.7, 0.7, 0.7], "psi_scale": "multiplier", "history": []}))
+    assert D.load_psi(str(path), 3, "multiplier")["psi"] == [0.7, 0.7, 0.7]
+    with pytest.raises(SystemExit, match="for --sde-type sde.*--sde-type cps"):
+        D.load_psi(str(path), 3, "multiplier", "cps")
+
 @pytest.mark.parametrize("flags,expect", [
     (["--completion-steps", "0"], "at least one ODE step"),
     (["--psi-bounds", "1.0", "0.5"], "low <= high"),
