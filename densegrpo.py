@@ -30,7 +30,7 @@ from tqdm import tqdm
 from common import toyworld
 from common.backbones import LORA_TARGETS, ConfigError, check_model_path, check_resolution, load_backbone
 from common.checkpoint import resolve_run_dir, restore_checkpoint, rng_state, save_checkpoint
-from common.checks import Rule, check_flag, check_ranges, read_prompt_file
+from common.checks import Rule, check_flag, check_ranges, check_sde_type, read_prompt_file
 from common.evaluation import evaluate
 from common.plots import line_plot, run_pictures
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
@@ -112,6 +112,10 @@ class Args:
     noise_level: float = 0.7
     """psi(t)'s starting value a at every t (std_dev_t = a*sqrt(sigma/(1-sigma))), which Algorithm 1 then calibrates;
     the noise of every step when not calibrated (the paper's uniform ablation, Fig. 6b, uses 0.7; it gives no start)"""
+    sde_type: Literal["sde", "cps"] = "sde"
+    """the stochastic step: "sde", Flow-GRPO's SDE (common/sampler.py, E2-E3), or "cps", coefficients-preserving
+    sampling (Wang & Yu 2025, arXiv 2509.05952; E6): std sigma_next sin(a pi / 2), a = --noise-level in [0, 1]. The
+    released Flow-GRPO code runs CPS at a = 0.8 (docs/flowgrpo.md, CPS)"""
     group_size: int = 8
     """images per prompt, G (paper: 24)"""
     groups_per_iteration: int = 2
@@ -170,9 +174,10 @@ class Args:
     whose DeltaR are all 0 holds its psi (literal: counts as balanced, as the paper). See docs"""
     balance_threshold: float | None = None
     """e of the balance test (default: 2 for literal and ratio, 1/3 for fraction; share has none)"""
-    psi_bounds: tuple[float, float] = (0.0, 1.5)
+    psi_bounds: tuple[float, float] | None = None
     """psi(t) is clamped to [low, high] after every calibration update, in units of the multiplier a (raw: times
-    sqrt(sigma/(1-sigma))); must contain --noise-level, the start"""
+    sqrt(sigma/(1-sigma))); must contain --noise-level, the start (default 0 1.5; 0 1 with --sde-type cps, whose a
+    enters as sin(a pi / 2): past 1 more psi would mean less noise)"""
     calibration_average: int = 6
     """the calibrated psi(t) is the mean of the last this-many iterates (the iterates jitter by ~epsilon_2)"""
 
@@ -259,7 +264,12 @@ def check_args(args: Args, world_size: int) -> None:
         args.balance_threshold = 1 / 3 if args.balance_test == "fraction" else 2.0  # paper: epsilon_1 = 2
     if args.calibration_step is None:
         args.calibration_step = 0.2 if args.balance_test == "share" else 0.01  # paper: epsilon_2 = 0.01
-    lo, hi = args.psi_bounds
+    lo, hi = args.psi_bounds = args.psi_bounds or (0.0, 1.0 if args.sde_type == "cps" else 1.5)
+    check_sde_type(args, args.trained_steps == args.num_steps, f"--timestep-fraction {args.timestep_fraction}")
+    if args.sde_type == "cps" and (hi > 1 or args.psi_scale == "raw"):
+        raise ConfigError(f"--sde-type cps with --psi-bounds {lo} {hi} and --psi-scale {args.psi_scale}: psi is CPS's "
+                          "a in sin(a pi / 2) (bounds at most 1, --psi-scale multiplier); raw reads it as the SDE's "
+                          "std_dev_t")
     if not 0 <= lo <= hi:
         raise ConfigError(f"--psi-bounds {lo} {hi}: need 0 <= low <= high (psi enters the SDE squared)")
     if not lo <= args.noise_level <= hi:
@@ -307,7 +317,8 @@ def step_noise_levels(psi: torch.Tensor, sigmas: torch.Tensor, scale: str) -> to
     return psi.float() if scale == "multiplier" else psi.float() / psi_factor(sigmas)
 
 
-def sample_trajectories(backbone, emb, sigmas, noise_levels, n, batch_size, resolution, guidance_scale, gen):
+def sample_trajectories(backbone, emb, sigmas, noise_levels, n, batch_size, resolution, guidance_scale, gen,
+                        sde_type="sde"):
     """SDE rollout exactly as the baseline's (same generator draws in the same order, so psi == noise_level gives the
     baseline's trajectories), with a noise level per step. Returns latents [T+1, n, ...] (index 0 = x_T, pure noise;
     index T = the SDE's image x_0), the rollout policy's log-probs [T, n] and the velocities v(latents[k], sigma_k)
@@ -320,7 +331,7 @@ def sample_trajectories(backbone, emb, sigmas, noise_levels, n, batch_size, reso
         for j in range(len(sigmas) - 1):
             v = backbone.velocity(x, sigmas[j], emb[b:b + m], guidance_scale)
             x, log_prob, _, _ = sde_step_with_logprob(v, x, sigmas[j], sigmas[j + 1], float(noise_levels[j]),
-                                                      generator=gen, sigma_max=sigmas[1])
+                                                      generator=gen, sigma_max=sigmas[1], sde_type=sde_type)
             xs.append(x)
             lp.append(log_prob)
             vs.append(v)
@@ -351,7 +362,7 @@ def dense_rollout(backbone, reward_model, prompts: list[str], emb, sigmas, noise
     (a CFG pair is one). Completion NFE per trajectory: sum_k (len(grid_k) - 1) - T (first steps reused)."""
     n, T = len(prompts), len(sigmas) - 1
     latents, log_probs, vels = sample_trajectories(backbone, emb, sigmas, noise_levels, n, args.rollout_batch_size,
-                                                   args.resolution, args.guidance_scale, gen)
+                                                   args.resolution, args.guidance_scale, gen, args.sde_type)
     grids = [completion_grid(T, k, args.completion_steps) for k in range(T)] + [[T]]  # [T]: the SDE image
     # A step with psi = 0 is the Euler step (E1) with v(latents[k]), the first step of latents[k]'s completion. Where
     # that completion then goes on along latents[k+1]'s own grid (always for n = t), both are one computation:
@@ -429,13 +440,15 @@ def calibrate_psi(psi: torch.Tensor, sample_dR: Callable, iterations: int, step:
     return psi, history
 
 
-def load_psi(path: str, num_steps: int, psi_scale: str) -> dict:
-    """A psi.json written by save_psi, checked against this run's schedule."""
+def load_psi(path: str, num_steps: int, psi_scale: str, sde_type: str = "sde") -> dict:
+    """A psi.json written by save_psi, checked against this run's schedule and step type (psi means another noise)."""
     with open(path) as f:
         info = json.load(f)
-    if len(info["psi"]) != num_steps or info.get("psi_scale") != psi_scale:
-        raise ConfigError(f"--psi-file '{path}' holds {len(info['psi'])} steps on the {info.get('psi_scale')} scale; "
-                          f"this run has --num-steps {num_steps} and --psi-scale {psi_scale}: recalibrate or match")
+    have = len(info["psi"]), info.get("psi_scale"), info.get("sde_type", "sde")  # files before CPS: the SDE
+    if have != (num_steps, psi_scale, sde_type):
+        raise ConfigError(f"--psi-file '{path}' holds {have[0]} steps on the {have[1]} scale for --sde-type {have[2]}; "
+                          f"this run has --num-steps {num_steps}, --psi-scale {psi_scale} and --sde-type {sde_type}: "
+                          "recalibrate or match")
     return info
 
 
@@ -516,7 +529,7 @@ if __name__ == "__main__":
     if psi_file:
         if not os.path.isfile(psi_file):
             raise ConfigError(f"resuming needs the run's psi.json ({psi_file}); pass --psi-file")
-        info = load_psi(psi_file, args.num_steps, args.psi_scale)
+        info = load_psi(psi_file, args.num_steps, args.psi_scale, args.sde_type)
     else:
         def sample_dR(psi, it):
             """DeltaR [N, T] of N calibration trajectories, each with its own random prompt, split over ranks."""
@@ -535,8 +548,9 @@ if __name__ == "__main__":
                                          p, q, n, args.balance_threshold), args.calibration_average, unit)
         calib_metrics.update({"time/calibration_s": time.perf_counter() - t0,
                               "time/calibration_cpu_s": time.process_time() - c0})  # this rank's CPU, all threads
-        info = {"psi": psi.tolist(), "psi_scale": args.psi_scale, "model_path": args.model_path, "reward": args.reward,
-                "balance_test": args.balance_test, "balance_threshold": args.balance_threshold,
+        info = {"psi": psi.tolist(), "psi_scale": args.psi_scale, "sde_type": args.sde_type,
+                "model_path": args.model_path, "reward": args.reward, "balance_test": args.balance_test,
+                "balance_threshold": args.balance_threshold,
                 "calibration_step": args.calibration_step, "history": history}
     psi = torch.tensor(info["psi"], dtype=torch.float32)
     noise_levels = step_noise_levels(psi, sigmas, args.psi_scale)  # the sampler's noise_level of each step
@@ -668,7 +682,7 @@ if __name__ == "__main__":
                                                   model=policy, detach_uncond=args.detach_uncond)[mb.expand]
                             _, log_prob, mean, std_dev_t = sde_step_with_logprob(
                                 v, tr["latents"][r], tr["sigma"][r], tr["sigma_next"][r], tr["noise_level"][r],
-                                prev_sample=tr["next_latents"][r], sigma_max=sigmas[1])
+                                prev_sample=tr["next_latents"][r], sigma_max=sigmas[1], sde_type=args.sde_type)
                             ratio = torch.exp(log_prob - tr["log_prob"][r])  # new over rollout policy, one step
                             adv = tr["advantage"][r]
                             clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
@@ -679,7 +693,7 @@ if __name__ == "__main__":
                                                                      args.guidance_scale)[mb.expand]
                                 mean_ref = sde_step_with_logprob(
                                     v_ref, tr["latents"][r], tr["sigma"][r], tr["sigma_next"][r], tr["noise_level"][r],
-                                    prev_sample=tr["next_latents"][r], sigma_max=sigmas[1])[2]
+                                    prev_sample=tr["next_latents"][r], sigma_max=sigmas[1], sde_type=args.sde_type)[2]
                                 kl = gaussian_kl(mean, mean_ref, std_dev_t)
                             loss = ((policy_loss + args.beta * kl) * mb.weight).sum() / step.divisor
                             loss.backward()

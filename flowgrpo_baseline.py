@@ -24,7 +24,7 @@ from tqdm import tqdm
 from common import toyworld
 from common.backbones import LORA_TARGETS, ConfigError, check_model_path, check_resolution, load_backbone
 from common.checkpoint import resolve_run_dir, restore_checkpoint, rng_state, save_checkpoint
-from common.checks import Rule, check_flag, check_ranges, read_prompt_file
+from common.checks import Rule, check_flag, check_ranges, check_sde_type, read_prompt_file
 from common.evaluation import evaluate
 from common.plots import run_pictures
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
@@ -104,6 +104,10 @@ class Args:
     is w dv_c - (w - 1) dv_u, that of log pi of the policy that sampled. On: only w dv_c (a different objective)"""
     noise_level: float = 0.7
     """a in std_dev_t = a*sqrt(sigma/(1-sigma)) (paper: 0.7)"""
+    sde_type: Literal["sde", "cps"] = "sde"
+    """the stochastic step: "sde", Flow-GRPO's SDE (common/sampler.py, E2-E3), or "cps", coefficients-preserving
+    sampling (Wang & Yu 2025, arXiv 2509.05952; E6): std sigma_next sin(a pi / 2), a = --noise-level in [0, 1]. The
+    released Flow-GRPO code runs CPS at a = 0.8 (docs/flowgrpo.md, CPS)"""
     group_size: int = 8
     """images per prompt, G (paper: 24)"""
     groups_per_iteration: int = 8
@@ -132,9 +136,17 @@ class Args:
     """divide advantages by the std of all rewards of the iteration instead of each group's std"""
     std_eps: float = 1e-4
     """added to the std before dividing"""
-    timestep_fraction: float = 0.5
-    """train on the first int(num_steps * fraction) steps (paper 0.99: all but the last, near-deterministic one;
-    toy default 0.5: the early steps that place the objects, measured better in docs/results.md)"""
+    timestep_fraction: float | None = None
+    """train on the first int(num_steps * fraction) steps (default 0.5; paper 0.99: all but the last, near-deterministic
+    one; toy default 0.5: the early steps that place the objects, measured better in docs/results.md). Not with
+    --sde-window-size, whose window is the trained steps"""
+    sde_window_size: int = 0
+    """Flow-GRPO-Fast: SDE noise and training only on a window of this many consecutive steps, drawn anew every
+    iteration inside --sde-window-range; exact Euler (ODE) steps before and after it. 0 = off: noise at every step,
+    the first int(num_steps * timestep_fraction) trained. The released fast configs: 3"""
+    sde_window_range: tuple[int, int] | None = None
+    """START END of the window (needs --sde-window-size): its first step is uniform in START..END - size, so its steps
+    lie in START..END - 1, as Flow-GRPO-Fast's randint (default: 0 and num_steps // 2, the released fast configs)"""
     drop_zero_advantage: bool = True
     """skip transitions whose advantage is 0 (groups whose rewards are all equal teach nothing)"""
 
@@ -192,7 +204,7 @@ class Args:
     images_per_rank: int = 0
     """images_per_iteration / world_size"""
     trained_steps: int = 0
-    """int(num_steps * timestep_fraction)"""
+    """int(num_steps * timestep_fraction), or sde_window_size"""
 
 
 def check_args(args: Args, world_size: int) -> None:
@@ -201,7 +213,6 @@ def check_args(args: Args, world_size: int) -> None:
     args.world_size = world_size
     args.images_per_iteration = args.groups_per_iteration * args.group_size
     args.train_batch_size = args.train_batch_size or args.rollout_batch_size
-    args.trained_steps = int(args.num_steps * args.timestep_fraction)
     # (A_i - mean) / (std + eps) is 0 / 0 for a group of equal rewards without eps (the shared table allows 0 for G²RPO)
     check_flag(args, "std_eps", Rule(0, lo_open=True, why="a group of equal rewards has std 0"))
     if args.images_per_iteration % world_size:
@@ -211,9 +222,29 @@ def check_args(args: Args, world_size: int) -> None:
     if args.images_per_rank % args.rollout_batch_size:
         raise ConfigError(f"each rank samples {args.images_per_rank} images, not a multiple of --rollout-batch-size "
                           f"{args.rollout_batch_size}; pick a divisor of {args.images_per_rank}")
+    check_flag(args, "sde_window_size", Rule(0, integer=True, why="steps in the SDE window; 0 = no window"))
+    if args.sde_window_size:  # Flow-GRPO-Fast: the window replaces --timestep-fraction (the released code ignores it)
+        if args.timestep_fraction is not None:
+            raise ConfigError(f"--timestep-fraction {args.timestep_fraction} and --sde-window-size "
+                              f"{args.sde_window_size} both choose the trained steps; pass one (the window trains its "
+                              "own steps)")
+        lo, hi = args.sde_window_range = args.sde_window_range or (0, args.num_steps // 2)
+        if not (0 <= lo and lo + args.sde_window_size <= hi <= args.num_steps):
+            raise ConfigError(f"--sde-window-range {lo} {hi} with --sde-window-size {args.sde_window_size}: need 0 <= "
+                              f"START, START + size <= END <= --num-steps {args.num_steps} (the window's steps lie in "
+                              f"START..END - 1); the default is 0 {args.num_steps // 2}")
+        args.trained_steps = args.sde_window_size
+        check_sde_type(args, hi == args.num_steps, f"--sde-window-range {lo} {hi}")
+        return
+    if args.sde_window_range is not None:
+        raise ConfigError(f"--sde-window-range {' '.join(map(str, args.sde_window_range))} needs --sde-window-size > 0 "
+                          "(the default 0 puts noise at every step)")
+    args.timestep_fraction = 0.5 if args.timestep_fraction is None else args.timestep_fraction
+    args.trained_steps = int(args.num_steps * args.timestep_fraction)
     if not 1 <= args.trained_steps <= args.num_steps:
         raise ConfigError(f"--timestep-fraction {args.timestep_fraction} trains {args.trained_steps} of "
                           f"{args.num_steps} steps; it must train at least one")
+    check_sde_type(args, args.trained_steps == args.num_steps, f"--timestep-fraction {args.timestep_fraction}")
 
 
 # ALGO LOGIC: group-relative advantages (GRPO), Flow-GRPO's PerPromptStatTracker in a few lines.
@@ -328,6 +359,11 @@ if __name__ == "__main__":
             prompt_ids = torch.randint(len(train_prompts), (args.groups_per_iteration,), generator=g)
             group = torch.arange(args.groups_per_iteration).repeat_interleave(args.group_size)
             group = group[torch.randperm(len(group), generator=g)]  # group id of every image, global order
+            # Flow-GRPO-Fast's window, drawn from g after the prompts: every rank and a resumed run draw the same one,
+            # and without a window g is consumed exactly as before. `trained`: the window, or the first trained steps.
+            lo, hi = args.sde_window_range or (0, 0)
+            w0 = int(torch.randint(lo, hi - args.sde_window_size + 1, (1,), generator=g)) if args.sde_window_size else 0
+            trained = range(w0, w0 + args.trained_steps)
             mine = slice(rank * args.images_per_rank, (rank + 1) * args.images_per_rank)
             my_prompts = [train_prompts[prompt_ids[k]] for k in group[mine]]
             emb = backbone.encode(my_prompts)
@@ -340,11 +376,13 @@ if __name__ == "__main__":
                     traj = []
                     for j in range(args.num_steps):
                         v = backbone.velocity(x, sigmas[j], emb[idx], args.guidance_scale)
-                        x_next, log_prob, _, _ = sde_step_with_logprob(v, x, sigmas[j], sigmas[j + 1], args.noise_level,
-                                                                       generator=gen, sigma_max=sigmas[1])
+                        # outside a window noise 0: the sampler's exact Euler step (E1), deterministic
+                        a = args.noise_level if j in trained or not args.sde_window_size else 0.0
+                        x_next, log_prob, _, _ = sde_step_with_logprob(v, x, sigmas[j], sigmas[j + 1], a, generator=gen,
+                                                                       sigma_max=sigmas[1], sde_type=args.sde_type)
                         traj.append((x, x_next, log_prob))
                         x = x_next
-                    chains.append([torch.stack(t) for t in zip(*traj[: args.trained_steps])])
+                    chains.append([torch.stack(t) for t in zip(*traj[trained.start:trained.stop])])
                     images.append(backbone.decode(x, args.resolution, args.resolution))
             rollout_counts = {"images": args.images_per_rank, "nfe/rollout": args.images_per_rank * args.num_steps}
         with timer("reward"):
@@ -366,7 +404,7 @@ if __name__ == "__main__":
             # Transitions, step-major: row j * n + i is step j of trajectory i. Per-step fields are indexed by
             # step_index, per-trajectory fields by trajectory (check_transitions verifies the order).
             T, n = args.trained_steps, args.images_per_rank
-            step_index, trajectory = torch.arange(T).repeat_interleave(n), torch.arange(n).repeat(T)
+            step_index, trajectory = torch.arange(w0, w0 + T).repeat_interleave(n), torch.arange(n).repeat(T)
             latents, next_latents, log_probs = (torch.cat(f, 1).flatten(0, 1) for f in zip(*chains))
             transitions = {
                 "latents": latents, "next_latents": next_latents, "log_prob": log_probs,
@@ -376,7 +414,8 @@ if __name__ == "__main__":
             }
             metrics.update({"train/reward_mean": mixed.mean().item(), "train/reward_std": mixed.std().item(),
                             "train/group_std_mean": group_std.mean().item(),
-                            "train/zero_std_frac": (group_std == 0).float().mean().item()})
+                            "train/zero_std_frac": (group_std == 0).float().mean().item(),
+                            **({"train/sde_window_start": w0} if args.sde_window_size else {})})
         del chains, images
         # ============================== END OF ROLLOUT (the scripts differ only above) ==============================
 
@@ -402,7 +441,7 @@ if __name__ == "__main__":
                                                   model=policy, detach_uncond=args.detach_uncond)[mb.expand]
                             _, log_prob, mean, std_dev_t = sde_step_with_logprob(
                                 v, tr["latents"][r], tr["sigma"][r], tr["sigma_next"][r], tr["noise_level"][r],
-                                prev_sample=tr["next_latents"][r], sigma_max=sigmas[1])
+                                prev_sample=tr["next_latents"][r], sigma_max=sigmas[1], sde_type=args.sde_type)
                             ratio = torch.exp(log_prob - tr["log_prob"][r])  # new over rollout policy, one step
                             adv = tr["advantage"][r]
                             clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
@@ -413,7 +452,7 @@ if __name__ == "__main__":
                                                                      args.guidance_scale)[mb.expand]
                                 mean_ref = sde_step_with_logprob(
                                     v_ref, tr["latents"][r], tr["sigma"][r], tr["sigma_next"][r], tr["noise_level"][r],
-                                    prev_sample=tr["next_latents"][r], sigma_max=sigmas[1])[2]
+                                    prev_sample=tr["next_latents"][r], sigma_max=sigmas[1], sde_type=args.sde_type)[2]
                                 kl = gaussian_kl(mean, mean_ref, std_dev_t)
                             loss = ((policy_loss + args.beta * kl) * mb.weight).sum() / step.divisor
                             loss.backward()

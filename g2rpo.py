@@ -27,7 +27,7 @@ from tqdm import tqdm
 from common import toyworld
 from common.backbones import LORA_TARGETS, ConfigError, check_model_path, check_resolution, load_backbone
 from common.checkpoint import resolve_run_dir, restore_checkpoint, rng_state, save_checkpoint
-from common.checks import check_ranges, read_prompt_file
+from common.checks import check_ranges, check_sde_type, read_prompt_file
 from common.evaluation import evaluate
 from common.plots import run_pictures
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
@@ -113,6 +113,10 @@ class Args:
     is w dv_c - (w - 1) dv_u, that of log pi of the policy that sampled. On: only w dv_c (a different objective)"""
     noise_level: float = 0.7
     """a in std_dev_t = a*sqrt(sigma/(1-sigma)) (paper: 0.7)"""
+    sde_type: Literal["sde", "cps"] = "sde"
+    """the stochastic step: "sde", Flow-GRPO's SDE (common/sampler.py, E2-E3), or "cps", coefficients-preserving
+    sampling (Wang & Yu 2025, arXiv 2509.05952; E6): std sigma_next sin(a pi / 2), a = --noise-level in [0, 1]. The
+    released Flow-GRPO code runs CPS at a = 0.8 (docs/flowgrpo.md, CPS)"""
     group_size: int = 8
     """images per group, G: the SDE branches of one step k of one prompt (paper: 12)"""
     groups_per_iteration: int = 3
@@ -235,6 +239,8 @@ def check_args(args: Args, world_size: int) -> None:
     if not args.granularities or min(args.granularities) < 1:
         raise ConfigError(f"--granularities {' '.join(map(str, args.granularities))}: give positive step strides "
                           "λ >= 1; the default is 1 2 3 (paper)")
+    # the branch step is one sde_step_with_logprob call, either type; CPS cannot branch the last step (its std is 0)
+    check_sde_type(args, args.num_steps - 1 in args.branch_steps, f"--branch-steps ending at {max(args.branch_steps)}")
     if args.shift is not None and args.shift <= 0:
         raise ConfigError(f"--shift {args.shift}: the timestep shift must be positive (the released code: 3)")
     args.prompts_per_rank = args.groups_per_iteration // world_size
@@ -290,11 +296,12 @@ def anchor_trajectory(velocity, x, sigmas, last: int, batch: int):
 
 @torch.no_grad()
 def singular_stochastic_rollout(velocity, x_T, sigmas, branch_steps, granularities, group_size: int,
-                                noise_level: float, generator=None, batch: int = 64, official: bool = False) -> dict:
+                                noise_level: float, generator=None, batch: int = 64, official: bool = False,
+                                sde_type: str = "sde") -> dict:
     """Singular Stochastic Sampling + MGAI completions for P prompts (rows of x_T, each group's shared noise).
 
-    For each k in M: G SDE steps (E3) from the anchor state x_k, with the anchor's velocity at x_k; then every branch
-    is finished by the ODE at every granularity. Returns
+    For each k in M: G SDE steps (E3; --sde-type cps: E6) from the anchor state x_k, with the anchor's velocity at
+    x_k; then every branch is finished by the ODE at every granularity. Returns
       latents [K, P, ...]        the shared state before each branch step (the transitions' latents)
       next_latents [K, P, G, ...] and log_prob [K, P, G]: the SDE steps, the only ones that carry the loss
       final [P, K, L, G, ...]    the clean latents to decode and score (K = |M|, L = |Λ|)
@@ -311,7 +318,7 @@ def singular_stochastic_rollout(velocity, x_T, sigmas, branch_steps, granulariti
     for k in branch_steps:  # every k branches from the same anchor (not from another k's branch)
         x, v = states[k].repeat_interleave(n, 0), vels[k].repeat_interleave(n, 0)
         y, lp, _, _ = sde_step_with_logprob(v, x, sigmas[k], sigmas[k + 1], noise_level, generator=generator,
-                                            sigma_max=sigmas[1])
+                                            sigma_max=sigmas[1], sde_type=sde_type)
         latents.append(states[k])
         next_latents.append(y.view(P, n, *y.shape[1:]))
         log_prob.append(lp.view(P, n))
@@ -444,7 +451,8 @@ if __name__ == "__main__":
             x_T = backbone.initial_noise(len(my_prompts), args.resolution, args.resolution, generator=gen)  # 1/group
             roll = singular_stochastic_rollout(
                 lambda x, s, p: backbone.velocity(x, s, emb[p], args.guidance_scale), x_T, sigmas, M, Lam, G,
-                args.noise_level, generator=gen, batch=args.rollout_batch_size, official=args.official_coarse_schedule)
+                args.noise_level, generator=gen, batch=args.rollout_batch_size, official=args.official_coarse_schedule,
+                sde_type=args.sde_type)
             anchor_nfe = len(my_prompts) * (max(M) + 1)  # the anchor's calls; the rest are completions
             rollout_counts = {"images": args.images_per_rank, "nfe/rollout": anchor_nfe,
                               "nfe/completion": roll["nfe"] - anchor_nfe}  # = prompts_per_rank * rollout_nfe(...)
@@ -516,7 +524,7 @@ if __name__ == "__main__":
                                                   model=policy, detach_uncond=args.detach_uncond)[mb.expand]
                             _, log_prob, mean, std_dev_t = sde_step_with_logprob(
                                 v, tr["latents"][r], tr["sigma"][r], tr["sigma_next"][r], tr["noise_level"][r],
-                                prev_sample=tr["next_latents"][r], sigma_max=sigmas[1])
+                                prev_sample=tr["next_latents"][r], sigma_max=sigmas[1], sde_type=args.sde_type)
                             ratio = torch.exp(log_prob - tr["log_prob"][r])  # new over rollout policy, one step
                             adv = tr["advantage"][r]
                             clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
@@ -527,7 +535,7 @@ if __name__ == "__main__":
                                                                      args.guidance_scale)[mb.expand]
                                 mean_ref = sde_step_with_logprob(
                                     v_ref, tr["latents"][r], tr["sigma"][r], tr["sigma_next"][r], tr["noise_level"][r],
-                                    prev_sample=tr["next_latents"][r], sigma_max=sigmas[1])[2]
+                                    prev_sample=tr["next_latents"][r], sigma_max=sigmas[1], sde_type=args.sde_type)[2]
                                 kl = gaussian_kl(mean, mean_ref, std_dev_t)
                             loss = ((policy_loss + args.beta * kl) * mb.weight).sum() / step.divisor
                             loss.backward()

@@ -85,7 +85,7 @@ RANGES: dict[str, Rule] = {
     "adv_clip_max": Rule(0, lo_open=True, why="advantages are clipped to [-max, max]"),
     "beta": Rule(0, why="KL weight; 0 = no KL"),
     "std_eps": Rule(0, why="added to the std before dividing by it"),
-    "timestep_fraction": Rule(0, 1, lo_open=True, why="the fraction of the steps that are trained"),
+    "timestep_fraction": Rule(0, 1, lo_open=True, optional=True, why="the fraction of the steps that are trained"),
     # optimiser
     "learning_rate": Rule(0, lo_open=True, why="AdamW step size"),
     "adam_betas": Rule(0, 1, hi_open=True, why="each of AdamW's two moment decays"),
@@ -129,6 +129,21 @@ def check_ranges(args, table: dict[str, Rule] | None = None) -> None:
     for name, rule in (table or RANGES).items():
         if hasattr(args, name):
             check_flag(args, name, rule)
+
+
+def check_sde_type(args, trains_last_step: bool, which: str) -> None:
+    """--sde-type cps (common/sampler.py, E6) and its two limits, for the three scripts' check_args. `which` names the
+    flags that decide the trained steps, for the message."""
+    if args.sde_type != "cps":
+        return
+    if args.noise_level > 1:
+        raise ConfigError(f"--noise-level {args.noise_level} with --sde-type cps: must be in [0, 1] (the CPS std "
+                          "sigma_next sin(a pi / 2) is largest at a = 1 and falls again above it); the released CPS "
+                          "configs use 0.8")
+    if trains_last_step:
+        raise ConfigError(f"--sde-type cps with {which}: the last step is trained, but it lands on sigma = 0, where "
+                          "the CPS std sigma_next sin(a pi / 2) is 0 (no action to learn, and the KL divides by 0); "
+                          "train fewer steps")
 
 
 def read_prompt_file(path: str, flag: str) -> list[str]:

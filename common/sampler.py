@@ -1,4 +1,4 @@
-"""Sampler math for rectified-flow models (SD3 / FLUX) and the Flow-GRPO SDE step.
+"""Sampler math for rectified-flow models (SD3 / FLUX): the Flow-GRPO SDE step and the CPS step.
 
 Conventions (rectified flow, as in diffusers): sigma = 1 is pure noise, sigma = 0 is data,
     x = (1 - sigma) x0 + sigma eps,   velocity v = eps - x0.
@@ -11,6 +11,15 @@ The equations used below (Flow-GRPO = Liu et al., arXiv 2505.05470, Sec. 4 and A
   (E3) Euler-Maruyama step of (E2): x_next ~ N(mu, std_dev_t^2 |dt|),  mu = x + [ ... ] dt
   (E4) x0_hat = x - sigma v
   (E5) KL of two Gaussians with one std s: |mean - mean_ref|^2 / (2 s^2)
+Coefficients-Preserving Sampling (CPS = Wang & Yu 2025, arXiv 2509.05952; the released Flow-GRPO's sde_type="cps"):
+  (E6) x0_hat = x - sigma v,  x1_hat = x + (1 - sigma) v   (predicted data and noise; x = (1-sigma) x0_hat + sigma x1_hat)
+       x_next ~ N(mu, s^2),  mu = (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - s^2) x1_hat,
+       s = sigma_next sin(noise_level pi / 2)
+       A DDIM-like step: x_next = (1 - sigma_next) x0_hat + [sqrt(sigma_next^2 - s^2) x1_hat + s eps], and the noise
+       in brackets has variance exactly sigma_next^2 when x1_hat is a unit Gaussian, so x_next keeps the coefficients
+       (1 - sigma_next, sigma_next) of the forward process x = (1 - sigma) x0 + sigma eps at every noise level. The
+       SDE step (E3) compensates its noise std_dev_t sqrt|dt| only to first order in dt; the CPS paper traces the
+       grain of few-step SDE samples to that excess of noise.
 All math runs in float32 whatever the model dtype: bf16 loses too much precision in the
 mean and in the log-density (Flow-GRPO casts to fp32 for the same reason).
 """
@@ -89,18 +98,36 @@ def x0_prediction(velocity, sample, sigma) -> torch.Tensor:
 
 
 def sde_step_with_logprob(velocity, sample, sigma, sigma_next, noise_level,
-                          prev_sample=None, generator=None, sigma_max=None):
-    """One step (E3) of the Flow-GRPO SDE (E2), and the log-prob of where it lands.
+                          prev_sample=None, generator=None, sigma_max=None, sde_type: str = "sde"):
+    """One stochastic step and the log-prob of where it lands: the Flow-GRPO SDE (E2-E3) or CPS (E6).
 
     sigma, sigma_next, noise_level: floats, 0-dim tensors or per-sample [B] tensors.
-    At sigma == 1 the std_dev_t of (E2) is infinite, so, like Flow-GRPO's code, we put sigma_max
-    (the schedule's second value) in place of sigma in the denominator 1 - sigma.
     prev_sample: if given, only score it (training recomputes the log-prob of a stored step);
     otherwise sample it. generator: None, a torch.Generator or a list (one per sample), as in diffusers.
-    Returns (prev_sample, log_prob [B], prev_sample_mean, std_dev_t [B or 1, 1, ...]), all float32.
-    log_prob is the Gaussian log-density averaged (not summed) over non-batch dims, as in Flow-GRPO.
-    noise_level == 0 gives exactly the Euler step of (E1); the step is then deterministic, its
+    Returns (prev_sample, log_prob [B], prev_sample_mean, std_dev_t [B or 1, 1, ...]), all float32; both types
+    draw one Gaussian tensor per step from `generator`, so switching the type never shifts the noise stream.
+    noise_level == 0 gives exactly the Euler step of (E1), for both types; the step is then deterministic, its
     density a point mass, and log_prob is defined as 0 (nothing uses it).
+
+    sde_type "sde" (Flow-GRPO): std_dev_t is the SDE's diffusion coefficient a sqrt(sigma / (1 - sigma)); the step's
+    std is std_dev_t sqrt|dt|. At sigma == 1 std_dev_t is infinite, so, like Flow-GRPO's code, we put sigma_max (the
+    schedule's second value) in place of sigma in the denominator 1 - sigma. log_prob is the normalised Gaussian
+    log-density averaged (not summed) over non-batch dims, as in Flow-GRPO.
+
+    sde_type "cps": std_dev_t IS the step's std s = sigma_next sin(a pi / 2) (no |dt| factor, no singularity at
+    sigma = 1: sigma_max is not used); a in [0, 1], a = 1 puts all of sigma_next into fresh noise (mu = (1 -
+    sigma_next) x0_hat). log_prob is what the released code computes (Flow-GRPO's sd3_sde_with_logprob.py with
+    sde_type="cps", and FlowCPS's own): -(x_next - mu)^2 averaged over non-batch dims, "all constants removed".
+    Against the normalised log N(x_next; mu, s^2) = -(x_next - mu)^2 / (2 s^2) - log s - log sqrt(2 pi) it drops
+      - the two additive terms -log s - log sqrt(2 pi): they depend on (sigma_next, a) only, never on the policy, so
+        they cancel exactly in log pi_new - log pi_old of one stored step (the ratio is unchanged by them);
+      - the factor 1 / (2 s^2): this one does NOT cancel. It multiplies the step's log-ratio by 2 s^2, so the ratio
+        the loss sees is rho_exact^(2 s^2), and its gradient at rho = 1 is 2 s^2 times the exact policy gradient: a
+        per-step weight that is largest at the noisiest steps (a = 0.8, 10 steps, shift 3: 2 s^2 = 1.67 at the
+        first step, sigma_next = 0.960, and 0.14 at sigma_next = 0.278). The clip range then bounds the rescaled
+        ratio (the released CPS configs use 1e-5).
+    On-policy both give ratio exactly 1 (the same mu is recomputed). We keep the released convention so that its
+    clip ranges and learning rates transfer; tests/test_sampler.py checks the 2 s^2 relation.
     """
     x, v = sample.float(), velocity.float()
     sigma, sigma_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
@@ -108,29 +135,41 @@ def sde_step_with_logprob(velocity, sample, sigma, sigma_next, noise_level,
     dt = sigma_next - sigma
     noisy = noise_level > 0
 
-    at_one = sigma == 1
-    if sigma_max is None and bool((at_one & noisy).any()):
-        raise ValueError("sigma == 1 with noise_level > 0 needs sigma_max (the schedule's second sigma)")
-    sigma_den = torch.where(at_one, _per_sample(sigma_max if sigma_max is not None else 0.0, x), sigma)
-    # torch.where keeps noise-free samples at exactly 0 instead of 0 * inf = NaN.
-    std_dev_t = torch.where(noisy, noise_level * torch.sqrt(sigma / (1 - sigma_den)), 0.0)
-
-    # The score-correction term std^2 / (2 sigma) (x + (1 - sigma) v) is what keeps the marginals of
-    # the noisy chain equal to the ODE's. Guard sigma == 0 (std_dev_t is 0 there anyway).
-    safe_sigma = torch.where(sigma > 0, sigma, 1.0)
-    mean = x + (v + std_dev_t**2 / (2 * safe_sigma) * (x + (1 - sigma) * v)) * dt
-    step_std = std_dev_t * torch.sqrt((-dt).clamp_min(0))  # std of x_next given x: std_dev_t sqrt|dt|
+    if sde_type == "cps":  # (E6)
+        std_dev_t = torch.where(noisy, sigma_next * torch.sin(noise_level * (math.pi / 2)), 0.0)
+        x0_hat, x1_hat = x - sigma * v, x + (1 - sigma) * v
+        # clamp: a = 1 makes sigma_next^2 - s^2 zero up to rounding, which must not become sqrt(-1e-9) = NaN
+        mean = (1 - sigma_next) * x0_hat + torch.sqrt((sigma_next**2 - std_dev_t**2).clamp_min(0)) * x1_hat
+        # noise 0: (E6) is the Euler step in exact arithmetic; take it bit for bit, as the "sde" branch does
+        mean = torch.where(noisy, mean, x + dt * v)
+        step_std = std_dev_t
+    elif sde_type == "sde":  # (E2-E3)
+        at_one = sigma == 1
+        if sigma_max is None and bool((at_one & noisy).any()):
+            raise ValueError("sigma == 1 with noise_level > 0 needs sigma_max (the schedule's second sigma)")
+        sigma_den = torch.where(at_one, _per_sample(sigma_max if sigma_max is not None else 0.0, x), sigma)
+        # torch.where keeps noise-free samples at exactly 0 instead of 0 * inf = NaN.
+        std_dev_t = torch.where(noisy, noise_level * torch.sqrt(sigma / (1 - sigma_den)), 0.0)
+        # The score-correction term std^2 / (2 sigma) (x + (1 - sigma) v) is what keeps the marginals of
+        # the noisy chain equal to the ODE's. Guard sigma == 0 (std_dev_t is 0 there anyway).
+        safe_sigma = torch.where(sigma > 0, sigma, 1.0)
+        mean = x + (v + std_dev_t**2 / (2 * safe_sigma) * (x + (1 - sigma) * v)) * dt
+        step_std = std_dev_t * torch.sqrt((-dt).clamp_min(0))  # std of x_next given x: std_dev_t sqrt|dt|
+    else:
+        raise ValueError(f"sde_type '{sde_type}': expected 'sde' (Flow-GRPO) or 'cps' (coefficients-preserving)")
 
     if prev_sample is None:
         eps = randn_tensor(x.shape, generator=generator, device=x.device, dtype=torch.float32)
         prev_sample = mean + step_std * eps
     prev_sample = prev_sample.float()
 
-    # log N(prev_sample; mean, step_std^2). prev_sample is detached, so gradients reach the policy
-    # only through mean, i.e. through v.
-    safe_std = torch.where(step_std > 0, step_std, 1.0)
-    log_prob = (-((prev_sample.detach() - mean) ** 2) / (2 * safe_std**2)
-                - torch.log(safe_std) - 0.5 * math.log(2 * math.pi))
+    # prev_sample is detached, so gradients reach the policy only through mean, i.e. through v.
+    if sde_type == "cps":  # the released code's unnormalised log-prob (docstring)
+        log_prob = -((prev_sample.detach() - mean) ** 2)
+    else:  # log N(prev_sample; mean, step_std^2)
+        safe_std = torch.where(step_std > 0, step_std, 1.0)
+        log_prob = (-((prev_sample.detach() - mean) ** 2) / (2 * safe_std**2)
+                    - torch.log(safe_std) - 0.5 * math.log(2 * math.pi))
     log_prob = torch.where(step_std.reshape(-1) > 0, _mean_non_batch(log_prob), 0.0)
     return prev_sample, log_prob, mean, std_dev_t
 
@@ -138,10 +177,13 @@ def sde_step_with_logprob(velocity, sample, sigma, sigma_next, noise_level,
 def gaussian_kl(mean, mean_ref, std_dev_t) -> torch.Tensor:
     """KL (E5) between the policy's and the reference's step Gaussians, per sample -> shape [B].
 
-    Both share one std, so KL = |mean - mean_ref|^2 / (2 s^2). The paper's closed form takes the
-    step variance s^2 = std_dev_t^2 |dt| and sums over elements; Flow-GRPO's code (and we) average
-    over elements and divide by std_dev_t^2 only. Dropping |dt| changes the weight beta gets at
-    each step (Flow-GRPO issue #78). Undefined for noise_level == 0 (std 0), where nothing is trained.
+    Both share one std, so KL = |mean - mean_ref|^2 / (2 s^2). Pass the std_dev_t that sde_step_with_logprob returns.
+    "sde": the paper's closed form takes the step variance s^2 = std_dev_t^2 |dt| and sums over elements; Flow-GRPO's
+    code (and we) average over elements and divide by std_dev_t^2 only. Dropping |dt| changes the weight beta gets at
+    each step (Flow-GRPO issue #78). "cps": std_dev_t is the step std itself, so this is the exact KL of the two step
+    Gaussians (averaged over elements); the released code uses the same expression, (mean - mean_ref)^2 / (2
+    std_dev_t^2), for both types. Undefined where std_dev_t is 0 (noise_level 0; CPS at sigma_next = 0), where
+    nothing is trained.
     """
     sq = (mean.float() - mean_ref.float()) ** 2
     return _mean_non_batch(sq) / (2 * _per_sample(std_dev_t, sq).reshape(-1) ** 2)

@@ -319,12 +319,16 @@ def prompts_file(tmp_path):
 CALIB = ["--calibration-iterations", "2", "--calibration-trajectories", "2", "--completion-batch-size", "4"]
 
 
-@pytest.mark.parametrize("fixture", ["tiny_sd3", "tiny_flux"])
-def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(request, fixture, tmp_path, prompts_file):
+CPS = ["--sde-type", "cps"]  # psi(t) is then CPS's a, clamped to [0, 1] by default
+
+
+@pytest.mark.parametrize("fixture, extra", [("tiny_sd3", []), ("tiny_flux", []), ("tiny_sd3", CPS), ("tiny_flux", CPS)],
+                         ids=["sd3", "flux", "sd3-cps", "flux-cps"])
+def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(request, fixture, extra, tmp_path, prompts_file):
     model = request.getfixturevalue(fixture)
     guidance = ["--guidance-scale", "4.5"] if fixture == "tiny_sd3" else ["--guidance-scale", "3.5"]
     run_main(SCRIPT, *tiny_flags(model, tmp_path, prompts_file), "--num-iterations", "1", "--beta", "0.04",
-             *guidance, *CALIB)
+             *guidance, *CALIB, *extra)
     run = tmp_path / "run"
     m = read_metrics(run)
     assert [x["iteration"] for x in m] == [0, 1]
@@ -341,7 +345,9 @@ def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(request, fixt
     assert len(psi["psi"]) == T and len(psi["history"]) == 2 and psi["balance_test"] == "share"
     assert all(abs(p - 0.7) <= 2 * 0.2 + 1e-6 for p in psi["psi"])  # two steps of 0.2 at most
     assert os.path.exists(run / "psi.png") and os.path.exists(run / "checkpoint-1" / "pytorch_lora_weights.safetensors")
-    if fixture == "tiny_sd3":  # reuse the calibration: no calibration time, same psi
+    if extra:  # CPS: the rollout's unnormalised log-prob is recomputed exactly, psi stays a valid CPS level
+        assert first["ratio/first_minibatch_max_dev"] == 0 and max(psi["psi"]) <= 1 and math.isfinite(first["kl"])
+    elif fixture == "tiny_sd3":  # reuse the calibration: no calibration time, same psi
         run_main(SCRIPT, *tiny_flags(model, tmp_path, prompts_file, "reuse"), "--num-iterations", "1",
                  "--psi-file", str(run / "psi.json"), "--eval-every", "100")
         m2 = read_metrics(tmp_path / "reuse")[0]
@@ -366,6 +372,16 @@ def test_resume_reuses_the_runs_psi(tiny_sd3, tmp_path, prompts_file):
                            ["--learning-rate", "1e-2", "--eval-every", "100", *CALIB])
 
 
+
+def test_psi_file_must_match_the_sde_type(tmp_path):
+    """psi is a under the SDE and CPS's a in sin(a pi / 2) under CPS: a psi.json of one type is refused by the other.
+    A file without "sde_type" (written before CPS) is an SDE one."""
+    path = tmp_path / "psi.json"
+    path.write_text(json.dumps({"psi": [0.7, 0.7, 0.7], "psi_scale": "multiplier", "history": []}))
+    assert D.load_psi(str(path), 3, "multiplier")["psi"] == [0.7, 0.7, 0.7]
+    with pytest.raises(SystemExit, match="for --sde-type sde.*--sde-type cps"):
+        D.load_psi(str(path), 3, "multiplier", "cps")
+
 @pytest.mark.parametrize("flags,expect", [
     (["--completion-steps", "0"], "at least one ODE step"),
     (["--psi-bounds", "1.0", "0.5"], "low <= high"),
@@ -373,6 +389,9 @@ def test_resume_reuses_the_runs_psi(tiny_sd3, tmp_path, prompts_file):
     (["--psi-bounds", "0.0", "1.5", "--psi-scale", "raw", "--noise-level", "2"], "do not contain the start"),
     (["--psi-file", "/no/psi.json"], "does not exist"),
     (["--calibration-average", "0"], "at least the last iterate"),
+    (["--sde-type", "cps", "--psi-scale", "raw"], "raw reads it as the SDE's std_dev_t"),
+    (["--sde-type", "cps", "--psi-bounds", "0.0", "1.5"], "bounds at most 1"),
+    (["--sde-type", "cps", "--timestep-fraction", "1.0"], "the last step is trained"),
 ])
 def test_bad_input_is_one_clear_line(monkeypatch, flags, expect, tmp_path, prompts_file, tiny_sd3):
     import runpy

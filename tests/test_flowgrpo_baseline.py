@@ -49,20 +49,45 @@ def test_smoke_one_iteration_and_ratio_is_one(request, fixture, tmp_path, prompt
     assert os.path.exists(tmp_path / "run" / "checkpoint-1" / "pytorch_lora_weights.safetensors")
 
 
-def test_ddp_two_ranks_end_with_identical_weights(tiny_sd3, tmp_path, prompts_file):
-    r = run_script(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file), "--num-iterations", "3",
+def window_flags(model, out_dir, prompts_file, run_name="run"):
+    """tiny_flags without --timestep-fraction: with --sde-window-size the window chooses the trained steps."""
+    flags = tiny_flags(model, out_dir, prompts_file, run_name)
+    i = flags.index("--timestep-fraction")
+    return flags[:i] + flags[i + 2:]
+
+
+WINDOW = ["--sde-window-size", "1", "--sde-window-range", "0", "3"]  # one of the 3 steps, drawn per iteration
+
+
+def expected_window(iteration, size, lo, hi, seed=1, groups=2, group_size=2, n_prompts=2):
+    """The script's draw, replayed: prompts, group shuffle, then the window start, from the iteration's generator."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + iteration)
+    torch.randint(n_prompts, (groups,), generator=g)
+    torch.randperm(groups * group_size, generator=g)
+    return int(torch.randint(lo, hi - size + 1, (1,), generator=g))
+
+
+def test_ddp_two_ranks_end_with_identical_weights_and_agree_on_the_window(tiny_sd3, tmp_path, prompts_file):
+    """With an SDE window (the default path is the same code with noise at every step). Per-step metrics are sums over
+    both ranks, so a rank that drew another window would add a second trained step to an iteration's metrics."""
+    r = run_script(SCRIPT, *window_flags(tiny_sd3, tmp_path, prompts_file), "--num-iterations", "3",
                    "--groups-per-iteration", "2", "--group-size", "4", "--rollout-batch-size", "2",
-                   "--learning-rate", "1e-2", "--eval-every", "100", nproc=2)
+                   "--learning-rate", "1e-2", "--eval-every", "100", *WINDOW, nproc=2)
     sums = re.findall(r"final weights: rank (\d) sha256 (\w+)", r.stdout + r.stderr)
     assert sorted(s[0] for s in sums) == ["0", "1"], r.stdout[-2000:]
     assert sums[0][1] == sums[1][1], sums
     m = read_metrics(tmp_path / "run")
     assert m[-2]["train/kept_transitions"] > 0 and m[-1]["nfe"] > 0
+    for i in range(3):
+        w0 = expected_window(i, 1, 0, 3, group_size=4)
+        assert m[i]["train/sde_window_start"] == w0
+        assert [k for k in m[i] if k.startswith("steps/kept/")] == [f"steps/kept/{w0}"], m[i]
 
 
 def test_resume_is_exact(tiny_sd3, tmp_path, prompts_file):
-    assert_resume_is_exact(SCRIPT, lambda name: tiny_flags(tiny_sd3, tmp_path, prompts_file, name), 4,
-                           ["--learning-rate", "1e-2", "--eval-every", "100", "--ema-decay", "0.5"])
+    """2 + 2 = 4 iterations bit-exact, with an SDE window drawn per iteration (and EMA)."""
+    assert_resume_is_exact(SCRIPT, lambda name: window_flags(tiny_sd3, tmp_path, prompts_file, name), 4,
+                           ["--learning-rate", "1e-2", "--eval-every", "100", "--ema-decay", "0.5", *WINDOW])
     assert [x["iteration"] for x in read_metrics(tmp_path / "split")] == [0, 1, 2, 3, 4]
 
 
@@ -98,6 +123,60 @@ def test_learning_on_the_toy_world(tmp_path):
     assert end > start + 0.1, (start, end)
 
 
+
+# ---- variants: CPS (--sde-type cps) and Flow-GRPO-Fast's SDE window (--sde-window-size / --sde-window-range)
+@pytest.mark.parametrize("fixture, extra", [("tiny_sd3", []), ("tiny_flux", ["--sde-window-size", "1"])],
+                         ids=["sd3", "flux-window"])
+def test_cps_ratio_is_one(request, fixture, extra, tmp_path, prompts_file):
+    """--sde-type cps end to end: finite log-probs (check_transitions asserts them), ratio exactly 1 before any update,
+    a finite KL (beta > 0: the reference's CPS mean, gaussian_kl with the CPS std); FLUX also with a window."""
+    model = request.getfixturevalue(fixture)
+    flags = window_flags(model, tmp_path, prompts_file) if extra else tiny_flags(model, tmp_path, prompts_file)
+    run_main(SCRIPT, *flags, "--num-iterations", "1", "--sde-type", "cps", "--noise-level", "0.8", "--beta", "0.04",
+             "--eval-every", "100", *extra)
+    first = read_metrics(tmp_path / "run")[0]
+    assert first["ratio/first_minibatch_max_dev"] == 0 and first["ratio/min"] == first["ratio/max"] == 1
+    assert first["train/kept_transitions"] > 0 and 0 <= first["kl"] < float("inf")
+
+
+def test_sde_window_trains_its_steps_only_and_is_ode_elsewhere(tiny_sd3, tmp_path, prompts_file, monkeypatch):
+    """A window of 2 of the 3 steps (start 0 or 1, drawn per iteration): the transitions are exactly the window's steps,
+    one row per image and step; every rollout step outside it has noise 0 and is the exact Euler step (deterministic)."""
+    import common.sampler as sampler
+    import common.training as training
+    from common.sampler import ode_step
+
+    seen, calls = [], []
+    real_check, real_step = training.check_transitions, sampler.sde_step_with_logprob
+
+    def check(tr, *a):
+        seen.append(tr["step_index"].clone())
+        return real_check(tr, *a)
+
+    def step(v, x, sigma, sigma_next, noise_level, prev_sample=None, **kw):
+        out = real_step(v, x, sigma, sigma_next, noise_level, prev_sample=prev_sample, **kw)
+        if prev_sample is None:  # a rollout step
+            calls.append((float(sigma), float(noise_level)))
+            if float(noise_level) == 0:
+                assert torch.equal(out[0], ode_step(v, x, sigma, sigma_next))
+        return out
+
+    monkeypatch.setattr(training, "check_transitions", check)
+    monkeypatch.setattr(sampler, "sde_step_with_logprob", step)
+    run_main(SCRIPT, *window_flags(tiny_sd3, tmp_path, prompts_file), "--num-iterations", "2", "--eval-every", "100",
+             "--sde-window-size", "2", "--sde-window-range", "0", "3", "--seed", "2")
+    m = read_metrics(tmp_path / "run")
+    starts = [m[i]["train/sde_window_start"] for i in range(2)]
+    assert starts == [expected_window(i, 2, 0, 3, seed=2) for i in range(2)] == [0, 1]  # seed 2: both windows
+    sigmas = sorted({s for s, _ in calls}, reverse=True)  # the 3 rollout sigmas, in step order
+    for i, (w0, idx) in enumerate(zip(starts, seen)):
+        assert torch.equal(idx, torch.tensor([w0, w0 + 1]).repeat_interleave(4))  # step-major, 4 images per step
+        assert sorted(k for k in m[i] if k.startswith("steps/kept/")) == [f"steps/kept/{w0}", f"steps/kept/{w0 + 1}"]
+        it_calls = calls[i * 6:(i + 1) * 6]  # 2 rollout batches x 3 steps
+        for s, a in it_calls:
+            assert a == (0.7 if sigmas.index(s) in (w0, w0 + 1) else 0.0), (i, s, a)
+
+
 # ---- bad input: one clear line, before any model is loaded
 def run_inprocess(monkeypatch, *flags) -> str:
     """Run the script in this process (imports already paid); return the message it exits with."""
@@ -122,6 +201,10 @@ def test_bad_input_from_the_shell_is_one_line_without_traceback(tmp_path, prompt
     (["--resolution", "50"], "not a multiple of 4"),
     (["--model-path", "/nonexistent/model"], "is not a folder"),
     (["--timestep-fraction", "0.05"], "must train at least one"),
+    (["--sde-window-size", "2"], "both choose the trained steps"),
+    (["--sde-window-range", "0", "2"], "needs --sde-window-size > 0"),
+    (["--sde-type", "cps", "--timestep-fraction", "1.0"], "the last step is trained"),
+    (["--sde-type", "cps", "--noise-level", "1.2"], "must be in [0, 1]"),
 ])
 def test_bad_input_is_one_clear_line(monkeypatch, flags, expect, tmp_path, prompts_file, tiny_sd3):
     msg = run_inprocess(monkeypatch, *tiny_flags(tiny_sd3, tmp_path, prompts_file), *flags)

@@ -192,8 +192,12 @@ def _flags(model, tmp_path, name="run", *extra):
 TINY_NFE = g2rpo.rollout_nfe(4, (0, 2), 3, (1, 2))  # per prompt, for _flags
 
 
-@pytest.mark.parametrize("fixture,extra", [("tiny_sd3", []), ("tiny_flux", []),
-                                           ("tiny_flux", ["--sigma-grid", "official", "--lora-target", "attention-ff"])])
+CPS = ["--sde-type", "cps", "--noise-level", "0.8"]
+
+
+@pytest.mark.parametrize("fixture,extra", [("tiny_sd3", []), ("tiny_flux", []), ("tiny_sd3", CPS),
+                                           ("tiny_flux", ["--sigma-grid", "official", "--lora-target", "attention-ff",
+                                                          *CPS])])
 def test_smoke_tiny_backbones(request, fixture, extra, tmp_path):
     guidance = ["--guidance-scale", "4.5" if fixture == "tiny_sd3" else "3.5"]
     run_main(SCRIPT, *_flags(request.getfixturevalue(fixture), tmp_path), "--num-iterations", "1", *guidance, *extra)
@@ -205,6 +209,8 @@ def test_smoke_tiny_backbones(request, fixture, extra, tmp_path):
                 "eval/reward_mean"):
         assert key in first and math.isfinite(first[key]), key
     assert first["ratio/first_minibatch_max_dev"] < 1e-5  # on-policy: the rollout's log-probs are recomputed
+    if "cps" in extra:  # the CPS branch step: its (unnormalised) log-prob recomputed bit for bit
+        assert first["ratio/first_minibatch_max_dev"] == 0 and first["ratio/min"] == first["ratio/max"] == 1
     # NFE: the closed-form rollout count; training runs one forward + backward per shared state x_k, i.e.
     # |M| x prompts = 2 x 2 rows, not |M| x prompts x G = 12.
     assert first["train/kept_transitions"] > 0
@@ -235,6 +241,7 @@ def tyro_args(flags):
     (["--group-size", "1"], 1, "at least 2 images"),
     (["--groups-per-iteration", "3"], 2, "multiple of 2"),  # groups never span ranks
     (["--sigma-grid", "official", "--shift", "0"], 1, "--shift 0"),
+    (["--sde-type", "cps", "--branch-steps", "0", "3"], 1, "the last step is trained"),
 ])
 def test_bad_input_is_one_clear_line(flags, world, expect, tmp_path, tiny_sd3):
     args = tyro_args(_flags(tiny_sd3, tmp_path) + flags)

@@ -181,6 +181,91 @@ def test_x0_prediction_recovers_data():
     torch.testing.assert_close(x0_prediction(eps - x0, (1 - s) * x0 + s * eps, sigma), x0, rtol=1e-5, atol=1e-5)
 
 
+
+# --------------------------------------------------------------------------- CPS step (E6)
+
+
+def _reference_cps(v, x, sigma, sigma_next, a):
+    """CPS mean and std written out, with sqrt(sigma_next^2 - s^2) = sigma_next cos(a pi / 2)."""
+    s = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1, 1, 1, 1)
+    sn = torch.as_tensor(sigma_next, dtype=torch.float32).reshape(-1, 1, 1, 1)
+    a = torch.as_tensor(a, dtype=torch.float32).reshape(-1, 1, 1, 1)
+    x0, x1 = x - s * v, x + (1 - s) * v
+    return (1 - sn) * x0 + sn * torch.cos(a * math.pi / 2) * x1, sn * torch.sin(a * math.pi / 2)
+
+
+def test_cps_step_matches_formulas_and_released_log_prob():
+    v, x = _inputs()
+    sigma, sigma_next, a = torch.tensor([1.0, 0.5, 0.2]), torch.tensor([0.9, 0.45, 0.1]), 0.8
+    mean_ref, std_ref = _reference_cps(v, x, sigma, sigma_next, a)
+    prev, log_prob, mean, std = sde_step_with_logprob(v, x, sigma, sigma_next, a, sde_type="cps",
+                                                      generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(mean, mean_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(std, std_ref)  # the step std itself: no sqrt|dt| factor, finite at sigma = 1
+    eps = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(prev, mean_ref + std_ref * eps, rtol=1e-5, atol=1e-6)
+    assert log_prob.shape == (3,) and torch.isfinite(log_prob).all()
+    torch.testing.assert_close(log_prob, -((prev - mean_ref) ** 2).mean(DIMS), rtol=1e-5, atol=1e-6)  # released
+    # Scoring a stored step under another policy: the released log-ratio is 2 s^2 times the exact Gaussian one
+    # (the dropped -log s - log sqrt(2 pi) cancels, the dropped 1 / (2 s^2) does not).
+    v_new = v + 0.1 * torch.randn(SHAPE, generator=torch.Generator().manual_seed(4))
+    lp_new = sde_step_with_logprob(v_new, x, sigma, sigma_next, a, prev_sample=prev, sde_type="cps")[1]
+    mean_new, _ = _reference_cps(v_new, x, sigma, sigma_next, a)
+    normal = lambda m: torch.distributions.Normal(m, std_ref).log_prob(prev).mean(DIMS)  # noqa: E731
+    torch.testing.assert_close(lp_new - log_prob, 2 * std_ref.flatten() ** 2 * (normal(mean_new) - normal(mean_ref)),
+                               rtol=1e-3, atol=1e-6)
+    # the same v scores its own sample to the same number: ratio exactly 1
+    assert torch.equal(sde_step_with_logprob(v, x, sigma, sigma_next, a, prev_sample=prev, sde_type="cps")[1],
+                       log_prob)
+    with pytest.raises(ValueError, match="sde_type"):
+        sde_step_with_logprob(v, x, 0.5, 0.4, 0.8, sde_type="ddim")
+
+
+@pytest.mark.parametrize("sigma, sigma_next", [(0.7, 0.6), (1.0, 0.96), (0.01, 0.0), (0.0, 0.0)])
+def test_cps_noise_zero_is_exact_euler(sigma, sigma_next):
+    v, x = _inputs()
+    prev, log_prob, mean, std = sde_step_with_logprob(v, x, sigma, sigma_next, 0.0, sde_type="cps",
+                                                      generator=torch.Generator().manual_seed(0))
+    euler = ode_step(v, x, sigma, sigma_next)
+    assert torch.equal(prev, euler) and torch.equal(mean, euler)
+    assert torch.equal(log_prob, torch.zeros(3)) and torch.all(std == 0)
+
+
+def test_cps_per_sample_noise_levels():
+    """Rows with a = 0 (Euler), 0.8 and 1 (all of sigma_next fresh noise: mean = (1 - sigma_next) x0_hat), at sigma = 1."""
+    v, x = _inputs()
+    a = torch.tensor([0.0, 0.8, 1.0])
+    prev, log_prob, mean, std = sde_step_with_logprob(v, x, 1.0, 0.9, a, sde_type="cps",
+                                                      generator=torch.Generator().manual_seed(0))
+    for t in (prev, log_prob, mean, std):
+        assert torch.isfinite(t).all()
+    assert torch.equal(prev[0], ode_step(v, x, 1.0, 0.9)[0]) and log_prob[0] == 0 and log_prob[1] < 0
+    torch.testing.assert_close(mean[2], 0.1 * x0_prediction(v, x, 1.0)[2])
+    torch.testing.assert_close(std.flatten(), 0.9 * torch.sin(a * math.pi / 2))
+
+
+def test_cps_gradient_flows_through_mean_only():
+    v, x = _inputs()
+    v.requires_grad_(True)
+    prev, log_prob, _, _ = sde_step_with_logprob(v, x, 0.7, 0.6, 0.8, sde_type="cps",
+                                                 generator=torch.Generator().manual_seed(0))
+    (grad,) = torch.autograd.grad(log_prob.sum(), v)
+    mean_ref, _ = _reference_cps(v, x, 0.7, 0.6, 0.8)
+    (expected,) = torch.autograd.grad(-((prev.detach() - mean_ref) ** 2).mean(DIMS).sum(), v)
+    assert grad.abs().sum() > 0
+    torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_gaussian_kl_is_exact_for_cps():
+    """With CPS's std_dev_t (the step std), gaussian_kl is the per-element mean of the exact KL of the step Gaussians."""
+    v, x = _inputs()
+    v_ref = torch.randn(SHAPE, generator=torch.Generator().manual_seed(9))
+    sigma, sigma_next = torch.tensor([0.9, 0.5, 0.2]), torch.tensor([0.8, 0.45, 0.1])
+    _, _, mean, std = sde_step_with_logprob(v, x, sigma, sigma_next, 0.8, sde_type="cps", prev_sample=x)
+    _, _, mean_ref, _ = sde_step_with_logprob(v_ref, x, sigma, sigma_next, 0.8, sde_type="cps", prev_sample=x)
+    p, q = torch.distributions.Normal(mean, std), torch.distributions.Normal(mean_ref, std)
+    torch.testing.assert_close(gaussian_kl(mean, mean_ref, std), torch.distributions.kl_divergence(p, q).mean(DIMS))
+
 # --------------------------------------------------------------------------- KL
 
 
@@ -283,6 +368,8 @@ def _ode(v, x, s, s_next, sigma_max, g):
     return ode_step(v, x, s, s_next)
 
 
+
+
 def _sde_without_correction(v, x, s, s_next, sigma_max, g):
     """The common mistake: Euler drift v plus noise, without the score term that compensates the noise."""
     std_dev_t = sde_step_with_logprob(v, x, s, s_next, 0.7, sigma_max=sigma_max, prev_sample=x)[3]
@@ -315,6 +402,90 @@ def test_marginal_check_detects_wrong_drift(wrong_step):
     _, var = _run_chain(wrong_step, 100, 1.0)
     assert abs(var - S**2) > 5 * TOL_VAR, var
 
+
+
+# CPS (E6) keeps something else than the SDE: the coefficients of the forward process given x0. Write the state as
+# x = (1 - sigma) x0 + sigma r. With the oracle velocity v = (x - x0) / sigma (x0 known, as for one training image),
+# (E6) gives r' = [sqrt(sigma'^2 - s^2) r + s z] / sigma': Var r' = Var r = 1 and r' independent of x0, at every step
+# count and noise level, and the last step (sigma' = 0, s = 0) lands on x0 exactly. The SDE step (E3) keeps this only
+# to first order in dt: at 10 steps its r has variance 1.66 at sigma' = 0.278 and its image keeps noise of std 0.06
+# around x0 (a = 0.7), the excess noise the CPS paper is about.
+N_ORACLE = 20_000
+TOL_R = 4 * math.sqrt(2 / N_ORACLE) + 0.01
+
+
+def _oracle_chain(step, a, num_steps=10, shift=3.0, seed=0):
+    """Per step (sigma', Var r, corr(r, x0)) and the final |x - x0| of the chain driven by the oracle velocity."""
+    g = torch.Generator().manual_seed(seed)
+    sched = sigma_schedule(num_steps, shift)
+    x0 = M + S * torch.randn(N_ORACLE, 1, generator=g)
+    x, out = torch.randn(N_ORACLE, 1, generator=g), []
+    for i in range(num_steps):
+        s, s_next = sched[i].item(), sched[i + 1].item()
+        x = step((x - x0) / s, x, s, s_next, a, sched[1].item(), g)
+        if s_next > 0:
+            r = (x - (1 - s_next) * x0) / s_next
+            out.append((s_next, r.var().item(), torch.corrcoef(torch.cat([r, x0], 1).T)[0, 1].item()))
+    return out, (x - x0).abs().max().item()
+
+
+def _cps_step(v, x, s, s_next, a, sigma_max, g):
+    return sde_step_with_logprob(v, x, s, s_next, a, generator=g, sde_type="cps")[0]
+
+
+def _cps_wrong_coefficient(v, x, s, s_next, a, sigma_max, g):
+    """sqrt(sigma'^2 - s^2) written as sigma': the DDIM step plus fresh noise on top, s^2 too much at every step."""
+    std = s_next * math.sin(a * math.pi / 2)
+    return (1 - s_next) * (x - s * v) + s_next * (x + (1 - s) * v) + std * torch.randn(x.shape, generator=g)
+
+
+def _sde_step(v, x, s, s_next, a, sigma_max, g):
+    return sde_step_with_logprob(v, x, s, s_next, a, generator=g, sigma_max=sigma_max)[0]
+
+
+@pytest.mark.parametrize("a", [0.3, 0.8, 1.0])
+def test_cps_preserves_the_forward_coefficients(a):
+    steps, final_err = _oracle_chain(_cps_step, a)
+    for s_next, var, corr in steps:
+        assert abs(var - 1) < TOL_R and abs(corr) < 0.04, (a, s_next, var, corr)
+    assert final_err < 1e-5  # the last step (s = 0) is x0_hat = x0
+
+
+@pytest.mark.parametrize("wrong, a", [(_cps_wrong_coefficient, 0.8), (_sde_step, 0.7)], ids=["cps-wrong", "sde"])
+def test_coefficient_check_detects_excess_noise(wrong, a):
+    steps, final_err = _oracle_chain(wrong, a)
+    assert max(abs(var - 1) for _, var, _ in steps) > 5 * TOL_R, steps
+    if wrong is _sde_step:  # the SDE's image keeps noise around x0 (std 0.06 at a = 0.7)
+        assert final_err > 0.1
+
+
+def _cps_chain_exact(a, num_steps, shift):
+    """Mean and variance of the CPS chain on the 1-D Gaussian data above, propagated in closed form: every step is
+    affine in x under the exact velocity, x' = A x + B + noise of variance C. Independent of sde_step_with_logprob."""
+    sched = sigma_schedule(num_steps, shift).double().tolist()
+    mu, var = 0.0, 1.0
+    for t, tn in zip(sched[:-1], sched[1:]):
+        k = (t - (1 - t) * S**2) / ((1 - t) ** 2 * S**2 + t**2)
+        vA, vB = k, -M - k * (1 - t) * M  # v = vA x + vB
+        s = tn * math.sin(a * math.pi / 2)
+        c = math.sqrt(max(tn**2 - s**2, 0.0))
+        A, B, C = (1 - tn) * (1 - t * vA) + c * (1 + (1 - t) * vA), -(1 - tn) * t * vB + c * (1 - t) * vB, s**2
+        mu, var = A * mu + B, A * A * var + C
+    return mu, var
+
+
+@pytest.mark.parametrize("num_steps, shift", [(10, 3.0), (100, 1.0)])
+def test_cps_with_the_exact_velocity_shrinks_the_marginal(num_steps, shift):
+    """Unlike the SDE (test_marginals_preserved), CPS does not carry N(0, 1) to the data N(M, S^2) under the exact
+    velocity: it plugs the posterior mean x0_hat into a step that, at fixed a, redraws a fixed share of the noise at
+    every step however small, and x0_hat has less spread than x0. The variance shrinks, more with more steps (closed
+    form, a = 0.8: 0.095 at 10 steps and shift 3, 0.156 at 100 steps, 0.162 at 1000, against 0.129 / 0.243 / 0.249 for
+    the Euler ODE and S^2 = 0.25); the mean stays M. The sampled chain matches that closed form."""
+    mean, var = _run_chain(lambda v, x, s, sn, smax, g: _cps_step(v, x, s, sn, 0.8, smax, g), num_steps, shift)
+    mu_exact, var_exact = _cps_chain_exact(0.8, num_steps, shift)
+    assert abs(mean - M) < TOL_MEAN and abs(mu_exact - M) < 1e-9
+    assert abs(var - var_exact) < TOL_VAR, (var, var_exact)
+    assert var_exact < S**2 - 0.08
 
 # --------------------------------------------------------------------------- ODE along per-row paths
 
