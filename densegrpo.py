@@ -34,7 +34,7 @@ from common.checks import Rule, check_flag, check_ranges, check_sde_type, read_p
 from common.evaluation import evaluate
 from common.plots import line_plot, run_pictures
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
-from common.sampler import gaussian_kl, ode_along_paths, sde_step_with_logprob
+from common.sampler import gaussian_kl, ode_along_paths, ratio_norm, sde_step_with_logprob
 from common.training import (EMA, Stats, Trainable, check_transitions, ema_weights, optimizer_step, plan_updates,
                              training_nfe)
 from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, seed_everything, setup_distributed,
@@ -147,6 +147,12 @@ class Args:
     """added to the std before dividing"""
     timestep_fraction: float = 0.99
     """train on the first int(num_steps * fraction) steps: 0.99 drops the last, near-deterministic step"""
+    ratio_norm: Literal["off", "ratio", "guard"] = "off"
+    """GRPO-Guard (Wang et al. 2025, arXiv 2510.22319): "ratio" clips a normalised log-ratio instead of the raw one
+    (common/sampler.py, E7: its mean shift removed, its spread made independent of the step's noise); "guard" also
+    divides each step's loss by |dt|, its gradient re-weighting, as the released scripts/train_sd3_GRPO_Guard.py.
+    Needs --sde-type sde. On-policy (one optimizer step per iteration) the ratio is 1 either way and only the
+    gradient's per-step weight changes (docs/flowgrpo.md, GRPO-Guard)"""
     drop_zero_advantage: bool = True
     """skip transitions whose advantage is 0 (a timestep at which the whole group's DeltaR is equal teaches nothing)"""
     completion_steps: int | None = None
@@ -322,23 +328,26 @@ def sample_trajectories(backbone, emb, sigmas, noise_levels, n, batch_size, reso
     """SDE rollout exactly as the baseline's (same generator draws in the same order, so psi == noise_level gives the
     baseline's trajectories), with a noise level per step. Returns latents [T+1, n, ...] (index 0 = x_T, pure noise;
     index T = the SDE's image x_0), the rollout policy's log-probs [T, n] and the velocities v(latents[k], sigma_k)
-    [T, n, ...] (kept: each is also the first Euler step of the completion from latents[k])."""
-    lat, lps, vels = [], [], []
+    [T, n, ...] (kept: each is also the first Euler step of the completion from latents[k]) and the steps' means
+    [T, n, ...] (the rollout policy's, for --ratio-norm)."""
+    lat, lps, vels, mus = [], [], [], []
     for b in range(0, n, batch_size):
         m = min(batch_size, n - b)
         x = backbone.initial_noise(m, resolution, resolution, generator=gen)
-        xs, lp, vs = [x], [], []
+        xs, lp, vs, ms = [x], [], [], []
         for j in range(len(sigmas) - 1):
             v = backbone.velocity(x, sigmas[j], emb[b:b + m], guidance_scale)
-            x, log_prob, _, _ = sde_step_with_logprob(v, x, sigmas[j], sigmas[j + 1], float(noise_levels[j]),
-                                                      generator=gen, sigma_max=sigmas[1], sde_type=sde_type)
+            x, log_prob, mean, _ = sde_step_with_logprob(v, x, sigmas[j], sigmas[j + 1], float(noise_levels[j]),
+                                                         generator=gen, sigma_max=sigmas[1], sde_type=sde_type)
             xs.append(x)
             lp.append(log_prob)
             vs.append(v)
+            ms.append(mean)
         lat.append(torch.stack(xs))
         lps.append(torch.stack(lp))
         vels.append(torch.stack(vs))
-    return torch.cat(lat, 1), torch.cat(lps, 1), torch.cat(vels, 1)
+        mus.append(torch.stack(ms))
+    return torch.cat(lat, 1), torch.cat(lps, 1), torch.cat(vels, 1), torch.cat(mus, 1)
 
 
 def completion_grid(num_steps: int, k: int, n: int | None) -> list[int]:
@@ -361,7 +370,7 @@ def dense_rollout(backbone, reward_model, prompts: list[str], emb, sigmas, noise
     sequential transformer calls of sampling and of the completions: nfe / calls = {"rollout": .., "completion": ..}
     (a CFG pair is one). Completion NFE per trajectory: sum_k (len(grid_k) - 1) - T (first steps reused)."""
     n, T = len(prompts), len(sigmas) - 1
-    latents, log_probs, vels = sample_trajectories(backbone, emb, sigmas, noise_levels, n, args.rollout_batch_size,
+    latents, log_probs, vels, means = sample_trajectories(backbone, emb, sigmas, noise_levels, n, args.rollout_batch_size,
                                                    args.resolution, args.guidance_scale, gen, args.sde_type)
     grids = [completion_grid(T, k, args.completion_steps) for k in range(T)] + [[T]]  # [T]: the SDE image
     # A step with psi = 0 is the Euler step (E1) with v(latents[k]), the first step of latents[k]'s completion. Where
@@ -382,7 +391,7 @@ def dense_rollout(backbone, reward_model, prompts: list[str], emb, sigmas, noise
     row = [len(run)] * (T + 1)  # row of scores holding R_k
     for k in reversed(range(T)):
         row[k] = row[k + 1] if same[k] else run.index(k)
-    return {"latents": latents, "log_probs": log_probs, "scores": scores[row].transpose(0, 1),  # [n, T+1, K]
+    return {"latents": latents, "log_probs": log_probs, "means": means, "scores": scores[row].transpose(0, 1),  # [n, T+1, K]
             "nfe": {"rollout": n * T, "completion": nfe},
             "calls": {"rollout": T * math.ceil(n / args.rollout_batch_size), "completion": calls}}
 
@@ -635,7 +644,7 @@ if __name__ == "__main__":
             transitions = {  # step-major: row j * n + i is step j of trajectory i
                 "latents": out["latents"][:L].flatten(0, 1),
                 "next_latents": out["latents"][1:L + 1].flatten(0, 1),
-                "log_prob": out["log_probs"][:L].flatten(),
+                "log_prob": out["log_probs"][:L].flatten(), "mean": out["means"][:L].flatten(0, 1),
                 "sigma": sigmas[step_index], "sigma_next": sigmas[step_index + 1],
                 "noise_level": noise_levels[step_index],
                 "advantage": advantages[mine][trajectory, step_index],
@@ -683,10 +692,16 @@ if __name__ == "__main__":
                             _, log_prob, mean, std_dev_t = sde_step_with_logprob(
                                 v, tr["latents"][r], tr["sigma"][r], tr["sigma_next"][r], tr["noise_level"][r],
                                 prev_sample=tr["next_latents"][r], sigma_max=sigmas[1], sde_type=args.sde_type)
-                            ratio = torch.exp(log_prob - tr["log_prob"][r])  # new over rollout policy, one step
+                            log_ratio = log_prob - tr["log_prob"][r]  # new over rollout policy, one step
+                            if args.ratio_norm != "off":  # GRPO-Guard: re-centred, noise-independent log-ratio (E7)
+                                log_ratio = ratio_norm(log_ratio, mean, tr["mean"][r], std_dev_t, tr["sigma"][r],
+                                                       tr["sigma_next"][r])
+                            ratio = torch.exp(log_ratio)
                             adv = tr["advantage"][r]
                             clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
                             policy_loss = torch.maximum(-adv * ratio, -adv * clipped)
+                            if args.ratio_norm == "guard":  # and its gradient re-weighting: every step's loss / |dt|
+                                policy_loss = policy_loss / (tr["sigma"][r] - tr["sigma_next"][r])
                             kl = torch.zeros_like(policy_loss)
                             if args.beta > 0:  # KL to the reference policy on the step's Gaussian means (sampler E5)
                                 v_ref = trainable.reference_velocity(tr["latents"][s], tr["sigma"][s], e,

@@ -28,7 +28,7 @@ from common.checks import Rule, check_flag, check_ranges, check_sde_type, read_p
 from common.evaluation import evaluate
 from common.plots import run_pictures
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
-from common.sampler import gaussian_kl, sde_step_with_logprob
+from common.sampler import gaussian_kl, ratio_norm, sde_step_with_logprob
 from common.training import (EMA, Stats, Trainable, check_transitions, ema_weights, optimizer_step, plan_updates,
                              training_nfe)
 from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, seed_everything, setup_distributed,
@@ -147,6 +147,12 @@ class Args:
     sde_window_range: tuple[int, int] | None = None
     """START END of the window (needs --sde-window-size): its first step is uniform in START..END - size, so its steps
     lie in START..END - 1, as Flow-GRPO-Fast's randint (default: 0 and num_steps // 2, the released fast configs)"""
+    ratio_norm: Literal["off", "ratio", "guard"] = "off"
+    """GRPO-Guard (Wang et al. 2025, arXiv 2510.22319): "ratio" clips a normalised log-ratio instead of the raw one
+    (common/sampler.py, E7: its mean shift removed, its spread made independent of the step's noise); "guard" also
+    divides each step's loss by |dt|, its gradient re-weighting, as the released scripts/train_sd3_GRPO_Guard.py.
+    Needs --sde-type sde. On-policy (one optimizer step per iteration) the ratio is 1 either way and only the
+    gradient's per-step weight changes (docs/flowgrpo.md, GRPO-Guard)"""
     drop_zero_advantage: bool = True
     """skip transitions whose advantage is 0 (groups whose rewards are all equal teach nothing)"""
 
@@ -368,7 +374,7 @@ if __name__ == "__main__":
             my_prompts = [train_prompts[prompt_ids[k]] for k in group[mine]]
             emb = backbone.encode(my_prompts)
             gen = torch.Generator(device).manual_seed(args.seed * 1_000_003 + iteration * 1009 + rank)
-            chains, images = [], []  # per rollout batch: (latents, next_latents, log_prob), [trained steps, B, ...]
+            chains, images = [], []  # per rollout batch: (latents, next_latents, log_prob, mean), [trained steps, B, ..]
             with torch.no_grad():
                 for b in range(0, args.images_per_rank, args.rollout_batch_size):
                     idx = slice(b, b + args.rollout_batch_size)
@@ -378,9 +384,9 @@ if __name__ == "__main__":
                         v = backbone.velocity(x, sigmas[j], emb[idx], args.guidance_scale)
                         # outside a window noise 0: the sampler's exact Euler step (E1), deterministic
                         a = args.noise_level if j in trained or not args.sde_window_size else 0.0
-                        x_next, log_prob, _, _ = sde_step_with_logprob(v, x, sigmas[j], sigmas[j + 1], a, generator=gen,
-                                                                       sigma_max=sigmas[1], sde_type=args.sde_type)
-                        traj.append((x, x_next, log_prob))
+                        x_next, log_prob, mean, _ = sde_step_with_logprob(v, x, sigmas[j], sigmas[j + 1], a, generator=gen,
+                                                                          sigma_max=sigmas[1], sde_type=args.sde_type)
+                        traj.append((x, x_next, log_prob, mean))
                         x = x_next
                     chains.append([torch.stack(t) for t in zip(*traj[trained.start:trained.stop])])
                     images.append(backbone.decode(x, args.resolution, args.resolution))
@@ -405,9 +411,9 @@ if __name__ == "__main__":
             # step_index, per-trajectory fields by trajectory (check_transitions verifies the order).
             T, n = args.trained_steps, args.images_per_rank
             step_index, trajectory = torch.arange(w0, w0 + T).repeat_interleave(n), torch.arange(n).repeat(T)
-            latents, next_latents, log_probs = (torch.cat(f, 1).flatten(0, 1) for f in zip(*chains))
+            latents, next_latents, log_probs, means = (torch.cat(f, 1).flatten(0, 1) for f in zip(*chains))
             transitions = {
-                "latents": latents, "next_latents": next_latents, "log_prob": log_probs,
+                "latents": latents, "next_latents": next_latents, "log_prob": log_probs, "mean": means,
                 "sigma": sigmas[step_index], "sigma_next": sigmas[step_index + 1],
                 "noise_level": torch.full((T * n,), args.noise_level), "advantage": advantages[mine][trajectory],
                 "prompt_index": trajectory, "step_index": step_index, "trajectory": trajectory,
@@ -442,10 +448,16 @@ if __name__ == "__main__":
                             _, log_prob, mean, std_dev_t = sde_step_with_logprob(
                                 v, tr["latents"][r], tr["sigma"][r], tr["sigma_next"][r], tr["noise_level"][r],
                                 prev_sample=tr["next_latents"][r], sigma_max=sigmas[1], sde_type=args.sde_type)
-                            ratio = torch.exp(log_prob - tr["log_prob"][r])  # new over rollout policy, one step
+                            log_ratio = log_prob - tr["log_prob"][r]  # new over rollout policy, one step
+                            if args.ratio_norm != "off":  # GRPO-Guard: re-centred, noise-independent log-ratio (E7)
+                                log_ratio = ratio_norm(log_ratio, mean, tr["mean"][r], std_dev_t, tr["sigma"][r],
+                                                       tr["sigma_next"][r])
+                            ratio = torch.exp(log_ratio)
                             adv = tr["advantage"][r]
                             clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
                             policy_loss = torch.maximum(-adv * ratio, -adv * clipped)
+                            if args.ratio_norm == "guard":  # and its gradient re-weighting: every step's loss / |dt|
+                                policy_loss = policy_loss / (tr["sigma"][r] - tr["sigma_next"][r])
                             kl = torch.zeros_like(policy_loss)
                             if args.beta > 0:  # KL to the reference policy on the step's Gaussian means (sampler E5)
                                 v_ref = trainable.reference_velocity(tr["latents"][s], tr["sigma"][s], e,

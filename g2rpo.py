@@ -31,7 +31,7 @@ from common.checks import check_ranges, check_sde_type, read_prompt_file
 from common.evaluation import evaluate
 from common.plots import run_pictures
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
-from common.sampler import gaussian_kl, ode_along_paths, ode_step, sde_step_with_logprob
+from common.sampler import gaussian_kl, ode_along_paths, ode_step, ratio_norm, sde_step_with_logprob
 from common.training import (EMA, Stats, Trainable, check_transitions, ema_weights, optimizer_step, plan_updates,
                              training_nfe)
 from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, seed_everything, setup_distributed,
@@ -157,6 +157,12 @@ class Args:
     """KL weight to the LoRA-off model (G²RPO: 0, no reference model; kept for ablations)"""
     std_eps: float = 1e-8
     """added to each (k, λ) group's unbiased std (official code: 1e-8); groups of equal rewards get exactly 0"""
+    ratio_norm: Literal["off", "ratio", "guard"] = "off"
+    """GRPO-Guard (Wang et al. 2025, arXiv 2510.22319): "ratio" clips a normalised log-ratio instead of the raw one
+    (common/sampler.py, E7: its mean shift removed, its spread made independent of the step's noise); "guard" also
+    divides each step's loss by |dt|, its gradient re-weighting, as the released scripts/train_sd3_GRPO_Guard.py.
+    Needs --sde-type sde. On-policy (one optimizer step per iteration) the ratio is 1 either way and only the
+    gradient's per-step weight changes (docs/flowgrpo.md, GRPO-Guard)"""
     drop_zero_advantage: bool = True
     """skip transitions whose advantage is 0 (groups whose rewards are all equal teach nothing)"""
 
@@ -314,14 +320,15 @@ def singular_stochastic_rollout(velocity, x_T, sigmas, branch_steps, granulariti
     n = G if noise_level > 0 else 1
     states, vels = anchor_trajectory(velocity, x_T, sigmas, max(branch_steps), batch)
     nfe = P * (max(branch_steps) + 1)
-    latents, next_latents, log_prob = [], [], []
+    latents, next_latents, log_prob, means = [], [], [], []
     for k in branch_steps:  # every k branches from the same anchor (not from another k's branch)
         x, v = states[k].repeat_interleave(n, 0), vels[k].repeat_interleave(n, 0)
-        y, lp, _, _ = sde_step_with_logprob(v, x, sigmas[k], sigmas[k + 1], noise_level, generator=generator,
-                                            sigma_max=sigmas[1], sde_type=sde_type)
+        y, lp, mu, _ = sde_step_with_logprob(v, x, sigmas[k], sigmas[k + 1], noise_level, generator=generator,
+                                             sigma_max=sigmas[1], sde_type=sde_type)
         latents.append(states[k])
         next_latents.append(y.view(P, n, *y.shape[1:]))
         log_prob.append(lp.view(P, n))
+        means.append(mu.view(P, n, *mu.shape[1:]))
     next_latents = torch.stack(next_latents)  # [K, P, n, ...]
     # One completion job per (prompt, k, λ, member), in that order (prompt outermost, so a rank-major gather of the
     # rewards lists prompts in global order).
@@ -334,7 +341,8 @@ def singular_stochastic_rollout(velocity, x_T, sigmas, branch_steps, granulariti
                                         start.reshape(P * K * L * n, *start.shape[4:]), paths, batch)
     final = final.view(P, K, L, n, *final.shape[1:])
     return {"latents": torch.stack(latents), "next_latents": next_latents.expand(K, P, G, *next_latents.shape[3:]),
-            "log_prob": torch.stack(log_prob).expand(K, P, G), "final": final.expand(P, K, L, G, *final.shape[4:]),
+            "log_prob": torch.stack(log_prob).expand(K, P, G), "mean": torch.stack(means).expand(K, P, G, *y.shape[1:]),
+            "final": final.expand(P, K, L, G, *final.shape[4:]),
             "nfe": nfe + nfe_ode}
 
 
@@ -481,7 +489,7 @@ if __name__ == "__main__":
             transitions = {
                 "latents": roll["latents"].repeat_interleave(G, 1).flatten(0, 1),  # the shared state x_k
                 "next_latents": roll["next_latents"].flatten(0, 2),
-                "log_prob": roll["log_prob"].flatten(),
+                "log_prob": roll["log_prob"].flatten(), "mean": roll["mean"].flatten(0, 2),
                 "sigma": sigmas[step_index], "sigma_next": sigmas[step_index + 1],
                 "noise_level": torch.full((n_trans,), args.noise_level),
                 "advantage": advantages[mine].transpose(0, 1).flatten(),
@@ -525,10 +533,16 @@ if __name__ == "__main__":
                             _, log_prob, mean, std_dev_t = sde_step_with_logprob(
                                 v, tr["latents"][r], tr["sigma"][r], tr["sigma_next"][r], tr["noise_level"][r],
                                 prev_sample=tr["next_latents"][r], sigma_max=sigmas[1], sde_type=args.sde_type)
-                            ratio = torch.exp(log_prob - tr["log_prob"][r])  # new over rollout policy, one step
+                            log_ratio = log_prob - tr["log_prob"][r]  # new over rollout policy, one step
+                            if args.ratio_norm != "off":  # GRPO-Guard: re-centred, noise-independent log-ratio (E7)
+                                log_ratio = ratio_norm(log_ratio, mean, tr["mean"][r], std_dev_t, tr["sigma"][r],
+                                                       tr["sigma_next"][r])
+                            ratio = torch.exp(log_ratio)
                             adv = tr["advantage"][r]
                             clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
                             policy_loss = torch.maximum(-adv * ratio, -adv * clipped)
+                            if args.ratio_norm == "guard":  # and its gradient re-weighting: every step's loss / |dt|
+                                policy_loss = policy_loss / (tr["sigma"][r] - tr["sigma_next"][r])
                             kl = torch.zeros_like(policy_loss)
                             if args.beta > 0:  # KL to the reference policy on the step's Gaussian means (sampler E5)
                                 v_ref = trainable.reference_velocity(tr["latents"][s], tr["sigma"][s], e,

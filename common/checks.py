@@ -134,6 +134,10 @@ def check_ranges(args, table: dict[str, Rule] | None = None) -> None:
 def check_sde_type(args, trains_last_step: bool, which: str) -> None:
     """--sde-type cps (common/sampler.py, E6) and its two limits, for the three scripts' check_args. `which` names the
     flags that decide the trained steps, for the message."""
+    if getattr(args, "ratio_norm", "off") != "off" and args.sde_type != "sde":
+        raise ConfigError(f"--ratio-norm {args.ratio_norm} with --sde-type {args.sde_type}: GRPO-Guard's RatioNorm (E7) "
+                          "is defined for the SDE step, whose log-prob has the 1 / (2 s^2) and the sqrt|dt| it "
+                          "undoes; use --sde-type sde, or --ratio-norm off")
     if args.sde_type != "cps":
         return
     if args.noise_level > 1:

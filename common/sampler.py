@@ -20,6 +20,9 @@ Coefficients-Preserving Sampling (CPS = Wang & Yu 2025, arXiv 2509.05952; the re
        (1 - sigma_next, sigma_next) of the forward process x = (1 - sigma) x0 + sigma eps at every noise level. The
        SDE step (E3) compensates its noise std_dev_t sqrt|dt| only to first order in dt; the CPS paper traces the
        grain of few-step SDE samples to that excess of noise.
+GRPO-Guard's RatioNorm (Wang et al. 2025, arXiv 2510.22319, Eq. 8; the released Flow-GRPO
+scripts/train_sd3_GRPO_Guard.py), for the SDE step (E3) with step std s = std_dev_t sqrt|dt|:
+  (E7) log r_hat = s (log r + |mu - mu_old|^2 / (2 s^2)),   log r = log pi(x_next) - log pi_old(x_next)
 All math runs in float32 whatever the model dtype: bf16 loses too much precision in the
 mean and in the log-density (Flow-GRPO casts to fp32 for the same reason).
 """
@@ -172,6 +175,26 @@ def sde_step_with_logprob(velocity, sample, sigma, sigma_next, noise_level,
                     - torch.log(safe_std) - 0.5 * math.log(2 * math.pi))
     log_prob = torch.where(step_std.reshape(-1) > 0, _mean_non_batch(log_prob), 0.0)
     return prev_sample, log_prob, mean, std_dev_t
+
+
+def ratio_norm(log_ratio, mean, old_mean, std_dev_t, sigma, sigma_next) -> torch.Tensor:
+    """GRPO-Guard's normalised log-ratio of one SDE step (E7), per sample -> shape [B].
+
+    Why: the stored action is x_next = mu_old + s eps, so with dmu = mu - mu_old the step's log-ratio (a mean over
+    elements, like the log-prob) is log r = <eps, dmu> / s - <dmu^2> / (2 s^2). Its second term pulls the mean of
+    log r below 0 whenever the policy has moved, and its first has a spread |dmu| / s that grows as s shrinks (the
+    late, low-noise steps): the ratio sits left of 1 and one clip range fits no step, so the clip stops too few of
+    the over-confident positive updates (the paper's diagnosis). Adding the bias back leaves <eps, dmu> / s; times s
+    it is <eps, dmu>: zero-mean, with a spread that no longer depends on the step's noise. On-policy (mu == mu_old)
+    it is exactly 0 (ratio 1), as without it. The bias term is differentiated, as in the released code (whose
+    s = mean(std_dev_t) mean(sqrt|dt|) over a batch of one timestep is, per sample, this s).
+    log_ratio, sigma, sigma_next: [B]; mean, old_mean: [B, ...]; std_dev_t: what sde_step_with_logprob returns for
+    sde_type "sde" (CPS's released log-prob has neither 1 / (2 s^2) nor sqrt|dt|: not defined for it).
+    """
+    s = _per_sample(std_dev_t, log_ratio).reshape(-1) * torch.sqrt((sigma - sigma_next).float())
+    safe = torch.where(s > 0, s, 1.0)  # a noise-free step (noise_level 0) has no density: it stays at log r_hat = 0
+    bias = _mean_non_batch((mean.float() - old_mean.float()) ** 2) / (2 * safe ** 2)
+    return (log_ratio + bias) * s
 
 
 def gaussian_kl(mean, mean_ref, std_dev_t) -> torch.Tensor:

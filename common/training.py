@@ -23,7 +23,8 @@ REQUIRED = {  # field -> (dtype kind, shape after the first dim is [N])
     "latents": "float", "next_latents": "float", "log_prob": "float", "sigma": "float", "sigma_next": "float",
     "noise_level": "float", "advantage": "float", "prompt_index": "long", "step_index": "long",
 }
-OPTIONAL = {"trajectory": "long", "state_index": "long", "update_block": "long"}
+OPTIONAL = {"trajectory": "long", "state_index": "long", "update_block": "long",
+            "mean": "float"}  # mean: the rollout step's Gaussian mean, [N, ...] like latents (--ratio-norm needs it)
 
 
 # ------------------------------------------------------------------------------------------ the contract
@@ -49,11 +50,12 @@ def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int) -> dict:
         t = tr[k]
         assert len(t) == n, f"transitions['{k}'] has {len(t)} rows, expected {n}"
         assert (t.dtype == torch.long) if kind == "long" else t.dtype == torch.float32, f"{k}: dtype {t.dtype}"
-        if k not in ("latents", "next_latents"):
+        if k not in ("latents", "next_latents", "mean"):
             assert t.ndim == 1, f"transitions['{k}'] must be [N], got {tuple(t.shape)}"
         if kind == "float":
             assert torch.isfinite(t).all(), f"transitions['{k}'] has non-finite values"
-    assert tr["latents"].shape == tr["next_latents"].shape, "latents and next_latents differ in shape"
+    assert tr["latents"].shape == tr["next_latents"].shape == tr.get("mean", tr["latents"]).shape, \
+        "latents, next_latents and mean differ in shape"
     j, s = tr["step_index"].cpu(), sigmas.cpu()
     assert bool(((j >= 0) & (j < len(s) - 1)).all()), "step_index outside the schedule"
     assert torch.equal(tr["sigma"].cpu(), s[j]) and torch.equal(tr["sigma_next"].cpu(), s[j + 1]), \

@@ -1,5 +1,6 @@
 """flowgrpo_baseline.py end to end, as a user runs it: smoke on SD3 and FLUX, DDP, resume, LoRA export,
 learning on the toy world, and one-line errors for bad input."""
+import math
 import os
 import re
 import runpy
@@ -205,6 +206,7 @@ def test_bad_input_from_the_shell_is_one_line_without_traceback(tmp_path, prompt
     (["--sde-window-range", "0", "2"], "needs --sde-window-size > 0"),
     (["--sde-type", "cps", "--timestep-fraction", "1.0"], "the last step is trained"),
     (["--sde-type", "cps", "--noise-level", "1.2"], "must be in [0, 1]"),
+    (["--sde-type", "cps", "--noise-level", "0.8", "--ratio-norm", "ratio"], "defined for the SDE step"),
 ])
 def test_bad_input_is_one_clear_line(monkeypatch, flags, expect, tmp_path, prompts_file, tiny_sd3):
     msg = run_inprocess(monkeypatch, *tiny_flags(tiny_sd3, tmp_path, prompts_file), *flags)
@@ -250,3 +252,22 @@ def test_non_finite_reward_stops_and_keeps_checkpoint(tmp_path, tiny_sd3, prompt
     assert [i for i, _ in list_checkpoints(tmp_path / "run")] == [1, 2]  # --keep-checkpoints 2
     state = torch.load(tmp_path / "run" / "checkpoint-2" / "trainer_state.pt", weights_only=False)
     assert state["iteration"] == 2
+
+
+# ---- GRPO-Guard's RatioNorm (--ratio-norm; common/sampler.py, E7)
+def test_ratio_norm_is_one_on_policy_and_trains(tiny_sd3, tmp_path, prompts_file):
+    """--ratio-norm end to end with two optimizer steps per iteration, so the second step's micro-batches are
+    off-policy (the rollout's means, stored in transitions["mean"], are what E7 compares against): the first
+    micro-batch's ratio is exactly 1, the run ends finite, and the weights differ from a run without it (the
+    normalisation changes every step's gradient: by s = std_dev_t sqrt|dt|, and guard's 1 / |dt| on top). "guard"
+    runs E7 and the re-weighting; E7 alone is tested in tests/test_sampler.py."""
+    two_steps = ["--num-iterations", "1", "--eval-every", "100", "--optimizer-steps-per-iteration", "2",
+                 "--train-batch-size", "2"]
+    run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file), *two_steps, "--ratio-norm", "guard")
+    first = read_metrics(tmp_path / "run")[0]
+    assert first["ratio/first_minibatch_max_dev"] == 0 and first["train/optimizer_steps"] == 2
+    assert all(math.isfinite(first[k]) for k in ("ratio/min", "ratio/max", "policy_loss", "grad_norm"))
+    run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "plain"), *two_steps)
+    a = torch.load(tmp_path / "run" / "checkpoint-1" / "trainer_state.pt", weights_only=False)["params"]
+    b = torch.load(tmp_path / "plain" / "checkpoint-1" / "trainer_state.pt", weights_only=False)["params"]
+    assert any(not torch.equal(a[k], b[k]) for k in a)

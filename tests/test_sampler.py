@@ -15,6 +15,7 @@ from common.sampler import (  # noqa: E402
     gaussian_kl,
     ode_along_paths,
     ode_step,
+    ratio_norm,
     sde_step_with_logprob,
     sigma_schedule,
     static_shift_schedule,
@@ -540,3 +541,61 @@ def test_ode_along_paths_fills_calls_longest_first():
     calls = []
     ode_along_paths(_row_velocity(calls), torch.zeros(16, 1, 1, 1), paths, 8)
     assert sum(calls) == 40 and calls == [8, 8, 8, 8, 8]
+
+
+# ---- GRPO-Guard's RatioNorm (E7)
+def _step(mu_shift: float, sigma: float, sigma_next: float, a: float = 0.7, n: int = 4096, d: int = 64, seed: int = 0):
+    """A stored SDE action from the rollout policy (velocity v_old) scored by a policy whose velocity moved by
+    mu_shift / |dt| (so its step mean moved by about mu_shift). Returns (log r, mean, old mean, std_dev_t)."""
+    g = torch.Generator().manual_seed(seed)
+    x, v_old = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
+    x_next, lp_old, mu_old, _ = sde_step_with_logprob(v_old, x, sigma, sigma_next, a, generator=g, sigma_max=0.96)
+    v_new = v_old + mu_shift / (sigma - sigma_next) * torch.randn(n, d, generator=g)
+    _, lp_new, mu_new, std = sde_step_with_logprob(v_new, x, sigma, sigma_next, a, prev_sample=x_next, sigma_max=0.96)
+    return lp_new - lp_old, mu_new, mu_old, std
+
+
+def test_ratio_norm_is_one_on_policy_and_scales_the_gradient_by_the_step_std():
+    """On-policy (the policy that sampled) the normalised ratio is exactly 1 and so the clipped loss -A r equals the
+    unnormalised one; its gradient is s = std_dev_t sqrt|dt| times the raw log-ratio's (the bias has zero gradient
+    at dmu = 0)."""
+    g = torch.Generator().manual_seed(1)
+    x, v = torch.randn(8, 4, 6, 6, generator=g), torch.randn(8, 4, 6, 6, generator=g)
+    sigma, sigma_next = torch.full((8,), 0.79), torch.full((8,), 0.71)
+    x_next, lp_old, mu_old, _ = sde_step_with_logprob(v, x, sigma, sigma_next, 0.7, generator=g, sigma_max=0.96)
+    w = torch.ones(1, requires_grad=True)  # a stand-in parameter: the policy's velocity is w * v
+    _, lp, mu, std = sde_step_with_logprob(w * v, x, sigma, sigma_next, 0.7, prev_sample=x_next, sigma_max=0.96)
+    raw = lp - lp_old
+    normed = ratio_norm(raw, mu, mu_old, std, sigma, sigma_next)
+    assert torch.equal(raw, torch.zeros(8)) and torch.equal(normed, torch.zeros(8))  # ratio exactly 1
+    adv = torch.randn(8, generator=g)
+    assert torch.equal(-adv * torch.exp(normed), -adv * torch.exp(raw))  # the loss at ratio 1 is the same
+    (g_raw,) = torch.autograd.grad(raw.sum(), w, retain_graph=True)
+    (g_norm,) = torch.autograd.grad(normed.sum(), w)
+    s = (std.reshape(-1) * torch.sqrt(sigma - sigma_next))[0]
+    assert torch.allclose(g_norm, s * g_raw, rtol=1e-5)
+
+
+def test_ratio_norm_recentres_the_ratio_and_equalises_its_spread_across_steps():
+    """Off-policy, the raw log-ratio of a step has mean -<dmu^2> / (2 s^2) < 0 and a spread that grows as the step's
+    std s shrinks; the normalised one is zero-mean with the same spread at a noisy and a quiet step (the paper's
+    Fig. 2 diagnosis and its fix). Monte Carlo over 4,096 samples; the shifts are chosen so the raw effect is large."""
+    out = {}
+    for name, (sig, sig_next) in {"noisy": (0.96, 0.91), "quiet": (0.28, 0.009)}.items():
+        raw, mu, mu_old, std = _step(0.2, sig, sig_next)
+        normed = ratio_norm(raw, mu, mu_old, std, torch.tensor(sig), torch.tensor(sig_next))
+        s = float(std.reshape(-1)[0]) * (sig - sig_next) ** 0.5
+        bias, se = ((mu - mu_old) ** 2).mean(1) / (2 * s ** 2), raw.std() / len(raw) ** 0.5  # se: MC error of a mean
+        assert bias.mean() > 10 * se and abs(raw.mean() + bias.mean()) < 4 * se  # the raw mean shift, as derived
+        assert abs(normed.mean()) < 4 * normed.std() / len(normed) ** 0.5  # zero-mean within MC error
+        out[name] = (raw.std().item(), normed.std().item())
+    assert out["quiet"][0] > 2 * out["noisy"][0]  # raw: the quiet step's log-ratio spreads much more
+    assert abs(out["quiet"][1] / out["noisy"][1] - 1) < 0.1  # normalised: the same spread
+
+
+def test_ratio_norm_leaves_a_noise_free_step_at_ratio_one():
+    x, v = torch.randn(3, 8), torch.randn(3, 8)
+    x_next, lp_old, mu_old, _ = sde_step_with_logprob(v, x, 0.5, 0.4, 0.0)
+    _, lp, mu, std = sde_step_with_logprob(v + 1, x, 0.5, 0.4, 0.0, prev_sample=x_next)
+    out = ratio_norm(lp - lp_old, mu, mu_old, std, torch.full((3,), 0.5), torch.full((3,), 0.4))
+    assert torch.equal(out, torch.zeros(3))

@@ -138,6 +138,9 @@ def test_check_transitions_accepts_a_valid_set_and_catches_order_mistakes():
     bad = dict(tr, state_index=torch.tensor([0, 0, 1, 2, 2, 3]))  # rows 0 and 1 start from different latents
     with pytest.raises(AssertionError, match="rows of one state"):
         check_transitions(bad, sigmas, 3)
+    check_transitions(dict(tr, mean=torch.randn_like(tr["latents"])), sigmas, 3)  # the rollout means: optional
+    with pytest.raises(AssertionError, match="mean differ in shape"):
+        check_transitions(dict(tr, mean=tr["latents"][:, :2]), sigmas, 3)
 
 
 # ---------------------------------------------------------------------------------------- in a run
