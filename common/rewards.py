@@ -12,6 +12,7 @@ Each reward maps (images [B,3,H,W] float in [0,1], prompts) to one float per ima
 | name                   | source                                                | score              | range         |
 |------------------------|-------------------------------------------------------|--------------------|---------------|
 | toyworld               | common.toyworld.score, a pixel-exact GenEval stand-in | partial credit S²  | [0, 1]        |
+| toyworld_coverage      | common.toyworld.color_coverage: hackable on purpose   | prompt-colour area | [0, 1]        |
 | jpeg_compressibility   | DDPO; PIL JPEG q95 (512²: flat ≈ 5 kB, noise ≈ 310)   | -size in kB        | -310 .. -5    |
 | jpeg_incompressibility | DDPO                                                  | +size in kB        | 5 .. 310      |
 | aesthetic              | LAION improved-aesthetic-predictor (CLIP L/14 + MLP)  | raw MLP output     | ~1 .. 10      |
@@ -62,7 +63,7 @@ from PIL import Image
 from torch import nn
 
 REWARD_NAMES: tuple[str, ...] = (
-    "toyworld", "jpeg_compressibility", "jpeg_incompressibility",
+    "toyworld", "toyworld_coverage", "jpeg_compressibility", "jpeg_incompressibility",
     "aesthetic", "pickscore", "clipscore", "hpsv2", "imagereward",
 )
 DEFAULT_PATHS = {
@@ -233,6 +234,13 @@ def _toyworld(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 
     reward, _correct = score(images.cpu(), prompts)
     return torch.as_tensor(np.asarray(reward), dtype=torch.float32)
+
+
+def _toyworld_coverage(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """The reward-hacking lab's proxy: the share of pixels in the prompt's colours (flooding the canvas wins it)."""
+    from common.toyworld import color_coverage
+
+    return torch.as_tensor(color_coverage(images.cpu(), prompts), dtype=torch.float32)
 
 
 class CLIPReward:
@@ -468,6 +476,7 @@ class ImageRewardScore:
 
 _LOADERS = {  # name -> (paths, device) -> callable(images on device [b,3,H,W], prompts) -> [b]
     "toyworld": lambda paths, device: _toyworld,
+    "toyworld_coverage": lambda paths, device: _toyworld_coverage,
     "jpeg_compressibility": lambda paths, device: lambda images, prompts: -_jpeg_kb(images),
     "jpeg_incompressibility": lambda paths, device: lambda images, prompts: _jpeg_kb(images),
     "aesthetic": Aesthetic,

@@ -334,3 +334,20 @@ def test_toyworld_prefers_a_correct_render():
         rendered = rendered.permute(0, 3, 1, 2)
     s = build_reward("toyworld")(torch.cat([rendered, torch.zeros_like(rendered)]), [prompt, prompt])
     assert s.shape == (2, 1) and s[0, 0] > s[1, 0]
+
+
+def test_toyworld_coverage_is_won_by_flooding_the_canvas():
+    """The reward-hacking lab's proxy: a correct render scores its objects' share of the canvas; the canvas flooded
+    with the prompt's colour scores 1 (more than the render) and is wrong for the strict scorer; a black canvas 0."""
+    from common.toyworld import render_batch, score
+
+    prompt = "a photo of a red circle left of a blue square"
+    rendered = torch.from_numpy(np.asarray(render_batch([prompt], [0]))).float().div(255).permute(0, 3, 1, 2)
+    flood = torch.zeros_like(rendered)
+    flood[:, 0] = 1  # all red
+    s = build_reward("toyworld_coverage")(torch.cat([rendered, flood, torch.zeros_like(rendered)]), [prompt] * 3)
+    share = ((rendered[0, 0] > 0.5) & (rendered[0, 1] < 0.5)).float().mean() + \
+        ((rendered[0, 2] > 0.5) & (rendered[0, 0] < 0.5) & (rendered[0, 1] < 0.5)).float().mean()  # red + blue px
+    assert torch.allclose(s[:, 0], torch.stack([share, torch.tensor(1.0), torch.tensor(0.0)]), atol=1e-6)
+    assert 0.04 < share < 0.25
+    assert score(torch.cat([rendered, flood]), [prompt] * 2)[1].tolist() == [True, False]

@@ -205,6 +205,19 @@ def score(images, prompts) -> tuple[np.ndarray, np.ndarray]:
     return np.array([r for r, _ in results], np.float64), np.array([c for _, c in results], bool)
 
 
+def color_coverage(images, prompts) -> np.ndarray:
+    """A deliberately hackable proxy reward (docs/reward_hacking.md): float [B] in [0, 1], the share of the canvas
+    whose palette colour is one that the prompt names. A correct render covers 4-25 % of it; a canvas flooded with
+    the colour scores 1 and has lost every count, shape and position, which `score` (the strict verdict) sees.
+    Policy-gradient methods find that flood: the lab watches the proxy rise while the strict accuracy falls."""
+    cls = classify_pixels(to_uint8(images))
+    prompts = list(prompts)
+    if len(cls) != len(prompts):
+        raise ValueError(f"got {len(cls)} images but {len(prompts)} prompts")
+    wanted = [[_NAMES.index(c) + 1 for c, _, _ in parse(p).objects] for p in prompts]
+    return np.array([np.isin(c, w).mean() for c, w in zip(cls, wanted)], np.float64)
+
+
 def image_grid(images, nrow: int, scale: int = 4, gap: int = 1):
     """PIL image of a grid with `nrow` images per row (as torchvision's make_grid), each upscaled
     `scale` times by pixel repetition (no smoothing: what you see is what the scorer sees), with a
