@@ -187,6 +187,20 @@ def parallel(meta: dict) -> str:
     return f"{meta.get('jobs', '?')} x {meta.get('threads', '?')}, {meta.get('omp_wait_policy', '?').lower()}"
 
 
+def load_text(meta: dict) -> str:
+    """Mean (max) of the 1-minute load average sampled while the run ran, or — (runs from before 2026-12-01)."""
+    load = meta.get("load") or []
+    return f"{sum(load) / len(load):.1f} ({max(load):.1f})" if load else "—"
+
+
+def busy(meta: dict) -> bool:
+    """Did other work share the machine? Its own jobs x threads explain a load up to about that number; measured
+    2026-12-01 on the 2-core machine: 31.7 CPU s per iteration with two harness runs alone (load ~2), 39-41 with
+    a third busy process (load ~2.7-3): other processes cost CPU seconds, not only wall time."""
+    load = meta.get("load") or []
+    return bool(load) and sum(load) / len(load) > meta.get("jobs", 1) * meta.get("threads", 1) + 0.5
+
+
 def report(out: str) -> str:
     """Write {out}/results.md and the two plots from the finished run folders; return the markdown."""
     groups = collect(out)
@@ -199,7 +213,8 @@ def report(out: str) -> str:
             "CPU s in loop", "CPU s process", "jobs x threads, OMP wait", "best eval − start (beside the last, biased up)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     per_run = ["| algorithm | variant | seed | iterations | start | final | gain | final-eval SE | best | images | "
-               "NFE (training) | CPU s in loop | CPU s process | jobs x threads, OMP wait |", "|" + "---|" * 14]
+               "NFE (training) | CPU s in loop | CPU s / iteration | CPU s process | jobs x threads, OMP wait | "
+               "load mean (max) |", "|" + "---|" * 16]
     commands, notes = set(), []
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     for (algo, variant), g in sorted(groups.items(), key=lambda kv: (ALGOS.index(kv[0][0]), kv[0][1])):
@@ -234,8 +249,13 @@ def report(out: str) -> str:
             per_run.append(f"| {algo} | {variant} | {seed} | {s['iterations']} | {b['acc']:.3f} | {f['acc']:.3f} | "
                            f"{f['acc'] - b['acc']:+.3f} | {'—' if f['se'] is None else format(f['se'], '.3f')} | "
                            f"{s['best']:.3f} | {f['images']} | {s['nfe_train']} | {f['cpu_s']:.0f} | "
+                           f"{f['cpu_s'] / max(s['iterations'], 1):.1f} | "
                            f"{s['meta'].get('process_cpu_s', float('nan')):.0f} | "
-                           f"{parallel(s['meta'])} |")
+                           f"{parallel(s['meta'])} | {load_text(s['meta'])} |")
+            if busy(s["meta"]):
+                notes.append(f"{algo} {variant} seed {seed} ran on a busy machine (load {load_text(s['meta'])} for "
+                             f"{s['meta'].get('jobs')} x {s['meta'].get('threads')} threads of its own): other work "
+                             "costs CPU seconds per iteration too, so its budget bought fewer iterations")
     md = [f"# Comparison at equal CPU seconds (report written {datetime.date.today().isoformat()})", "",
           "Runs made by:", "", *[f"    {c}" for c in sorted(commands)], "",
           "gain = final − start accuracy, mean over seeds with a 95 % t-interval; start = the starting model evaluated "
@@ -373,13 +393,17 @@ def run_grid(out: str, runs: list[dict], jobs: int, threads: int, max_wall_s: fl
             print(f"kept     {r['name']} (finished)")
         else:
             todo.append(r)
-    failed, active = [], []
+    failed, active, last_load = [], [], 0.0
     try:
         while todo or active:
             while todo and len(active) < jobs:
                 active.append(launch(out, todo.pop(0), threads, jobs, command))
                 print(f"started  {active[-1].run['name']}", flush=True)
             time.sleep(0.2)
+            if time.time() - last_load > 5:  # the machine's load: other work inflates CPU seconds per iteration
+                last_load, load = time.time(), os.getloadavg()[0]
+                for p in active:
+                    p.meta.setdefault("load", []).append(round(load, 2))
             for p in list(active):
                 if time.time() - p.t0 > max_wall_s and not p.meta.get("killed"):
                     print(f"killing  {p.run['name']}: over --max-wall-s {max_wall_s:.0f}", flush=True)

@@ -155,3 +155,11 @@ def test_bad_variant_is_one_clear_line():
         bc.parse_variants(["--learning-rate 1e-4"])
     assert bc.parse_variants(["lr1e-4=--learning-rate 1e-4"]) == {"lr1e-4": ["--learning-rate", "1e-4"]}
     assert bc.parse_variants([]) == {"default": []}
+
+
+def test_a_run_on_a_busy_machine_is_flagged():
+    """The load sampled while a run ran: its own jobs x threads are expected, more means other work shared the
+    machine (which costs CPU seconds per iteration, so the budget bought fewer iterations)."""
+    quiet, loaded = {"jobs": 2, "threads": 1, "load": [1.9, 2.1, 2.2]}, {"jobs": 2, "threads": 1, "load": [2.9, 3.1]}
+    assert not bc.busy(quiet) and bc.busy(loaded) and not bc.busy({"jobs": 2, "threads": 1})  # old runs: no samples
+    assert bc.load_text(loaded) == "3.0 (3.1)" and bc.load_text({}) == "—"
