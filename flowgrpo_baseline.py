@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -23,9 +22,10 @@ from tqdm import tqdm
 
 from common import toyworld
 from common.backbones import LORA_TARGETS, ConfigError, check_model_path, check_resolution, load_backbone
-from common.checkpoint import resolve_run_dir, restore_checkpoint, rng_state, save_checkpoint
+from common.checkpoint import resolve_run_dir, restore_checkpoint, rng_state, save_checkpoint, trainer_state
 from common.checks import Rule, check_flag, check_ranges, check_sde_type, read_prompt_file
 from common.evaluation import evaluate
+from common.parallel import check_parallel, grad_sync, is_sharded, parallelize, weights_digest
 from common.plots import run_pictures
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
 from common.sampler import gaussian_kl, ratio_norm, sde_step_with_logprob
@@ -81,6 +81,11 @@ class Args:
     the VAE decodes in fp32. Flow-GRPO's SD3 code: fp16 (its FAQ: smaller log-prob error than bf16); FLUX: bf16"""
     full_finetune: bool = False
     """train every transformer weight instead of a LoRA (the KL reference is then a frozen copy)"""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """under torchrun: "ddp", every rank holds the whole model, its gradients and optimizer state; "fsdp" (FSDP2), each
+    of N ranks holds 1/N of them, frozen weights too (full fine-tuning of FLUX.1-dev; docs/design.md, Sharding)"""
+    fsdp_offload: bool = False
+    """with --parallel fsdp: the shards, their gradients and the optimizer step live in host memory, not on the GPU"""
     lora_rank: int = 16
     """LoRA rank r (paper: 32)"""
     lora_alpha: float = 32.0
@@ -216,6 +221,7 @@ class Args:
 def check_args(args: Args, world_size: int) -> None:
     """Flag ranges and batch arithmetic, checked before any model is loaded. Every message says what to change."""
     check_ranges(args)  # common/checks.py: the numeric flags the scripts share
+    check_parallel(args, world_size)  # common/parallel.py: --parallel fsdp needs torchrun
     args.world_size = world_size
     args.images_per_iteration = args.groups_per_iteration * args.group_size
     args.train_batch_size = args.train_batch_size or args.rollout_batch_size
@@ -296,15 +302,15 @@ if __name__ == "__main__":
 
     # ---- backbone, trained weights (common/training.py: LoRA or full, and the KL reference), optimizer, EMA
     backbone = load_backbone(args.model_path, device, max_sequence_length=args.max_sequence_length,
-                             gradient_checkpointing=args.gradient_checkpointing, precision=args.mixed_precision)
+                             gradient_checkpointing=args.gradient_checkpointing, precision=args.mixed_precision,
+                             shard=args.parallel == "fsdp")
     trainable = Trainable(backbone, args.full_finetune, args.lora_rank, args.lora_alpha, LORA_TARGETS[args.lora_target],
                           need_reference=args.beta > 0)
+    policy = parallelize(trainable, args.parallel, world_size, args.fsdp_offload)  # DDP or FSDP2: common/parallel.py
     params = trainable.params
     optimizer = torch.optim.AdamW(params.values(), lr=args.learning_rate, betas=args.adam_betas,
                                   weight_decay=args.weight_decay, eps=1e-8)
     ema = EMA(params, args.ema_decay, args.ema_update_interval, args.ema_warmup) if args.ema_decay > 0 else None
-    transformer = backbone.transformer
-    policy = torch.nn.parallel.DistributedDataParallel(transformer) if world_size > 1 else transformer
 
     def save_weights(folder):
         with ema_weights(ema):
@@ -319,7 +325,7 @@ if __name__ == "__main__":
     counts = {"images": 0, "nfe/rollout": 0, "nfe/completion": 0, "nfe/train_forward": 0, "nfe/train_backward": 0,
               "nfe/eval": 0}  # cumulative, over all ranks
     if resume_dir:
-        start_iteration, counts = restore_checkpoint(resume_dir, rank, params, optimizer, ema)  # and this rank's RNG
+        start_iteration, counts = restore_checkpoint(resume_dir, rank, params, optimizer, ema, policy)  # and this rank's RNG
         if is_main:
             truncate_metrics(run_dir, start_iteration)
 
@@ -441,7 +447,7 @@ if __name__ == "__main__":
                     for mb in step.micro_batches:
                         s, r = mb.states, mb.rows  # one forward per state; every row (transition) gets its own loss
                         e = emb[tr["prompt_index"][s]]
-                        with policy.no_sync() if world_size > 1 and not mb.sync else nullcontext():
+                        with grad_sync(policy, mb.sync):  # only the last micro-batch of a step syncs gradients
                             # CFG inside the training forward; --detach-uncond stops the gradient of the uncond branch.
                             v = backbone.velocity(tr["latents"][s], tr["sigma"][s], e, args.guidance_scale,
                                                   model=policy, detach_uncond=args.detach_uncond)[mb.expand]
@@ -507,25 +513,23 @@ if __name__ == "__main__":
         logger.log(metrics, {"eval/samples": grid_img, "eval/panel": panel.captioned()} if grid_img else None)
         bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", eval=last_eval)
 
-        # ---- checkpoint (rank 0 writes; every rank contributes its RNG state)
+        # ---- checkpoint (rank 0 writes; every rank contributes its RNG state; FSDP: every rank writes its shards)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations:
             rngs = [None] * world_size
             if world_size > 1:
                 dist.all_gather_object(rngs, rng_state())
             else:
                 rngs = [rng_state()]
-            if is_main:
-                state = {"params": {k: p.detach().cpu() for k, p in params.items()}, "optimizer": optimizer.state_dict(),
-                         "ema": ema.state_dict() if ema is not None else None,
+            if is_main or is_sharded(params):
+                state = {**trainer_state(params, optimizer, ema, policy),  # params, optimizer, EMA
                          "iteration": iteration + 1, "counts": counts, "rng": rngs, "args": asdict(args),
                          "script": os.path.basename(__file__)}
                 save_checkpoint(run_dir, state, save_weights, args.keep_checkpoints)  # checkpoint-{iteration}
             if world_size > 1:
                 dist.barrier()
 
-    # Every rank prints a checksum of its trained weights: under DDP they must be identical on all ranks.
-    digest = __import__("hashlib").sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in params.values()))
-    print(f"final weights: rank {rank} sha256 {digest.hexdigest()[:16]}", flush=True)
+    # Every rank prints a checksum of the trained weights (FSDP: gathered): they must be identical on all ranks.
+    print(f"final weights: rank {rank} sha256 {weights_digest(params)[:16]}", flush=True)
     if is_main:
         hist = logger.history()
         run_pictures(run_dir, hist, args.exp_name)  # learning_curve.png, steps_heatmap.png, before_after.png

@@ -227,11 +227,13 @@ class Backbone:
 
 def load_backbone(path: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                   max_sequence_length: int | None = None, gradient_checkpointing: bool = False,
-                  precision: str = "bf16") -> Backbone:
+                  precision: str = "bf16", shard: bool = False) -> Backbone:
     """Load an SD3/SD3.5/FLUX.1 diffusers folder. Bad paths stop with one clear line before any heavy work.
 
     precision ("bf16" or "fp16") is the dtype of the weights on CUDA; the VAE is kept in fp32 there, as Flow-GRPO's
-    code decodes (a fp16 VAE overflows on SD3). CPU runs everything in fp32 (bf16 is slow and lossy there)."""
+    code decodes (a fp16 VAE overflows on SD3). CPU runs everything in fp32 (bf16 is slow and lossy there).
+    shard (--parallel fsdp): the transformer stays in host memory; common/parallel.py moves each rank's shard of it
+    to the GPU, block by block, so the whole model (and its fp32 masters) never has to fit on one GPU."""
     index = read_model_index(path)
     kind = PIPELINES[index["_class_name"]]
     device = torch.device(device)
@@ -245,10 +247,16 @@ def load_backbone(path: str, device: torch.device | str = "cpu", dtype: torch.dt
     try:
         # the VAE decodes in fp32 whatever the model dtype (a no-op on CPU)
         pipe = cls.from_pretrained(path, dtype={"default": dtype, "vae": torch.float32}, local_files_only=True,
-                                   **absent).to(device)
+                                   **absent)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"--model-path '{path}' could not be loaded as a {cls.__name__}: {first} ({HUB_HINT})")
+    if shard:
+        for name, module in pipe.components.items():
+            if isinstance(module, torch.nn.Module) and name != "transformer":
+                module.to(device)
+    else:
+        pipe.to(device)
     if max_sequence_length is None:
         # T5 tokens in the context. Flow-GRPO uses 128 for SD3.5; FLUX was trained with 512. Without a T5
         # encoder (the toy model) SD3 feeds zeros, so one such token is enough.

@@ -6,6 +6,8 @@ Layout (as diffusers' training scripts: rotated folders, the newest K kept):
         pytorch_lora_weights.safetensors   the user's weights: `pipe.load_lora_weights(folder)` (or transformer/
                                            with --full-finetune)
         trainer_state.pt                   params, optimizer, EMA, iteration, NFE, every rank's RNG, args
+        trainer_state.dcp/                 --parallel fsdp: params, optimizer and EMA instead, sharded: one file per
+                                           rank (torch.distributed.checkpoint); trainer_state.pt keeps the rest
         COMPLETE.json                      written LAST: size and sha256 of every file above, the iteration, the
                                            script and its arguments. No marker, or a file that does not match it,
                                            means the checkpoint is not complete.
@@ -13,7 +15,9 @@ Layout (as diffusers' training scripts: rotated folders, the newest K kept):
 A save writes everything into a hidden temporary folder `.checkpoint-{iteration}.tmp`, fsyncs the files, writes the
 marker, then renames the folder into place (one atomic rename on POSIX); only then are checkpoints beyond the newest
 K deleted. A SIGKILL at any instant therefore leaves either the previous set of complete checkpoints, or that set plus
-the new one: tests/test_faults.py kills a saving process at random points and checks exactly that.
+the new one: tests/test_faults.py kills a saving process at random points and checks exactly that. Under FSDP every
+rank writes its own shard into the same temporary folder and rank 0 alone checksums and renames, so the same holds
+(the run folder must then be on a file system that every node sees, as for any torch.distributed.checkpoint).
 
 On --resume, `resolve_run_dir` (before any model is loaded) finds the checkpoint (a run folder: its latest complete
 one; a checkpoint folder: that one), verifies it against its marker, and compares the arguments that define the
@@ -25,6 +29,7 @@ NEW run folder from the checkpoint's weights and records where it came from (arg
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -40,6 +45,7 @@ from common.backbones import ConfigError
 
 MARKER = "COMPLETE.json"
 STATE_FILE = "trainer_state.pt"
+SHARDED_DIR = "trainer_state.dcp"  # --parallel fsdp: the sharded part of the trainer state
 PREFIX = "checkpoint-"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 # Run-level files a resume reads from its run folder (densegrpo's calibrated psi(t)); --resume-override copies them
@@ -155,21 +161,85 @@ def _tidy(run_dir: str) -> None:
             _remove(path)
 
 
+def trainer_state(params: dict, optimizer, ema, model=None) -> dict:
+    """The trained weights, the optimizer and the EMA as a checkpoint stores them (the caller adds iteration, counts,
+    RNG, args). DDP: whole CPU copies, which rank 0 writes into trainer_state.pt. FSDP (`params` are DTensors; `model`
+    the sharded transformer): under "sharded", this rank's shards, named by parameter (get_state_dict, so that the
+    optimizer state is keyed by name, not by position), which every rank writes into trainer_state.dcp/."""
+    from common.parallel import is_sharded
+
+    if not is_sharded(params):
+        return {"params": {k: p.detach().cpu() for k, p in params.items()}, "optimizer": optimizer.state_dict(),
+                "ema": ema.state_dict() if ema is not None else None}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    return {"sharded": {"model": model_sd, "optimizer": optim_sd, "ema": dict(ema.shadow) if ema is not None else {}},
+            "ema": {"steps": ema.steps} if ema is not None else None}
+
+
+def _on_every_rank(fn, sharded: bool) -> None:
+    """fn(), and under FSDP every rank learns whether any rank's fn failed (then all raise the first one's OSError):
+    a rank that stopped alone would leave the others waiting in the save's next collective."""
+    err = None
+    try:
+        fn()
+    except OSError as e:
+        err = e
+    except Exception as e:  # torch.distributed.checkpoint wraps a rank's write error (CheckpointException)
+        if not sharded or e.__class__.__name__ != "CheckpointException":
+            raise
+        err = OSError(errno.EIO, str(e).splitlines()[0] if str(e) else e.__class__.__name__)
+    if sharded:
+        import torch.distributed as dist
+
+        errs = [None] * dist.get_world_size()
+        dist.all_gather_object(errs, None if err is None else (err.errno, err.strerror or str(err)))
+        first = next((e for e in errs if e is not None), None)
+        if err is None and first is not None:
+            err = OSError(*first)
+    if err is not None:
+        raise err
+
+
 def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> str:
     """Write checkpoint-{state["iteration"]} completely or not at all, then keep the newest `keep` (0 = all).
 
     save_weights(folder) writes the user's weights; state is the trainer state (it must hold "iteration" and "args";
     "script" is recorded when present). Returns the checkpoint folder. A disk that fills up (or any OSError) stops
     the run with one line; the checkpoints written before stay complete.
+    state["sharded"] (trainer_state under FSDP): every rank calls this; rank 0 makes the temporary folder, every rank
+    writes its shards into it (torch.distributed.checkpoint) and takes part in save_weights (which gathers), then
+    rank 0 checksums every rank's files, writes the marker and renames, as without sharding.
     """
+    state = dict(state)
+    sharded = state.pop("sharded", None)
+    if sharded is not None:
+        import torch.distributed as dist
+
+        state["sharded_state"] = SHARDED_DIR
+    main = sharded is None or dist.get_rank() == 0
     iteration = int(state["iteration"])
     final = checkpoint_dir(run_dir, iteration)
     tmp = os.path.join(run_dir, f".{PREFIX}{iteration}.tmp")
-    try:
-        _tidy(run_dir)
-        os.makedirs(tmp)
+
+    def start():
+        if main:
+            _tidy(run_dir)
+            os.makedirs(tmp)
+
+    def write():
         save_weights(tmp)
-        torch.save(state, os.path.join(tmp, STATE_FILE))
+        if sharded is not None:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(sharded, checkpoint_id=os.path.join(tmp, SHARDED_DIR))
+        if main:
+            torch.save(state, os.path.join(tmp, STATE_FILE))
+
+    def seal():
+        if not main:
+            return
         files = {}
         for rel in _files(tmp):
             path = os.path.join(tmp, rel)
@@ -190,13 +260,18 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
         else:
             os.replace(tmp, final)
         _fsync(run_dir)
+
+    try:
+        for phase in (start, write, seal):
+            _on_every_rank(phase, sharded is not None)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
         done = [c for _, c in list_checkpoints(run_dir) if verify_checkpoint(c) is None]
         last = f"the last complete checkpoint, {done[-1]}, is intact" if done else "no complete checkpoint exists yet"
         raise SystemExit(f"error: could not write {final} ({e.__class__.__name__}: {e.strerror or e}); {last}: free "
                          f"space or fix the folder's permissions, then --resume {run_dir}") from None
-    if keep > 0:  # rotation only after the new checkpoint is complete and in place
+    if keep > 0 and main:  # rotation only after the new checkpoint is complete and in place
         found = list_checkpoints(run_dir)
         kept = [i for i, c in found if verify_checkpoint(c, quick=True) is None][-keep:]
         for i, c in found:
@@ -384,11 +459,28 @@ def load_checkpoint(folder: str) -> dict:
                           f"{str(e).splitlines()[0] if str(e) else ''}); resume from an older checkpoint-N folder") from None
 
 
-def restore_checkpoint(folder: str, rank: int, params: dict, optimizer, ema) -> tuple[int, dict]:
+def restore_checkpoint(folder: str, rank: int, params: dict, optimizer, ema, model=None) -> tuple[int, dict]:
     """Load a checkpoint (verified by resolve_run_dir) into params / optimizer / EMA (common.training.EMA) / this
     rank's RNG, in place. Returns (iteration, the run's cumulative counts: images and NFE per phase). A parameter
-    whose name or shape differs is one line, not a tensor-size traceback."""
+    whose name or shape differs is one line, not a tensor-size traceback. FSDP (`params` are DTensors, `model` the
+    sharded transformer): every rank reads its own shards from trainer_state.dcp/ (a collective)."""
+    from common.parallel import is_sharded
+
     state = load_checkpoint(folder)
+    saved_as, now = ("fsdp" if "sharded_state" in state else "ddp"), ("fsdp" if is_sharded(params) else "ddp")
+    if saved_as != now:
+        raise ConfigError(f"--resume {folder} was saved with --parallel {saved_as} and this run has --parallel {now}; "
+                          f"their trainer states are laid out differently: resume it with --parallel {saved_as}")
+    if now == "fsdp":
+        _restore_sharded(folder, state, params, optimizer, ema, model)
+    else:
+        _restore_whole(folder, state, params, optimizer, ema)
+    rngs = state["rng"]
+    set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])  # fewer ranks saved: only with --resume-override
+    return state["iteration"], state["counts"]
+
+
+def _restore_whole(folder: str, state: dict, params: dict, optimizer, ema) -> None:
     saved = state["params"]
     for n, p in params.items():
         if n not in saved or saved[n].shape != p.shape:
@@ -403,6 +495,29 @@ def restore_checkpoint(folder: str, rank: int, params: dict, optimizer, ema) -> 
         else:  # the EMA starts now (--resume-override of a run without one): from the resumed weights
             for n in ema.shadow:
                 ema.shadow[n].copy_(saved[n])
-    rngs = state["rng"]
-    set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])  # fewer ranks saved: only with --resume-override
-    return state["iteration"], state["counts"]
+
+
+def _restore_sharded(folder: str, state: dict, params: dict, optimizer, ema, model) -> None:
+    """dcp.load fills the given shards in place (loading each rank's part of every saved tensor), and set_state_dict
+    hands the optimizer state back by parameter name."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    options = StateDictOptions(ignore_frozen_params=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    had_ema = ema is not None and state.get("ema") is not None
+    box = {"model": model_sd, "optimizer": optim_sd, "ema": dict(ema.shadow) if had_ema else {}}
+    try:
+        dcp.load(box, checkpoint_id=os.path.join(folder, SHARDED_DIR))
+    except Exception as e:  # noqa: BLE001 - a missing key or shape is the same fault for the user
+        first = (str(e).strip().splitlines() or [e.__class__.__name__])[0][:200]
+        raise ConfigError(f"--resume {folder}: its sharded trainer state does not fit this model ({first}): resume "
+                          "with the model and LoRA flags it was trained with") from None
+    set_state_dict(model, optimizer, model_state_dict=box["model"], optim_state_dict=box["optimizer"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    if ema is not None:
+        if had_ema:
+            ema.steps = state["ema"]["steps"]
+        else:  # the EMA starts now (--resume-override of a run without one): from the resumed weights
+            for n, p in params.items():
+                ema.shadow[n].copy_(p.detach())

@@ -102,8 +102,14 @@ def evaluate(backbone, reward_model, guard_model, prompts: list[str], num_steps:
     mine = list(range(len(jobs)))[rank::world_size]
     toy = all(map(toyworld.in_grammar, prompts))  # then also report GenEval-style accuracy
     out, panel_part = [], []
-    for b in range(0, len(mine), batch_size):
+    # Under FSDP every transformer call is a collective (it gathers the weights): every rank runs as many batches as
+    # the rank with the most jobs, a rank short of jobs sampling a throwaway image in its last one.
+    rounds = -(-(-(-len(jobs) // world_size)) // batch_size)
+    for b in range(0, rounds * batch_size, batch_size):
         ids = mine[b:b + batch_size]
+        if not ids:
+            sample_ode(backbone, [jobs[0][0]], [jobs[0][1]], num_steps, resolution, resolution, guidance_scale, shift)
+            continue
         ps, seeds = map(list, zip(*(jobs[j] for j in ids)))
         imgs = sample_ode(backbone, ps, seeds, num_steps, resolution, resolution, guidance_scale, shift)
         row = {"reward": reward_model.mix(reward_model(imgs, ps)).tolist()}
@@ -125,7 +131,8 @@ def evaluate(backbone, reward_model, guard_model, prompts: list[str], num_steps:
         dist.all_gather_object(parts, panel_part)
     else:
         rows, parts = [out], [panel_part]
-    merged = {k: sum((r[k] for rr in rows for r in rr), []) for k in out[0]}
+    keys = next(r for rr in rows for r in rr)  # a rank may have had no job
+    merged = {k: sum((r[k] for rr in rows for r in rr), []) for k in keys}
     metrics = {"eval/reward_mean": float(np.mean(merged["reward"]))}
     for k in merged:
         if k.startswith("guard/"):

@@ -318,7 +318,8 @@ class Trainable:
     LoRA: Gaussian init of A and zeros for B, so the adapter starts as an exact no-op (Flow-GRPO's choice), and the
     KL reference is the same network with the adapter switched off (no second copy in memory). Full fine-tuning keeps
     a frozen copy as the reference, only when the KL needs one. Trained weights are fp32 master weights even when the
-    frozen base runs in bf16. `params` maps names to the trained tensors (the optimizer's, the EMA's, the checkpoint's).
+    frozen base runs in bf16. `params` maps names to the trained tensors (the optimizer's, the EMA's, the checkpoint's);
+    under --parallel fsdp, common/parallel.py re-points it at the shards (DTensors) after fully_shard.
     """
 
     def __init__(self, backbone, full_finetune: bool, lora_rank: int, lora_alpha: float, lora_targets: list[str],
@@ -354,14 +355,23 @@ class Trainable:
 
     def save_weights(self, folder: str) -> None:
         """Weights for users: a LoRA that a stock pipeline loads with `load_lora_weights(folder)`, or (full
-        fine-tuning) a transformer folder that `from_pretrained` loads."""
+        fine-tuning) a transformer folder that `from_pretrained` loads. FSDP: every rank must call it; the weights are
+        gathered one tensor at a time into rank 0's host memory (never the whole model on one GPU) and rank 0 writes
+        the same files as DDP (diffusers' layout and shard size for a full model)."""
         import os
 
-        transformer = self.backbone.transformer
+        from common.parallel import gather_state_dict, is_sharded, save_pretrained_gathered
+
+        transformer, state = self.backbone.transformer, None
+        if is_sharded(self.params):
+            state = gather_state_dict(transformer, trained_only=not self.full_finetune)
+            if state is None:  # not rank 0
+                return
         if self.full_finetune:
-            transformer.save_pretrained(os.path.join(folder, "transformer"))
+            out = os.path.join(folder, "transformer")
+            transformer.save_pretrained(out) if state is None else save_pretrained_gathered(transformer, state, out)
         else:
             from peft.utils import get_peft_model_state_dict
 
-            type(self.backbone.pipe).save_lora_weights(folder,
-                                                       transformer_lora_layers=get_peft_model_state_dict(transformer))
+            type(self.backbone.pipe).save_lora_weights(
+                folder, transformer_lora_layers=get_peft_model_state_dict(transformer, state_dict=state))

@@ -1,0 +1,87 @@
+"""Several training runs in ONE torchrun launch, for tests/test_parallel.py: each rank imports torch, diffusers and
+peft once (most of a tiny run's time on 2 cores) and then runs the scripts in-process, one after the other, exactly
+as `torchrun ... script.py FLAGS` would, except that the process group is made once and kept (gloo cannot be set up
+again under the same torchrun rendezvous once it is torn down): the scripts' setup_distributed returns the live one
+and their destroy_process_group is skipped until the last run.
+
+    torchrun --nproc-per-node 2 tests/parallel_worker.py RUNS.json [--smooth-reward]
+
+RUNS.json: a list of [script, flag, ...]. --smooth-reward replaces the JPEG size behind the jpeg_* rewards by a smooth
+stand-in (the mean difference of neighbouring pixels, in the same direction): comparing FSDP with DDP needs rewards
+that move by 1e-7 when the weights do, and a JPEG's byte count jumps (it flips advantages, hence the updates). After each run every rank prints one line
+
+    RESULT {"run": i, "rank": r, "digest": ..., "param_bytes": ..., "optimizer_bytes": ...}
+
+with the run's sha256 of the whole trained weights (its `final weights` line) and the bytes THIS rank holds of the transformer's parameters
+(trained and frozen: what DDP replicates and FSDP shards) and of the optimizer state.
+"""
+import contextlib
+import io
+import json
+import os
+import re
+import runpy
+import sys
+from unittest import mock
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank stores: a DTensor's local shard, a plain tensor whole."""
+    from torch.distributed.tensor import DTensor
+
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+class Tee(io.TextIOBase):
+    """stdout as it was, and a copy to read the run's `final weights` line from."""
+
+    def __init__(self, out):
+        self.out, self.copy = out, io.StringIO()
+
+    def write(self, s):
+        self.copy.write(s)
+        return self.out.write(s)
+
+    def flush(self):
+        self.out.flush()
+
+
+def smooth_jpeg_kb(images):
+    return (images[..., 1:] - images[..., :-1]).abs().mean((1, 2, 3)) * 100
+
+
+def main(runs_file: str, smooth_reward: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import common.rewards
+    import common.utils
+
+    if smooth_reward:
+        common.rewards._jpeg_kb = smooth_jpeg_kb
+
+    with open(runs_file) as f:
+        runs = json.load(f)
+    rank, world_size, device = common.utils.setup_distributed()
+    keep = [mock.patch.object(common.utils, "setup_distributed", lambda: (rank, world_size, device)),
+            mock.patch.object(dist, "destroy_process_group", lambda *a, **k: None)]
+    for i, (script, *flags) in enumerate(runs):
+        tee = Tee(sys.stdout)
+        with mock.patch.object(sys, "argv", [script, *flags]), contextlib.redirect_stdout(tee), keep[0], keep[1]:
+            g = runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+        digest = re.findall(r"final weights: rank \d+ sha256 (\w+)", tee.copy.getvalue())[-1]
+        state = [v for s in g["optimizer"].state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        sys.stdout.write("RESULT " + json.dumps({
+            "run": i, "rank": g["rank"], "digest": digest,
+            "param_bytes": local_bytes(g["backbone"].transformer.parameters()),
+            "optimizer_bytes": local_bytes(state)}) + "\n")  # one write: a line of its own
+        sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], "--smooth-reward" in sys.argv[2:])

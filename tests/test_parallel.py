@@ -1,0 +1,261 @@
+"""--parallel fsdp (common/parallel.py): FSDP2 against DDP on 2 CPU ranks (gloo) in all three scripts, its memory per
+rank, its sharded checkpoints and exact resume, the user's weights in stock pipelines, FSDP over one rank with
+offload, a 2-node launch over loopback, and the one-line errors.
+
+All 2-rank runs share ONE launch, the 2-node one (tests/parallel_worker.py: the imports are most of a tiny run's
+time): SD3 is tested in all three scripts (full fine-tuning), FLUX in flowgrpo_baseline.py (full fine-tuning and
+LoRA).
+"""
+import dataclasses
+import json
+import os
+import re
+import runpy
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import ROOT, read_metrics, run_main, tiny_flags, write_prompts
+
+from common.backbones import ConfigError
+
+SCRIPTS = ["flowgrpo_baseline.py", "g2rpo.py", "densegrpo.py"]
+PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
+FAST = ["--learning-rate", "1e-2", "--eval-every", "100"]
+CALIB = ["--calibration-iterations", "1", "--calibration-trajectories", "2", "--completion-batch-size", "4"]
+
+
+def script_flags(script, model, out, prompts, name):
+    """tiny_flags, in the form each script takes (G²RPO: its branch steps instead of --timestep-fraction)."""
+    flags = tiny_flags(model, out, prompts, name)
+    if script == "g2rpo.py":
+        i = flags.index("--timestep-fraction")
+        flags = flags[:i] + flags[i + 2:] + ["--branch-steps", "0", "1", "--granularities", "1", "--group-size", "2"]
+    return flags + (CALIB if script == "densegrpo.py" else [])
+
+
+def launch(runs, tmp_path, nodes: int = 1, timeout: int = 600) -> dict:
+    """Run `runs` ([script, flags...] each) in one 2-rank launch: torchrun --standalone (nodes=1) or two torchrun
+    agents, one per "node", meeting over loopback by c10d rendezvous, as on a cluster (nodes=2). The jpeg reward is
+    made smooth (tests/parallel_worker.py: a JPEG's size jumps, which would turn FSDP's 1e-7 differences from DDP
+    into other advantages). Returns {(run, rank): RESULT}."""
+    spec = tmp_path / f"runs{nodes}.json"
+    spec.write_text(json.dumps(runs))
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    worker = [os.path.join(ROOT, "tests", "parallel_worker.py"), str(spec), "--smooth-reward"]
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    if nodes == 1:
+        procs = [subprocess.Popen([*run, "--standalone", "--nproc-per-node", "2", *worker], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [subprocess.Popen([*run, "--nnodes", "2", "--node-rank", str(r), "--rdzv-backend", "c10d",
+                                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc-per-node", "1",
+                                   "--local-addr", "127.0.0.1", *worker], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT) for r in range(nodes)]
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-6000:]
+    results = [json.loads(m) for out in outs for m in re.findall(r"RESULT (\{[^{}]*\})", out)]
+    return {(r["run"], r["rank"]): r for r in results}
+
+
+def transformer_weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(folder, "transformer", "diffusion_pytorch_model.safetensors"))
+
+
+def assert_close(a: dict, b: dict, base: dict | None = None):
+    """Equal within float tolerance (FSDP sums the ranks' gradients in another order than DDP), and far closer to
+    each other than to the starting weights (so the comparison is not trivially met)."""
+    assert sorted(a) == sorted(b)
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert diff < 1e-4, diff
+    if base is not None:
+        moved = max((a[k] - base[k]).abs().max().item() for k in a)
+        assert moved > 100 * diff, (moved, diff)
+
+
+# ============================================================ one launch of 2 "nodes" x 1 process for all the runs
+LORA = ["--ema-decay", "0.5", "--ema-update-interval", "1", "--beta", "0.04", "--eval-batch-size", "1",
+        "--num-iterations", "2", "--learning-rate", "5e-2"]  # and 3 evaluation prompts: split unevenly over 2 ranks
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tiny_sd3, tiny_flux, tmp_path_factory):
+    """Every 2-rank run of this file in ONE launch, the documented multi-node one (2 nodes x 1 process over loopback):
+    SD3 full fine-tuning with ddp and with fsdp in each script (3 iterations; 4 for the baseline, with the KL to the
+    frozen copy, and its fsdp run again as 2 + 2 with a resume), FLUX full fine-tuning (3) and LoRA (2) in the
+    baseline. Returns (output folder, run names, {(run, rank): RESULT})."""
+    out = tmp_path_factory.mktemp("fsdp")
+    prompts = write_prompts(out / "prompts.txt", PROMPTS)
+    three = write_prompts(out / "three.txt", [*PROMPTS, "a photo of three green triangles"])
+    full = [*FAST, "--full-finetune"]
+    runs, names = [], []
+    for script in SCRIPTS:
+        its = "4" if script == SCRIPTS[0] else "3"
+        beta = ["--beta", "0.04"] if script == SCRIPTS[0] else []  # the KL reference: the frozen copy, sharded too
+        for par in ("ddp", "fsdp"):
+            names.append(f"{script}-{par}")
+            runs.append([script, *script_flags(script, tiny_sd3, out, prompts, names[-1]), *full, *beta,
+                         "--num-iterations", its, "--parallel", par])
+    split = [*script_flags(SCRIPTS[0], tiny_sd3, out, prompts, "split"), *full, "--beta", "0.04", "--parallel", "fsdp"]
+    runs += [[SCRIPTS[0], *split, "--num-iterations", "2"],
+             [SCRIPTS[0], *split, "--num-iterations", "4", "--resume", str(out / "split")]]
+    names += ["split", "resumed"]
+    for kind in ("full", "lora"):
+        for par in ("ddp", "fsdp"):
+            names.append(f"flux-{kind}-{par}")
+            runs.append([SCRIPTS[0], *tiny_flags(tiny_flux, out, prompts, names[-1]), *FAST, "--parallel", par,
+                         *(["--full-finetune", "--num-iterations", "3"] if kind == "full"
+                           else [*LORA, "--eval-prompts", three])])
+    return out, names, launch(runs, out, nodes=2)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_fsdp_full_finetune_ends_with_ddps_weights(two_nodes, tiny_sd3, script):
+    """2 ranks, full fine-tuning of the tiny SD3 for 3 iterations (4 for the baseline, with the KL to a sharded frozen
+    copy): the saved transformer equals DDP's within float tolerance, and both ranks end with the same weights."""
+    out, names, res = two_nodes
+    its = 4 if script == "flowgrpo_baseline.py" else 3
+    ddp, fsdp = (transformer_weights(out / f"{script}-{p}" / f"checkpoint-{its}") for p in ("ddp", "fsdp"))
+    assert_close(ddp, fsdp, transformer_weights(tiny_sd3))
+    i = names.index(f"{script}-fsdp")
+    assert res[i, 0]["digest"] == res[i, 1]["digest"]
+    m = read_metrics(out / f"{script}-fsdp")
+    assert m[-2]["train/kept_transitions"] > 0 and m[-2]["train/optimizer_steps"] > 0
+
+
+def test_fsdp_holds_half_the_parameters_and_optimizer_state_per_rank(two_nodes):
+    """Measured per rank after training: the transformer's parameters and the Adam moments under FSDP on 2 ranks are
+    half of DDP's (FSDP2 shards every tensor along dim 0; the two halves differ by at most one row each), and the
+    Adam moments are twice the fp32 weights on every rank, as the memory model counts them."""
+    _, names, res = two_nodes
+    for script in SCRIPTS:
+        d, f = (res[names.index(f"{script}-{p}"), 0] for p in ("ddp", "fsdp"))
+        both = [res[names.index(f"{script}-fsdp"), r] for r in (0, 1)]
+        for key in ("param_bytes", "optimizer_bytes"):
+            assert sum(r[key] for r in both) == d[key], (script, key)  # the shards add up to the whole
+            assert abs(f[key] / d[key] - 0.5) < 0.02, (script, key, f[key], d[key])
+        for r in (d, *both):  # the memory model's terms at rest (tests/bench_memory.py): weights 4P / N, Adam 8P / N
+            assert r["optimizer_bytes"] == 2 * r["param_bytes"], (script, r)
+        print(script, "per-rank bytes, ddp -> fsdp:", d["param_bytes"] + d["optimizer_bytes"], "->",
+              f["param_bytes"] + f["optimizer_bytes"])
+
+
+def test_fsdp_resume_is_exact_and_loads_in_a_stock_pipeline(two_nodes, tiny_sd3):
+    """2 + 2 = 4 iterations with the sharded checkpoint (one file per rank) equal 4 straight ones bit for bit; the
+    saved transformer is a stock diffusers folder that changes StableDiffusion3Pipeline's image."""
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    out, names, res = two_nodes
+    i, resumed = names.index(f"{SCRIPTS[0]}-fsdp"), names.index("resumed")
+    assert res[i, 0]["digest"] == res[resumed, 0]["digest"] == res[resumed, 1]["digest"]
+    straight, split = out / f"{SCRIPTS[0]}-fsdp" / "checkpoint-4", out / "split" / "checkpoint-4"
+    assert sorted(os.listdir(split / "trainer_state.dcp")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    a, b = transformer_weights(straight), transformer_weights(split)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [x["iteration"] for x in read_metrics(out / "split")] == [0, 1, 2, 3, 4]
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
+    kw = dict(height=64, width=64, num_inference_steps=2, guidance_scale=1.0, max_sequence_length=8, output_type="pt")
+    before = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
+    pipe.transformer = SD3Transformer2DModel.from_pretrained(str(split / "transformer"))
+    after = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
+    assert (after - before).abs().max() > 1e-3
+
+
+def test_two_nodes_over_loopback_and_flux_fsdp_matches_ddp(two_nodes, tiny_flux):
+    """The documented multi-node launch (torchrun --nnodes 2 --node-rank R --rdzv-backend c10d --rdzv-endpoint
+    HOST:PORT --nproc-per-node 1), two nodes on this machine: every run completes with identical weights on both
+    ranks. FLUX full fine-tuning (3 iterations) and LoRA (2, with the EMA, the adapter-off KL reference and an
+    evaluation split unevenly over the ranks) end with DDP's weights; both load into a stock FluxPipeline and change
+    its image."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    from safetensors.torch import load_file
+
+    out, names, res = two_nodes
+    assert sorted(res) == [(i, r) for i in range(len(names)) for r in (0, 1)]
+    for i, name in enumerate(names):
+        assert res[i, 0]["digest"] == res[i, 1]["digest"], name
+    assert_close(*(transformer_weights(out / f"flux-full-{p}" / "checkpoint-3") for p in ("ddp", "fsdp")),
+                 transformer_weights(tiny_flux))
+    a, b = (load_file(str(out / f"flux-lora-{p}" / "checkpoint-2" / "pytorch_lora_weights.safetensors"))
+            for p in ("ddp", "fsdp"))
+    assert_close(a, b, {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in a.items()})
+    pipe = FluxPipeline.from_pretrained(tiny_flux)
+    kw = dict(height=64, width=64, num_inference_steps=2, guidance_scale=3.5, max_sequence_length=8, output_type="pt")
+    before = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
+    pipe.load_lora_weights(str(out / "flux-lora-fsdp" / "checkpoint-2"))
+    with_lora = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
+    pipe.unload_lora_weights()
+    pipe.transformer = FluxTransformer2DModel.from_pretrained(str(out / "flux-full-fsdp" / "checkpoint-3" / "transformer"))
+    full = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
+    assert (with_lora - before).abs().max() > 1e-3 and (full - before).abs().max() > 1e-3
+
+
+# ============================================================ one rank: FSDP over 1 rank with offload, in-process
+def test_fsdp_over_one_rank_with_offload(tiny_sd3, tmp_path, monkeypatch):
+    """`torchrun --nproc-per-node 1 ... --parallel fsdp --fsdp-offload` (the way a model larger than the GPU trains on
+    one GPU), here in this process with torchrun's variables: it trains a LoRA and saves its sharded checkpoint."""
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    prompts = write_prompts(tmp_path / "prompts.txt", PROMPTS)
+    flags = [*tiny_flags(tiny_sd3, tmp_path, prompts, "one"), *FAST, "--parallel", "fsdp", "--fsdp-offload"]
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # setup_distributed installs its own
+    try:
+        run_main(SCRIPTS[0], *flags, "--num-iterations", "1")
+    finally:  # with one rank the script leaves its process group up (it tears down only a multi-rank one)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert sorted(os.listdir(tmp_path / "one" / "checkpoint-1" / "trainer_state.dcp")) == [".metadata", "__0_0.distcp"]
+    assert os.path.isfile(tmp_path / "one" / "checkpoint-1" / "pytorch_lora_weights.safetensors")
+    assert [x["iteration"] for x in read_metrics(tmp_path / "one")] == [0, 1]
+
+
+# ============================================================ bad input: one line, before any model is loaded
+@pytest.fixture(scope="module")
+def modules():
+    return {s: runpy.run_path(os.path.join(ROOT, s), run_name="not_main") for s in SCRIPTS}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("change,world,expect", [
+    (dict(parallel="fsdp"), 1, "error: --parallel fsdp shards the model over the ranks of a process group, and "
+                               "`python script.py` starts none: launch it with `torchrun --nproc-per-node N"),
+    (dict(fsdp_offload=True), 1, "error: --fsdp-offload keeps FSDP's shards in host memory: it needs --parallel fsdp"),
+    (dict(parallel="fsdp"), 5, "multiple of 5"),  # 64 images (G²RPO: 3 groups) over 5 ranks
+], ids=["no-torchrun", "offload-without-fsdp", "world-size"])
+def test_bad_parallel_input_is_one_line(modules, monkeypatch, script, change, world, expect):
+    monkeypatch.delenv("RANK", raising=False)
+    args = dataclasses.replace(modules[script]["Args"](), **change)
+    with pytest.raises(ConfigError) as e:
+        modules[script]["check_args"](args, world)
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and expect in msg and "\n" not in msg, msg
+
+
+def test_fsdp_without_torchrun_stops_before_the_model_loads(tiny_sd3, tmp_path, monkeypatch):
+    import common.backbones
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(common.backbones, "load_backbone", refuse)
+    prompts = write_prompts(tmp_path / "prompts.txt", PROMPTS)
+    monkeypatch.setattr(sys, "argv", [SCRIPTS[0], *tiny_flags(tiny_sd3, tmp_path, prompts), "--parallel", "fsdp"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(os.path.join(ROOT, SCRIPTS[0]), run_name="__main__")
+    assert str(e.value.code).startswith("error: --parallel fsdp shards the model")
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
