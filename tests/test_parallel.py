@@ -4,7 +4,7 @@ offload, a 2-node launch over loopback, and the one-line errors.
 
 All 2-rank runs share ONE launch, the 2-node one (tests/parallel_worker.py: the imports are most of a tiny run's
 time): SD3 is tested in all three scripts (full fine-tuning), FLUX in flowgrpo_baseline.py (full fine-tuning and
-LoRA).
+LoRA), and the per-script DDP checks (LoRA, the default path: ranks agree on the weights, the SDE window, psi) too.
 """
 import dataclasses
 import json
@@ -115,7 +115,61 @@ def two_nodes(tiny_sd3, tiny_flux, tmp_path_factory):
             runs.append([SCRIPTS[0], *tiny_flags(tiny_flux, out, prompts, names[-1]), *FAST, "--parallel", par,
                          *(["--full-finetune", "--num-iterations", "3"] if kind == "full"
                            else [*LORA, "--eval-prompts", three])])
+    # The per-script DDP checks (LoRA, the default path) ride in the same launch: a launch costs its imports.
+    from test_flowgrpo_baseline import WINDOW
+    from test_g2rpo import _flags as g2rpo_flags
+
+    base = tiny_flags(tiny_sd3, out, prompts, "ddp-window")
+    i = base.index("--timestep-fraction")
+    runs += [[SCRIPTS[0], *base[:i], *base[i + 2:], "--num-iterations", "3", "--groups-per-iteration", "2",
+              "--group-size", "4", "--rollout-batch-size", "2", "--learning-rate", "1e-2", "--eval-every", "100",
+              *WINDOW],
+             ["g2rpo.py", *g2rpo_flags(tiny_sd3, out, "ddp-g2rpo"), "--num-iterations", "2", "--learning-rate", "1e-2",
+              "--eval-every", "100"],
+             ["densegrpo.py", *tiny_flags(tiny_sd3, out, prompts, "ddp-psi"), "--num-iterations", "2",
+              "--groups-per-iteration", "2", "--group-size", "4", "--rollout-batch-size", "2", "--learning-rate",
+              "1e-2", "--eval-every", "100", "--calibration-iterations", "2", "--calibration-trajectories", "2",
+              "--completion-batch-size", "4"]]
+    names += ["ddp-window", "ddp-g2rpo", "ddp-psi"]
     return out, names, launch(runs, out, nodes=2)
+
+
+# ============================================================ DDP (the default) in each script, from the same launch
+def test_ddp_ranks_end_with_identical_weights_and_agree_on_the_window(two_nodes):
+    """flowgrpo_baseline.py with an SDE window. Per-step metrics are sums over both ranks, so a rank that drew another
+    window would add a second trained step to an iteration's metrics."""
+    from test_flowgrpo_baseline import expected_window
+
+    out, names, res = two_nodes
+    i = names.index("ddp-window")
+    assert res[i, 0]["digest"] == res[i, 1]["digest"]
+    m = read_metrics(out / "ddp-window")
+    assert m[-2]["train/kept_transitions"] > 0 and m[-1]["nfe"] > 0
+    for it in range(3):
+        w0 = expected_window(it, 1, 0, 3, group_size=4)
+        assert m[it]["train/sde_window_start"] == w0
+        assert [k for k in m[it] if k.startswith("steps/kept/")] == [f"steps/kept/{w0}"], m[it]
+
+
+def test_ddp_g2rpo_ranks_end_with_identical_weights(two_nodes):
+    """g2rpo.py: each rank samples whole groups; DDP keeps the weights identical."""
+    from test_g2rpo import TINY_NFE
+
+    out, names, res = two_nodes
+    i = names.index("ddp-g2rpo")
+    assert res[i, 0]["digest"] == res[i, 1]["digest"]
+    m = read_metrics(out / "ddp-g2rpo")
+    assert m[0]["train/kept_transitions"] > 0
+    assert m[0]["nfe/rollout"] + m[0]["nfe/completion"] == 2 * TINY_NFE  # both ranks, 1 prompt each
+
+
+def test_ddp_densegrpo_ranks_agree_on_psi_and_weights(two_nodes):
+    out, names, res = two_nodes
+    i = names.index("ddp-psi")
+    assert res[i, 0]["digest"] == res[i, 1]["digest"]
+    m = read_metrics(out / "ddp-psi")
+    assert m[0]["train/kept_transitions"] > 0 and m[-1]["nfe"] > 0
+    assert len(json.load(open(out / "ddp-psi" / "psi.json"))["history"][0]["pos"]) == 3
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
