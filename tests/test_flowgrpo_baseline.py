@@ -98,7 +98,7 @@ def test_learning_on_the_toy_world(tmp_path):
                                                  "a photo of three green triangles", "a photo of three red triangles"])
     run_main(SCRIPT, "--prompts-file", prompts, "--eval-prompts", prompts, "--eval-seeds-per-prompt", "2",
              "--groups-per-iteration", "2", "--group-size", "8", "--rollout-batch-size", "16",
-             "--num-iterations", "8", "--eval-every", "8",
+             "--num-iterations", "8", "--eval-every", "8", "--num-steps", "6",
              "--learning-rate", "1e-3", "--reward", "jpeg_compressibility", "--output-dir", str(tmp_path),
              "--run-name", "toy")
     m = read_metrics(tmp_path / "toy")

@@ -42,11 +42,11 @@ def save_lora(folder: str, b_std: float) -> None:
 
 
 def run_snippet(workdir, b_std: float) -> np.ndarray:
-    """Run the snippet as a user would, from a folder holding the repo's `common/` and `runs/my_run/checkpoint-60`."""
+    """Run the snippet as a user would, from a folder holding the repo's `common/` and `runs/my_run/checkpoint-30`."""
     os.makedirs(workdir / "runs" / "my_run", exist_ok=True)
     if not os.path.exists(workdir / "common"):
         os.symlink(os.path.join(ROOT, "common"), workdir / "common")
-    save_lora(str(workdir / "runs" / "my_run" / "checkpoint-60"), b_std)
+    save_lora(str(workdir / "runs" / "my_run" / "checkpoint-30"), b_std)
     cwd = os.getcwd()
     os.chdir(workdir)
     try:
