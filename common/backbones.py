@@ -106,6 +106,9 @@ class Backbone:
     def __init__(self, pipe, kind: str, device: torch.device, dtype: torch.dtype, max_sequence_length: int):
         self.pipe, self.kind, self.device, self.dtype = pipe, kind, device, dtype
         self.max_sequence_length = max_sequence_length
+        # Set by Trainable for full fine-tuning in bf16/fp16: the transformer then holds fp32 master weights, and its
+        # calls run under autocast in self.dtype (what accelerate's mixed precision does in the released code).
+        self.autocast = False
         self.transformer = pipe.transformer
         self.vae_scale_factor = pipe.vae_scale_factor
         for module in (pipe.vae, pipe.text_encoder, getattr(pipe, "text_encoder_2", None),
@@ -186,6 +189,10 @@ class Backbone:
         `model` is the module to call (e.g. the DDP-wrapped transformer); default the bare transformer.
         """
         model = self.transformer if model is None else model
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
+            return self._velocity(model, latents, sigma, emb, guidance_scale, detach_uncond)
+
+    def _velocity(self, model, latents, sigma, emb: PromptEmbeds, guidance_scale: float, detach_uncond: bool):
         b = latents.shape[0]
         sigma = torch.as_tensor(sigma, device=self.device, dtype=torch.float32).expand(b)
         x = latents.to(self.dtype)

@@ -341,6 +341,9 @@ class Trainable:
         self.params = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
         for p in self.params.values():
             p.data = p.data.float()
+        # A fully trained transformer is now fp32 while its inputs are in the backbone's bf16/fp16: compute under
+        # autocast (a LoRA needs none: peft casts its input to the adapter's dtype and the output back).
+        backbone.autocast = full_finetune and backbone.dtype != torch.float32
 
     @torch.no_grad()
     def reference_velocity(self, x, sigma, emb, guidance_scale: float) -> torch.Tensor:

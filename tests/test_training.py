@@ -218,3 +218,33 @@ def test_cfg_gradient_goes_through_both_branches_unless_detached(tiny_sd3):
     torch.testing.assert_close(both, w * g_c - (w - 1) * g_u, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(cond_only, w * g_c, rtol=1e-4, atol=1e-6)
     assert (both - cond_only).norm() > 1e-3 * both.norm()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_sd3", "tiny_flux"])
+def test_full_finetune_in_bf16_computes_under_autocast(fixture, request):
+    """On CUDA the frozen weights load in bf16 and full fine-tuning turns the transformer into fp32 masters while the
+    latents and text embeddings stay bf16: a plain forward then fails on the dtype mismatch (the bug this guards).
+    Emulated on the CPU by loading in bf16: the policy, the sampling call and the frozen KL reference must all run,
+    close to the fp32 model, and the gradient must land on the fp32 masters."""
+    from common.backbones import load_backbone
+    from common.training import Trainable
+
+    path = request.getfixturevalue(fixture)
+    bb = load_backbone(path, "cpu", max_sequence_length=8)
+    emb = bb.encode(["a photo of a red circle", "a photo of two blue squares"])
+    x = bb.initial_noise(2, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        v32 = bb.velocity(x, 0.7, emb, 4.5)
+    bb.pipe.to(torch.bfloat16)  # what load_backbone does on CUDA
+    bb.dtype = torch.bfloat16
+    emb = bb.encode(["a photo of a red circle", "a photo of two blue squares"])
+    trainable = Trainable(bb, full_finetune=True, lora_rank=4, lora_alpha=4, lora_targets=["to_q"], need_reference=True)
+    assert all(p.dtype == torch.float32 for p in trainable.params.values())
+    v = bb.velocity(x, 0.7, emb, 4.5)
+    v.square().mean().backward()
+    v_ref = trainable.reference_velocity(x, 0.7, emb, 4.5)
+    for out in (v, v_ref):
+        assert out.dtype == torch.float32 and torch.isfinite(out).all()
+        assert (out - v32).norm() < 0.05 * v32.norm(), (out - v32).norm() / v32.norm()
+    grads = [p.grad for p in trainable.params.values()]
+    assert all(g is not None and g.dtype == torch.float32 for g in grads) and sum(g.norm() for g in grads) > 0
