@@ -9,6 +9,7 @@ counts r (in + out) per adapted Linear. Per GPU, with P weights in the transform
     DDP   weights  full: 4P (fp32 masters)            LoRA: 2P (bf16 base) + 4T
           grads    4T, and 4T more in DDP's buckets (gradient_as_bucket_view=False, the default)
           Adam     8T (two fp32 moments)
+          autocast full fine-tuning: a bf16 copy of every weight, 2P, kept for the backward
     FSDP  weights  (the same) / N + two gathered bf16 blocks (the one computing, the one prefetched)
           grads    4T / N + one block's unsharded fp32 gradient before its reduce-scatter; with gradient
                    accumulation (grad_sync skips the sync) the UNSHARDED 4T while accumulating
@@ -16,19 +17,24 @@ counts r (in + out) per adapted Linear. Per GPU, with P weights in the transform
           offload  weights, grads and Adam live in host memory; the GPU keeps the gathered blocks
     KL reference of full fine-tuning: a frozen bf16 copy, 2P (DDP) or 2P / N (FSDP).
 
-Activations per transition (one row of the training micro-batch, LoRA, no checkpointing) are MEASURED, not modelled:
-the H200 peaks of docs/results.md (compute table, 512 px, bf16): SD3.5-M at micro-batch 8 with CFG and beta 0.04,
-47.9 GiB; FLUX.1-dev at micro-batch 2, 41.6 GiB; minus the bf16 weights and LoRA state of this model, divided by the
-micro-batch. Full fine-tuning saves about the same activations (the inputs of every Linear). With
---gradient-checkpointing each block keeps only its bf16 input (image and text streams: 2 bytes x tokens x width)
-and one block's activations are rebuilt at a time (the measured per-transition figure / blocks). The parameter,
-gradient and Adam terms are checked against per-rank bytes measured on the tiny models under DDP and FSDP on 2 ranks
-(tests/test_parallel.py). Not counted: the text encoders and the VAE (bf16: about 11 GB for SD3.5, 10 GB for FLUX,
-docs/results.md), the CUDA context, the allocator's fragmentation.
+Activations are COMPUTED from the same meta-device model: one training forward at the documented setting (512 px,
+bf16, the scripts' default all-linear LoRA r 32 or full fine-tuning), with a saved-tensor hook that adds up what
+autograd keeps for the backward (parameters excluded, a view counted once with its base). Attention is counted as
+flash / memory-efficient SDPA keeps it (q, k, v, the output and a float32 logsumexp per query row; the meta device
+would run the math fallback, which saves the L x L probabilities). On real tensors the same hook gives exactly the
+same bytes for the tiny SD3 and FLUX (tests/test_memory_model.py). With --gradient-checkpointing a block keeps only
+its inputs and one block's activations are rebuilt at a time: what is saved outside the blocks + every block's
+inputs + the largest block. Checked against the H200 peaks of docs/results.md (compute table: SD3.5-M attention LoRA
+at micro-batch 8 with CFG, 47.9 GiB; FLUX.1-dev at micro-batch 2, 41.6 GiB): `--check` prints both. Under DDP, full
+fine-tuning computes under autocast, which keeps a bf16 copy of every fp32 weight for the backward (2P more). The
+parameter, gradient and Adam terms are checked against per-rank bytes measured on the tiny models under DDP and FSDP
+on 2 ranks (tests/test_parallel.py). Not counted: the text encoders and the VAE (bf16: about 11 GB for SD3.5, 10 GB
+for FLUX, docs/results.md), the backward's transient buffers, the CUDA context, the allocator's fragmentation.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -53,11 +59,12 @@ SETTING = {"FLUX.1-dev": dict(image_tokens=1024, text_tokens=512, rows_per_sampl
            "SD3.5-M": dict(image_tokens=1024, text_tokens=205, rows_per_sample=2)}
 
 
-def build(kind: str, config: dict, device="meta"):
+def build(kind: str, config: dict, device="meta", dtype=None):
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
     with torch.device(device):
-        return (FluxTransformer2DModel if kind == "flux" else SD3Transformer2DModel)(**config)
+        model = (FluxTransformer2DModel if kind == "flux" else SD3Transformer2DModel)(**config)
+    return model if dtype is None else model.to(dtype)
 
 
 def lora_count(model, rank: int) -> int:
@@ -91,7 +98,7 @@ def per_gpu(m: dict, full: bool, parallel: str, n: int, offload: bool = False, a
     weights = 4 * P if full else 2 * P + 4 * T
     ref = 2 * P if full and reference else 0
     if parallel == "ddp":
-        return dict(weights=weights + ref, grads=8 * T, adam=8 * T)
+        return dict(weights=weights + ref + (2 * P if full else 0), grads=8 * T, adam=8 * T)
     gathered = 2 * 2 * m["block_max"] * (2 if reference else 1)
     block_grad = 4 * (m["block_max"] if full else m["lora_block_max"])
     out = dict(weights=(weights + ref) / n + gathered, grads=4 * T / n + block_grad + (4 * T if accumulate else 0),
@@ -101,18 +108,124 @@ def per_gpu(m: dict, full: bool, parallel: str, n: int, offload: bool = False, a
     return out
 
 
-# Measured H200 peaks (docs/results.md, compute table): (peak bytes, micro-batch), LoRA r 32, 512 px.
-MEASURED_PEAK = {"FLUX.1-dev": (41.6 * 2**30, 2), "SD3.5-M": (47.9 * 2**30, 8)}
+# ---------------------------------------------------------------------------------------------------- activations
+class _FlashAttentionSaves(torch.autograd.Function):
+    """Shapes only: what flash / memory-efficient SDPA keeps for its backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))  # + logsumexp
+        return out
 
 
-def activations(m: dict, name: str, micro_batch: int, checkpointing: bool) -> float:
-    peak, mb = MEASURED_PEAK[name]
-    per_transition = (peak - sum(per_gpu(m, False, "ddp", 1).values())) / mb
-    if not checkpointing:
-        return per_transition * micro_batch
-    s, n_blocks = SETTING[name], sum(m["blocks"].values())
-    tokens, rows = s["image_tokens"] + s["text_tokens"], micro_batch * s["rows_per_sample"]
-    return (2 * tokens * m["width"] * n_blocks * rows) + per_transition * micro_batch / n_blocks
+@contextlib.contextmanager
+def flash_attention_shapes():
+    F, orig = torch.nn.functional, torch.nn.functional.scaled_dot_product_attention
+    F.scaled_dot_product_attention = lambda query, key, value, *a, **kw: _FlashAttentionSaves.apply(query, key, value)
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = orig
+
+
+def saved_for_backward(model, inputs: dict) -> dict:
+    """Bytes autograd keeps for the backward of one forward of `model` (parameters excluded; a view counts once, with
+    its base): total, the largest block's share, and the blocks' inputs (what checkpointing keeps instead)."""
+    params, seen, total, per_block, block_inputs = {id(p) for p in model.parameters()}, set(), [0], [], [0]
+
+    def pack(t):
+        while t._base is not None:
+            t = t._base
+        key = id(t) if t.device.type == "meta" else t.untyped_storage().data_ptr()
+        if id(t) not in params and key not in seen:
+            seen.add(key)
+            kept.append(t)  # alive until the end, so no id or address is reused
+            total[0] += t.numel() * t.element_size()
+        return t
+
+    def pre(module, args, kwargs):
+        per_block.append(-total[0])
+        block_inputs[0] += sum(a.numel() * a.element_size() for a in (*args, *kwargs.values())
+                               if isinstance(a, torch.Tensor) and a.is_floating_point())
+
+    kept, hooks = [], []
+    for b in blocks(model):
+        hooks += [b.register_forward_pre_hook(pre, with_kwargs=True),
+                  b.register_forward_hook(lambda m, a, o: per_block.__setitem__(-1, per_block[-1] + total[0]))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(**inputs, return_dict=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return dict(total=total[0], block_max=max(per_block), blocks=sum(per_block), block_inputs=block_inputs[0])
+
+
+def forward_inputs(model, kind: str, rows: int, image_tokens: int, text_tokens: int, device="meta",
+                   dtype=torch.bfloat16) -> dict:
+    """The transformer's inputs for `rows` rows at the given token counts (SD3: a square latent of that many patches)."""
+    c, kw = model.config, dict(device=device, dtype=dtype)
+    common = dict(encoder_hidden_states=torch.randn(rows, text_tokens, c.joint_attention_dim, **kw),
+                  pooled_projections=torch.randn(rows, c.pooled_projection_dim, **kw))
+    if kind == "sd3":
+        side = round(image_tokens ** 0.5) * c.patch_size
+        return dict(hidden_states=torch.randn(rows, c.in_channels, side, side, **kw),
+                    timestep=torch.full((rows,), 500.0, device=device), **common)
+    return dict(hidden_states=torch.randn(rows, image_tokens, c.in_channels, **kw), **common,
+                timestep=torch.full((rows,), 0.5, device=device), img_ids=torch.zeros(image_tokens, 3, device=device),
+                txt_ids=torch.zeros(text_tokens, 3, device=device),
+                guidance=torch.full((rows,), 3.5, device=device) if c.guidance_embeds else None)
+
+
+def trainable(model, lora_targets, rank: int = 32):
+    """As common.training.Trainable: a LoRA with fp32 weights on the frozen model, or every weight trained."""
+    if lora_targets is None:
+        return model.requires_grad_(True)
+    from peft import LoraConfig
+
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=lora_targets))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    return model
+
+
+def activations(name: str, micro_batch: int, full: bool, checkpointing: bool, lora_target: str = "all-linear") -> float:
+    """Bytes saved for the backward by one training micro-batch (CFG: 2 rows per transition), computed on the meta
+    device. Full fine-tuning counts a bf16 forward (FSDP's compute dtype; DDP's autocast copies are in per_gpu)."""
+    from common.backbones import LORA_TARGETS
+
+    kind, config = CONFIGS[name]
+    s = SETTING[name]
+    model = trainable(build(kind, config, dtype=torch.bfloat16), None if full else LORA_TARGETS[lora_target])
+    with flash_attention_shapes():
+        b = saved_for_backward(model, forward_inputs(model, kind, micro_batch * s["rows_per_sample"],
+                                                     s["image_tokens"], s["text_tokens"]))
+    return b["total"] - b["blocks"] + b["block_inputs"] + b["block_max"] if checkpointing else b["total"]
+
+
+# Measured H200 peaks (docs/results.md, compute table): (peak bytes, micro-batch), LoRA r 32 on the attention, 512 px.
+MEASURED_PEAK = {"SD3.5-M": (47.9 * 2**30, 8), "FLUX.1-dev": (41.6 * 2**30, 2)}
+
+
+def check() -> str:
+    """The model at the H200 runs' settings against their measured peaks (attention LoRA, one GPU, no checkpointing)."""
+    from common.backbones import LORA_TARGETS
+
+    lines = []
+    for name, (peak, mb) in MEASURED_PEAK.items():
+        kind, config = CONFIGS[name]
+        model = trainable(build(kind, config, dtype=torch.bfloat16), LORA_TARGETS["attention"])
+        T = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        P = sum(p.numel() for p in model.parameters()) - T
+        fixed = 2 * P + 4 * T + 4 * T + 8 * T  # bf16 base, fp32 LoRA, its gradient, Adam (one GPU: no DDP buckets)
+        act = activations(name, mb, False, False, "attention")
+        lines.append(f"{name}, attention LoRA ({T / 1e6:.1f} M), micro-batch {mb}: weights + LoRA state "
+                     f"{fixed / 2**30:.1f} GiB + activations {act / 2**30:.1f} GiB = {(fixed + act) / 2**30:.1f} GiB "
+                     f"computed, {peak / 2**30:.1f} GiB measured ({(fixed + act) / peak - 1:+.0%})")
+    return "\n".join(lines)
 
 
 def table() -> str:
@@ -120,8 +233,8 @@ def table() -> str:
             "+ activations, micro-batch 1 (with --gradient-checkpointing) |", "|---|---|---|---|---|---|---|---|---|"]
     for name in CONFIGS:
         m = describe(name)
-        act, act_ck = activations(m, name, 1, False), activations(m, name, 1, True)
         for full in (True, False):
+            act, act_ck = activations(name, 1, full, False), activations(name, 1, full, True)
             for parallel, offload, counts in (("ddp", False, ("any",)), ("fsdp", False, (1, 2, 4, 8)),
                                               ("fsdp", True, (1, 8))):
                 for n in counts:
@@ -135,11 +248,15 @@ def table() -> str:
 
 
 if __name__ == "__main__":
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
-    for name in CONFIGS:
-        m = describe(name)
-        print(f"{name}: {m['P'] / 1e9:.2f} B weights, LoRA r 32 all-linear {m['T_lora'] / 1e6:.1f} M, largest block "
-              f"{m['block_max'] / 1e6:.0f} M, width {m['width']}, blocks {m['blocks']}; activations per transition "
-              f"{activations(m, name, 1, False) / GB:.2f} GB ({activations(m, name, 1, True) / GB:.2f} GB with "
-              "checkpointing)")
-    print(table())
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="only the model against the measured H200 peaks")
+    if not ap.parse_args().check:
+        for name in CONFIGS:
+            m = describe(name)
+            acts = {(f, c): activations(name, 1, f, c) / GB for f in (False, True) for c in (False, True)}
+            print(f"{name}: {m['P'] / 1e9:.2f} B weights, LoRA r 32 all-linear {m['T_lora'] / 1e6:.1f} M, largest "
+                  f"block {m['block_max'] / 1e6:.0f} M, width {m['width']}, blocks {m['blocks']}; activations per "
+                  f"transition (computed): LoRA {acts[False, False]:.2f} GB ({acts[False, True]:.2f} GB with "
+                  f"checkpointing), full {acts[True, False]:.2f} GB ({acts[True, True]:.2f} GB)")
+        print(table())
+    print(check())
