@@ -4,6 +4,7 @@
     python tests/bench_compare.py --jobs 2                             # two runs side by side, 1 thread each
     python tests/bench_compare.py --algos yardstick --seeds 1 --cpu-seconds 20 --out /tmp/smoke   # a smoke run
     python tests/bench_compare.py --report-only --out runs/compare     # redo every table and plot from the folders
+    python tests/bench_compare.py --report-only --out runs/verdict --merge runs/a runs/b   # grids from several places
     python tests/bench_compare.py --variants "lr1e-4=--learning-rate 1e-4" -- --eval-every 20   # variants, extra flags
 
 Every run is one script (its toy-world defaults, then the variant's flags, then the flags after `--`) with
@@ -159,22 +160,36 @@ def summarize(run_dir: str) -> dict | None:
             "nfe_train": last["nfe"], "meta": meta}
 
 
-def collect(out: str) -> dict:
-    """{(algo, variant): {"start": summary or None, "seeds": {seed: summary}}} of every finished run in `out`."""
-    groups = {}
-    for name in sorted(os.listdir(out)) if os.path.isdir(out) else []:
-        parts = name.split("__")
-        if len(parts) != 3 or parts[0] not in SCRIPTS or not os.path.isdir(os.path.join(out, name)):
-            continue
-        s = summarize(os.path.join(out, name))
-        if s is None:
-            continue
-        g = groups.setdefault((parts[0], parts[1]), {"start": None, "seeds": {}})
-        if parts[2] == START:
-            g["start"] = s
-        elif parts[2].isdigit():
-            g["seeds"][int(parts[2])] = s
+def collect(out: str, merge: tuple = ()) -> dict:
+    """{(algo, variant): {"start": summary or None, "seeds": {seed: summary}}} of every finished run in `out` and in
+    the `merge` folders (grids made in several places report as one; a run found twice is an error)."""
+    groups, where = {}, {}
+    for folder in (out, *merge):
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            parts = name.split("__")
+            if len(parts) != 3 or parts[0] not in SCRIPTS or not os.path.isdir(os.path.join(folder, name)):
+                continue
+            s = summarize(os.path.join(folder, name))
+            if s is None:
+                continue
+            if name in where:
+                raise ConfigError(f"run {name} is in both {where[name]} and {folder}: keep one (--merge reports each "
+                                  "run once)")
+            where[name] = folder
+            g = groups.setdefault((parts[0], parts[1]), {"start": None, "seeds": {}})
+            if parts[2] == START:
+                g["start"] = s
+            elif parts[2].isdigit():
+                g["seeds"][int(parts[2])] = s
     return groups
+
+
+def accuracy_at(points: list[dict], key: str, x: float) -> float | None:
+    """A run's accuracy at `x` of `key` (e.g. images), linear between its evaluations; None beyond its last."""
+    for a, b in zip(points, points[1:]):
+        if a[key] <= x <= b[key]:
+            return a["acc"] if b[key] == a[key] else a["acc"] + (b["acc"] - a["acc"]) * (x - a[key]) / (b[key] - a[key])
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -201,15 +216,21 @@ def busy(meta: dict) -> bool:
     return bool(load) and sum(load) / len(load) > meta.get("jobs", 1) * meta.get("threads", 1) + 0.5
 
 
-def report(out: str) -> str:
+def report(out: str, merge: tuple = ()) -> str:
     """Write {out}/results.md and the two plots from the finished run folders; return the markdown."""
-    groups = collect(out)
+    groups = collect(out, merge)
+    # Equal images: every run's accuracy where the group that consumed the fewest images (on average) ended,
+    # read off its curve of periodic evaluations (2 seeds per prompt) and against its own first evaluation.
+    finals = [sum(s["final"]["images"] for s in g["seeds"].values()) / len(g["seeds"])
+              for g in groups.values() if g["seeds"]]
+    equal_images = int(min(finals)) if finals else 0
     cats = []
     for g in groups.values():
         for s in [g["start"], *g["seeds"].values()]:
             cats += [c for c in (s["final"]["cats"] if s else {}) if c not in cats]
     head = ["algorithm", "variant", "seeds", "start (SE)", "final", "gain [95 % CI]",
-            *[f"gain {c}" for c in cats], "final-eval SE", "iterations", "images", "NFE (training)",
+            *[f"gain {c}" for c in cats], f"gain at {equal_images} images (periodic evals)", "final-eval SE",
+            "iterations", "images", "NFE (training)",
             "CPU s in loop", "CPU s process", "jobs x threads, OMP wait", "best eval − start (beside the last, biased up)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     per_run = ["| algorithm | variant | seed | iterations | start | final | gain | final-eval SE | best | images | "
@@ -232,6 +253,8 @@ def report(out: str) -> str:
         cat_gains = [fmt_ci(*mean_ci([s["final"]["cats"][c] - b["cats"][c] for s, b in zip(runs, st)]))
                      if all(c in s["final"]["cats"] and c in b["cats"] for s, b in zip(runs, st)) else "—"
                      for c in cats]
+        at = [accuracy_at(s["points"], "images", equal_images) for s in runs]
+        at_txt = "—" if None in at else fmt_ci(*mean_ci([a - s["points"][0]["acc"] for a, s in zip(at, runs)]))
         ses = [s["final"]["se"] for s in runs if s["final"]["se"] is not None]
         par = sorted({parallel(s["meta"]) for s in runs})
         proc = [s["meta"]["process_cpu_s"] for s in runs if s["meta"].get("process_cpu_s") is not None]
@@ -239,7 +262,7 @@ def report(out: str) -> str:
             else f"{start['acc']:.3f}"
         lines.append("| " + " | ".join([
             algo, variant, str(len(runs)), start_txt, f"{mean([s['final']['acc'] for s in runs]):.3f}",
-            fmt_ci(*mean_ci(gains)), *cat_gains, f"{mean(ses):.3f}" if ses else "—",
+            fmt_ci(*mean_ci(gains)), *cat_gains, at_txt, f"{mean(ses):.3f}" if ses else "—",
             f"{mean([s['iterations'] for s in runs]):.0f}", f"{mean([s['final']['images'] for s in runs]):.0f}",
             f"{mean([s['nfe_train'] for s in runs]):.0f}", f"{mean([s['final']['cpu_s'] for s in runs]):.0f}",
             f"{mean(proc):.0f}" if proc else "—", ", ".join(par),
@@ -261,7 +284,10 @@ def report(out: str) -> str:
           "gain = final − start accuracy, mean over seeds with a 95 % t-interval; start = the starting model evaluated "
           "with the final evaluation's seeds. 'CPU s in loop' = the run's CPU seconds (all threads) when it stopped "
           "training, what the budget limits; 'CPU s process' = the whole process (imports, model load, setup, final "
-          "evaluation). Images and NFE are the means at the final evaluation; NFE (training) excludes evaluation.",
+          "evaluation). Images and NFE are the means at the final evaluation; NFE (training) excludes evaluation. "
+          f"'gain at {equal_images} images': where the group with the fewest images ended, each run's accuracy read "
+          "off its periodic evaluations (2 seeds per prompt, SE ~0.035; linear in between, its final evaluation the "
+          "last point) minus its first, mean over seeds with a 95 % t-interval.",
           "", *lines, "", *[f"- {n}" for n in notes], "", "Per run:", "", *per_run, "",
           "![accuracy vs CPU seconds](accuracy_vs_cpu.png) ![accuracy vs images](accuracy_vs_images.png)", ""]
     text = "\n".join(md)
@@ -456,6 +482,8 @@ def main(argv=None):
     ap.add_argument("--max-wall-s", type=float, default=None,
                     help="kill a run after this many wall-clock seconds (default: 4 x budget / threads + 3600)")
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table and plots from --out")
+    ap.add_argument("--merge", nargs="+", default=[], metavar="DIR",
+                    help="with --report-only: also report the finished runs in these folders (the table goes to --out)")
     ap.add_argument("--dry-run", action="store_true", help="print the runs and their commands, run nothing")
     ap.add_argument("extra", nargs="*", help="flags for every script (after --)")
     args = ap.parse_args(argv)
@@ -479,7 +507,7 @@ def main(argv=None):
         failed = run_grid(args.out, runs, args.jobs, threads, max_wall, command)
         if failed:
             print(f"{len(failed)} run(s) failed (they start again on the next call): {', '.join(failed)}")
-    print(report(args.out))
+    print(report(args.out, tuple(args.merge)))
 
 
 if __name__ == "__main__":

@@ -148,6 +148,33 @@ def test_table_numbers(tmp_path):
     assert "| g2rpo | lr1e-4 | 4 |" not in text and "| g2rpo | lr1e-4 | 3 | 2 | 0.500 | 0.800 | +0.300 |" in text
 
 
+def test_merged_folders_and_the_gain_at_equal_images(tmp_path):
+    """--merge reports grids from several folders as one table (a run found twice is refused), and every group's
+    gain is also read where the group with the fewest images ended: the same number of images for every group."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    for seed, final in [(1, 0.6), (2, 0.8)]:  # ends at 128 images
+        write_run(a, f"g2rpo__small__{seed}", [
+            {"iteration": 0, "eval/accuracy": 0.4, "images": 64, "time/cpu_s": 1.0},
+            {"iteration": 1, "images": 128, "time/cpu_s": 2.0},
+            {"iteration": 2, "eval/accuracy": final, "images": 128, "time/cpu_s": 3.0, "final": True}])
+    for seed, mid in [(1, 0.5), (2, 0.6)]:  # reaches 512 images; at 128 it is halfway from its first eval to `mid`
+        write_run(b, f"densegrpo__big__{seed}", [
+            {"iteration": 0, "eval/accuracy": 0.4, "images": 256, "time/cpu_s": 1.0},
+            {"iteration": 1, "eval/accuracy": mid, "images": 512, "time/cpu_s": 2.0},
+            {"iteration": 2, "eval/accuracy": 0.9, "images": 512, "time/cpu_s": 3.0, "final": True}])
+    text = bc.report(str(tmp_path / "verdict"), (a, b))
+    head = next(line for line in text.splitlines() if line.startswith("| algorithm | variant | seeds"))
+    col = [c.strip() for c in head.strip("|").split("|")].index("gain at 128 images (periodic evals)")
+    row = lambda algo: [c.strip() for c in next(  # noqa: E731
+        line for line in text.splitlines() if line.startswith(f"| {algo} |")).strip("|").split("|")]
+    assert row("g2rpo")[col] == "+0.300 [-0.971, +1.571]"  # gains .2 .4 at their end: s = .141, t_{.975,1} = 12.71
+    assert row("densegrpo")[col] == "+0.075 [-0.243, +0.393]"  # (.5 - .4) / 2 and (.6 - .4) / 2 at 128 of 256
+    assert os.path.exists(tmp_path / "verdict" / "results.md")
+    write_run(b, "g2rpo__small__1", [{"iteration": 0, "eval/accuracy": 0.4, "final": True}])
+    with pytest.raises(ConfigError, match="g2rpo__small__1 is in both"):
+        bc.report(str(tmp_path / "verdict"), (a, b))
+
+
 def test_bad_variant_is_one_clear_line():
     with pytest.raises(ConfigError, match="NAME=FLAGS"):
         bc.parse_variants(["lr__1=--learning-rate 1e-4"])
