@@ -367,12 +367,15 @@ def completion_grid(num_steps: int, k: int, n: int | None) -> list[int]:
 
 
 @torch.no_grad()
-def dense_rollout(backbone, reward_model, prompts: list[str], emb, sigmas, noise_levels, args, gen) -> dict:
+def dense_rollout(backbone, reward_model, prompts: list[str], emb, sigmas, noise_levels, args, gen,
+                  upto: int | None = None) -> dict:
     """Sample one SDE trajectory per prompt and score every latent of it (Eq. 8-9).
 
     R[:, k] = R(ODE completion of latents[k]) for k < T, and R[:, T] = R(the SDE's own image): x_hat_{0,0} = x_0 needs
     no completion. Index k is the paper's timestep t = T - k, so R[:, 0] (the paper's R_T) is the reward of the plain
-    ODE sample from the trajectory's initial noise. Returns latents, log_probs, scores [n, T+1, K], and the NFE and
+    ODE sample from the trajectory's initial noise. `upto` L: only the first L steps are trained, so only latents 0..L
+    (and the SDE image, the last column) are scored: scores [n, >= L+2, K]. Returns latents, log_probs, scores
+    [n, T+1, K] (upto None), and the NFE and
     sequential transformer calls of sampling and of the completions: nfe / calls = {"rollout": .., "completion": ..}
     (a CFG pair is one). Completion NFE per trajectory: sum_k (len(grid_k) - 1) - T (first steps reused)."""
     n, T = len(prompts), len(sigmas) - 1
@@ -383,7 +386,11 @@ def dense_rollout(backbone, reward_model, prompts: list[str], emb, sigmas, noise
     # that completion then goes on along latents[k+1]'s own grid (always for n = t), both are one computation:
     # R_k = R_{k+1}, DeltaR = 0 by definition, and running it again could only add float noise. Not run.
     same = [bool(noise_levels[k] == 0) and grids[k][1:] == grids[k + 1] for k in range(T)]
-    run = [k for k in range(T) if not same[k]]
+    last = T if upto is None else upto  # the last latent whose R is needed (a noise-free one's is the next one's)
+    while last < T and same[last]:
+        last += 1
+    need = [*range(min(last + 1, T)), T]
+    run = [k for k in need[:-1] if not same[k]]
     paths = [sigmas[grids[k]].to(latents.device) for k in run for _ in range(n)]  # job m = r * n + i
     prompt_of = torch.arange(n).repeat(len(run))
     # Staircase-batched Euler ODE (common/sampler.py); the first step of each reuses the SDE step's v(x_k, sigma_k).
@@ -394,10 +401,11 @@ def dense_rollout(backbone, reward_model, prompts: list[str], emb, sigmas, noise
     images = torch.cat([backbone.decode(c, args.resolution, args.resolution)
                         for c in clean.flatten(0, 1).split(args.rollout_batch_size)])
     scores = reward_model(images, list(prompts) * (len(run) + 1)).view(len(run) + 1, n, -1)  # k-major
-    row = [len(run)] * (T + 1)  # row of scores holding R_k
-    for k in reversed(range(T)):
+    row = {T: len(run)}  # row of scores holding R_k
+    for k in reversed(need[:-1]):
         row[k] = row[k + 1] if same[k] else run.index(k)
-    return {"latents": latents, "log_probs": log_probs, "means": means, "scores": scores[row].transpose(0, 1),  # [n, T+1, K]
+    return {"latents": latents, "log_probs": log_probs, "means": means,
+            "scores": scores[[row[k] for k in need]].transpose(0, 1),  # [n, len(need), K]
             "nfe": {"rollout": n * T, "completion": nfe},
             "calls": {"rollout": T * math.ceil(n / args.rollout_batch_size), "completion": calls}}
 
@@ -622,30 +630,32 @@ if __name__ == "__main__":
             emb = backbone.encode(my_prompts)
             gen = torch.Generator(device).manual_seed(args.seed * 1_000_003 + iteration * 1009 + rank)
             # SDE trajectories with psi(t), T ODE completions each (staircase-batched), T+1 rewards each (Eq. 8-9)
-            out = dense_rollout(backbone, reward_model, my_prompts, emb, sigmas, noise_levels, args, gen)
-            rollout_counts = {"images": len(my_prompts) * (args.num_steps + 1),  # every latent's completion is scored
+            out = dense_rollout(backbone, reward_model, my_prompts, emb, sigmas, noise_levels, args, gen,
+                                upto=args.trained_steps)  # R of latents 0..L (+ the SDE image's)
+            rollout_counts = {"images": len(my_prompts) * out["scores"].shape[1],  # every needed latent is scored
                               "nfe/rollout": out["nfe"]["rollout"], "nfe/completion": out["nfe"]["completion"]}
         with timer("reward"):
-            all_scores = all_gather_cat(out["scores"].to(device), world_size).cpu()  # [N, T+1, K], global order
+            all_scores = all_gather_cat(out["scores"].to(device), world_size).cpu()  # [N, L+2 or T+1, K], global
             if not torch.isfinite(all_scores).all():
                 raise SystemExit(f"error: non-finite reward at iteration {iteration}; stopping before any update "
                                  f"(the last checkpoint-N in {run_dir} is intact: --resume {run_dir})")
-            mixed = reward_model.mix(all_scores)  # [N, T+1]: column T is the SDE image, column 0 the ODE image
-            dR = dense_step_rewards(mixed)  # [N, T], Eq. 7
+            mixed = reward_model.mix(all_scores)  # column 0: the ODE image, last: the SDE image
+            L = args.trained_steps
+            dR = dense_step_rewards(mixed[:, :L + 1])  # [N, L], Eq. 7: the trained steps
             if args.reward_mix == "score":
                 advantages = per_step_advantages(dR, group, args.global_std, args.std_eps)  # Eq. 10
             else:  # normalise each reward's DeltaR within its groups per timestep, then mix the advantages
-                dR_k = dense_step_rewards(all_scores)  # [N, T, K]
+                dR_k = dense_step_rewards(all_scores[:, :L + 1])  # [N, L, K]
                 per_reward = torch.stack([per_step_advantages(dR_k[..., k], group, args.global_std, args.std_eps)
                                           for k in range(all_scores.shape[2])], 2)
                 advantages = advantage_mix(per_reward.flatten(0, 1), reward_model.weights).view(dR.shape)
             advantages = advantages.clamp(-args.adv_clip_max, args.adv_clip_max)
-            advantages[:, noise_levels == 0] = 0  # a noise-free step is no action (log-prob 0 whatever theta)
+            advantages[:, noise_levels[:L] == 0] = 0  # a noise-free step is no action (log-prob 0 whatever theta)
             final = mixed[:, -1]
             group_std = torch.stack([final[group == k].std(unbiased=False) for k in range(args.groups_per_iteration)])
             # Transitions: every trained step of every trajectory, each with its own timestep's advantage. Samples
             # whose advantages are all 0 have only zero-advantage transitions, which the training section drops.
-            n_traj, L = args.images_per_rank, args.trained_steps
+            n_traj = args.images_per_rank
             step_index, trajectory = torch.arange(L).repeat_interleave(n_traj), torch.arange(n_traj).repeat(L)
             transitions = {  # step-major: row j * n + i is step j of trajectory i
                 "latents": out["latents"][:L].flatten(0, 1),
@@ -666,7 +676,7 @@ if __name__ == "__main__":
                             "rollout/completion_nfe": out["nfe"]["completion"],
                             "rollout/completion_calls": out["calls"]["completion"],
                             "rollout/transformer_calls": sum(out["calls"].values())})
-            for j in range(args.num_steps):  # sign balance per timestep, what Algorithm 1 watches
+            for j in range(L):  # sign balance per trained timestep, what Algorithm 1 watches
                 pos, neg = int((dR[:, j] > 0).sum()), int((dR[:, j] < 0).sum())
                 if pos + neg:
                     metrics[f"train/dR_pos_frac/t{args.num_steps - j}"] = pos / (pos + neg)

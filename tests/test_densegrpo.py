@@ -137,6 +137,23 @@ def test_completion_nfe_is_the_closed_form_minus_T(sd3, n, monkeypatch):
     assert out["calls"]["rollout"] == T * 2  # 4 trajectories in rollout batches of 3
 
 
+@pytest.mark.parametrize("upto", [1, 3, 5])
+def test_trained_steps_only_complete_the_latents_they_need(sd3, upto):
+    """--timestep-fraction trains the first L steps: their DeltaR needs the rewards of latents 0..L only. With
+    upto = L the scores' columns 0..L and the last (the SDE image) are the full computation's (same trajectories, same
+    values), and the later completions are not run. T = 6 with psi = 0 at k = 3: R_3 is R_4 (one completion), so
+    L = 3 takes it from there; the last two completions cost nothing (their one step is reused), so only L = 1 saves."""
+    T, prompts = 6, PROMPTS * 2
+    sigmas, noise, emb = sd3.schedule(T, RES, RES), torch.tensor([0.7, 0.9, 0.7, 0.0, 0.7, 0.7]), sd3.encode(prompts)
+    full, part = (D.dense_rollout(sd3, smooth_reward(), prompts, emb, sigmas, noise, args_for(completion_steps=None),
+                                  torch.Generator().manual_seed(3), upto=u) for u in (None, upto))
+    torch.testing.assert_close(part["scores"][:, :upto + 1], full["scores"][:, :upto + 1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(part["scores"][:, -1], full["scores"][:, -1], atol=0, rtol=0)  # the SDE image
+    assert part["nfe"]["rollout"] == full["nfe"]["rollout"]
+    assert part["nfe"]["completion"] <= full["nfe"]["completion"]
+    assert (part["nfe"]["completion"] < full["nfe"]["completion"]) == (upto == 1)
+
+
 def test_step_rewards_telescope_to_sde_minus_ode_image(sd3):
     """Sum_t DeltaR_t = R(SDE image) - R(plain ODE image from the same initial noise), per trajectory; and with
     psi == noise_level the SDE trajectories are exactly the baseline's (same generator draws)."""
