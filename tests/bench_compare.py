@@ -219,11 +219,10 @@ def busy(meta: dict) -> bool:
 def report(out: str, merge: tuple = ()) -> str:
     """Write {out}/results.md and the two plots from the finished run folders; return the markdown."""
     groups = collect(out, merge)
-    # Equal images: every run's accuracy where the group that consumed the fewest images (on average) ended,
-    # read off its curve of periodic evaluations (2 seeds per prompt) and against its own first evaluation.
-    finals = [sum(s["final"]["images"] for s in g["seeds"].values()) / len(g["seeds"])
-              for g in groups.values() if g["seeds"]]
-    equal_images = int(min(finals)) if finals else 0
+    # Equal images: every run's accuracy where the run that consumed the fewest images ended, read off its curve
+    # of periodic evaluations (2 seeds per prompt) and against its own first evaluation.
+    finals = [s["final"]["images"] for g in groups.values() for s in g["seeds"].values()]
+    equal_images = min(finals) if finals else 0
     cats = []
     for g in groups.values():
         for s in [g["start"], *g["seeds"].values()]:
@@ -285,7 +284,7 @@ def report(out: str, merge: tuple = ()) -> str:
           "with the final evaluation's seeds. 'CPU s in loop' = the run's CPU seconds (all threads) when it stopped "
           "training, what the budget limits; 'CPU s process' = the whole process (imports, model load, setup, final "
           "evaluation). Images and NFE are the means at the final evaluation; NFE (training) excludes evaluation. "
-          f"'gain at {equal_images} images': where the group with the fewest images ended, each run's accuracy read "
+          f"'gain at {equal_images} images': where the run with the fewest images ended, each run's accuracy read "
           "off its periodic evaluations (2 seeds per prompt, SE ~0.035; linear in between, its final evaluation the "
           "last point) minus its first, mean over seeds with a 95 % t-interval.",
           "", *lines, "", *[f"- {n}" for n in notes], "", "Per run:", "", *per_run, "",

@@ -150,7 +150,7 @@ def test_table_numbers(tmp_path):
 
 def test_merged_folders_and_the_gain_at_equal_images(tmp_path):
     """--merge reports grids from several folders as one table (a run found twice is refused), and every group's
-    gain is also read where the group with the fewest images ended: the same number of images for every group."""
+    gain is also read where the run with the fewest images ended: the same number of images for every run."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     for seed, final in [(1, 0.6), (2, 0.8)]:  # ends at 128 images
         write_run(a, f"g2rpo__small__{seed}", [
