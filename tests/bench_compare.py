@@ -102,6 +102,19 @@ def mean_ci(xs: list[float], level: float = 0.95) -> tuple[float, float | None, 
     return m, m - half, m + half
 
 
+def welch_ci(xs: list[float], ys: list[float], level: float = 0.95) -> tuple[float, float | None, float | None]:
+    """(d, low, high) for d = mean(xs) - mean(ys): Welch's t-interval (unequal variances, Welch-Satterthwaite df)."""
+    (mx, *_), (my, *_) = mean_ci(xs), mean_ci(ys)
+    if len(xs) < 2 or len(ys) < 2:
+        return mx - my, None, None
+    vx, vy = (sum((v - m) ** 2 for v in vs) / (len(vs) - 1) / len(vs) for vs, m in ((xs, mx), (ys, my)))
+    if vx + vy == 0:
+        return mx - my, mx - my, mx - my
+    df = (vx + vy) ** 2 / (vx ** 2 / (len(xs) - 1) + vy ** 2 / (len(ys) - 1))
+    half = t_quantile((1 + level) / 2, df) * math.sqrt(vx + vy)
+    return mx - my, mx - my - half, mx - my + half
+
+
 def seeds_for_se(target: float, counts: dict[str, int]) -> int:
     """Fewest seeds per prompt S with SE(eval/accuracy) <= target at p = 0.5 in every category, where
     eval/accuracy = mean over the C categories, so SE^2 = sum_c 0.25 / (n_c S) / C^2 (n_c = prompts of c)."""
@@ -216,9 +229,13 @@ def busy(meta: dict) -> bool:
     return bool(load) and sum(load) / len(load) > meta.get("jobs", 1) * meta.get("threads", 1) + 0.5
 
 
-def report(out: str, merge: tuple = ()) -> str:
-    """Write {out}/results.md and the two plots from the finished run folders; return the markdown."""
+def report(out: str, merge: tuple = (), reference: str | None = None) -> str:
+    """Write {out}/results.md and the two plots from the finished run folders; return the markdown. `reference`
+    "algo:variant" adds each group's gain minus the reference group's, with Welch's 95 % interval."""
     groups = collect(out, merge)
+    ref = tuple(reference.split(":", 1)) if reference else None
+    if ref is not None and ref not in groups:
+        raise ConfigError(f"--reference {reference}: no such group among {sorted(':'.join(k) for k in groups)}")
     # Equal images: every run's accuracy where the run that consumed the fewest images ended, read off its curve
     # of periodic evaluations (2 seeds per prompt) and against its own first evaluation.
     finals = [s["final"]["images"] for g in groups.values() for s in g["seeds"].values()]
@@ -228,7 +245,8 @@ def report(out: str, merge: tuple = ()) -> str:
         for s in [g["start"], *g["seeds"].values()]:
             cats += [c for c in (s["final"]["cats"] if s else {}) if c not in cats]
     head = ["algorithm", "variant", "seeds", "start (SE)", "final", "gain [95 % CI]",
-            *[f"gain {c}" for c in cats], f"gain at {equal_images} images (periodic evals)", "final-eval SE",
+            *[f"gain {c}" for c in cats], *([f"gain − {':'.join(ref)}'s (Welch 95 % CI)"] if ref else []),
+            f"gain at {equal_images} images (periodic evals)", "final-eval SE",
             "iterations", "images", "NFE (training)",
             "CPU s in loop", "CPU s process", "jobs x threads, OMP wait", "best eval − start (beside the last, biased up)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -237,18 +255,26 @@ def report(out: str, merge: tuple = ()) -> str:
                "load mean (max) |", "|" + "---|" * 16]
     commands, notes = set(), []
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    for (algo, variant), g in sorted(groups.items(), key=lambda kv: (ALGOS.index(kv[0][0]), kv[0][1])):
+
+    def gains_of(g):
+        """The group's runs, its start evaluation, each run's start (no start run: its own first, periodic
+        evaluation, fewer seeds) and each run's gain."""
         runs = [g["seeds"][k] for k in sorted(g["seeds"])]
+        start = g["start"]["final"] if g["start"] else None
+        st = [start or s["points"][0] for s in runs]
+        return runs, start, st, [s["final"]["acc"] - b["acc"] for s, b in zip(runs, st)]
+
+    for (algo, variant), g in sorted(groups.items(), key=lambda kv: (ALGOS.index(kv[0][0]), kv[0][1])):
+        runs, start, st, gains = gains_of(g)
         for s in [g["start"], *runs]:
             if s and s["meta"].get("command"):
                 commands.add(s["meta"]["command"])
         if not runs:
             continue
-        start = g["start"]["final"] if g["start"] else None
-        if start is None:  # no start run: fall back on each run's own first (periodic, fewer seeds) evaluation
+        if start is None:
             notes.append(f"{algo} {variant}: no start run; gains are against each run's first evaluation")
-        st = [start or s["points"][0] for s in runs]
-        gains = [s["final"]["acc"] - b["acc"] for s, b in zip(runs, st)]
+        vs_ref = [] if ref is None else \
+            ["—" if (algo, variant) == ref else fmt_ci(*welch_ci(gains, gains_of(groups[ref])[3]))]
         cat_gains = [fmt_ci(*mean_ci([s["final"]["cats"][c] - b["cats"][c] for s, b in zip(runs, st)]))
                      if all(c in s["final"]["cats"] and c in b["cats"] for s, b in zip(runs, st)) else "—"
                      for c in cats]
@@ -261,7 +287,7 @@ def report(out: str, merge: tuple = ()) -> str:
             else f"{start['acc']:.3f}"
         lines.append("| " + " | ".join([
             algo, variant, str(len(runs)), start_txt, f"{mean([s['final']['acc'] for s in runs]):.3f}",
-            fmt_ci(*mean_ci(gains)), *cat_gains, at_txt, f"{mean(ses):.3f}" if ses else "—",
+            fmt_ci(*mean_ci(gains)), *cat_gains, *vs_ref, at_txt, f"{mean(ses):.3f}" if ses else "—",
             f"{mean([s['iterations'] for s in runs]):.0f}", f"{mean([s['final']['images'] for s in runs]):.0f}",
             f"{mean([s['nfe_train'] for s in runs]):.0f}", f"{mean([s['final']['cpu_s'] for s in runs]):.0f}",
             f"{mean(proc):.0f}" if proc else "—", ", ".join(par),
@@ -481,6 +507,8 @@ def main(argv=None):
     ap.add_argument("--max-wall-s", type=float, default=None,
                     help="kill a run after this many wall-clock seconds (default: 4 x budget / threads + 3600)")
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table and plots from --out")
+    ap.add_argument("--reference", default=None, metavar="ALGO:VARIANT",
+                    help="add every group's gain minus this group's, with Welch's 95 %% interval")
     ap.add_argument("--merge", nargs="+", default=[], metavar="DIR",
                     help="with --report-only: also report the finished runs in these folders (the table goes to --out)")
     ap.add_argument("--dry-run", action="store_true", help="print the runs and their commands, run nothing")
@@ -506,7 +534,7 @@ def main(argv=None):
         failed = run_grid(args.out, runs, args.jobs, threads, max_wall, command)
         if failed:
             print(f"{len(failed)} run(s) failed (they start again on the next call): {', '.join(failed)}")
-    print(report(args.out, tuple(args.merge)))
+    print(report(args.out, tuple(args.merge), args.reference))
 
 
 if __name__ == "__main__":

@@ -165,11 +165,18 @@ def test_merged_folders_and_the_gain_at_equal_images(tmp_path):
     text = bc.report(str(tmp_path / "verdict"), (a, b))
     head = next(line for line in text.splitlines() if line.startswith("| algorithm | variant | seeds"))
     col = [c.strip() for c in head.strip("|").split("|")].index("gain at 128 images (periodic evals)")
-    row = lambda algo: [c.strip() for c in next(  # noqa: E731
+    row = lambda algo: [c.strip() for c in next(  # noqa: E731  (reads the latest `text`)
         line for line in text.splitlines() if line.startswith(f"| {algo} |")).strip("|").split("|")]
     assert row("g2rpo")[col] == "+0.300 [-0.971, +1.571]"  # gains .2 .4 at their end: s = .141, t_{.975,1} = 12.71
     assert row("densegrpo")[col] == "+0.075 [-0.243, +0.393]"  # (.5 - .4) / 2 and (.6 - .4) / 2 at 128 of 256
     assert os.path.exists(tmp_path / "verdict" / "results.md")
+    text = bc.report(str(tmp_path / "verdict"), (a, b), reference="g2rpo:small")  # gain minus the reference's
+    head = next(line for line in text.splitlines() if line.startswith("| algorithm | variant | seeds"))
+    col = [c.strip() for c in head.strip("|").split("|")].index("gain − g2rpo:small's (Welch 95 % CI)")
+    assert row("g2rpo")[col] == "—"
+    assert row("densegrpo")[col] == "+0.200 [-1.071, +1.471]"  # .5 .5 against .2 .4: df 1, t 12.706, SE .1
+    with pytest.raises(ConfigError, match="--reference g2rpo:none: no such group"):
+        bc.report(str(tmp_path / "verdict"), (a, b), reference="g2rpo:none")
     write_run(b, "g2rpo__small__1", [{"iteration": 0, "eval/accuracy": 0.4, "final": True}])
     with pytest.raises(ConfigError, match="g2rpo__small__1 is in both"):
         bc.report(str(tmp_path / "verdict"), (a, b))

@@ -37,7 +37,7 @@ def test_pass_at_k_matches_enumeration():
 
 
 # ---- the comparison harness's interval (bench_compare.py): t quantiles without scipy
-from bench_compare import mean_ci, seeds_for_se, t_cdf, t_quantile  # noqa: E402
+from bench_compare import mean_ci, seeds_for_se, t_cdf, t_quantile, welch_ci  # noqa: E402
 
 
 @pytest.mark.parametrize("p, df, expected", [(0.975, 1, 12.7062), (0.975, 2, 4.3027), (0.975, 4, 2.7764),
@@ -66,3 +66,15 @@ def test_final_eval_seeds_give_the_standard_error():
     se = lambda k: math.sqrt(sum(0.25 / (n * k) for n in counts.values())) / 4  # noqa: E731
     assert se(s) <= 0.02 < se(s - 1) and s == 8
     assert seeds_for_se(0.05, {"a": 100}) == 1 and seeds_for_se(0.02, {"a": 100}) == 7  # 0.5 / sqrt(100 S) <= 0.02
+
+
+def test_welch_interval_of_known_samples():
+    """Equal sizes and sample variances: Welch's df is 2 (n - 1) = 4, t_{.975,4} = 2.776445 (tables), the standard
+    error sqrt(1/3 + 1/3); unequal ones: df by Welch-Satterthwaite, 3.53 here, between the tables' t for 3 and 4."""
+    d, lo, hi = welch_ci([1, 2, 3], [4, 5, 6])
+    half = 2.776445 * (2 / 3) ** 0.5
+    assert d == -3 and abs(lo - (-3 - half)) < 1e-5 and abs(hi - (-3 + half)) < 1e-5
+    d, lo, hi = welch_ci([1, 2, 3, 4, 5], [2, 4, 6])
+    t = (hi - d) / (0.5 + 4 / 3) ** 0.5
+    assert d == -1 and 2.776 < t < 3.182
+    assert welch_ci([1.0], [2.0, 3.0]) == (-1.5, None, None)
