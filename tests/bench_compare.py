@@ -229,10 +229,15 @@ def busy(meta: dict) -> bool:
     return bool(load) and sum(load) / len(load) > meta.get("jobs", 1) * meta.get("threads", 1) + 0.5
 
 
-def report(out: str, merge: tuple = (), reference: str | None = None) -> str:
+def report(out: str, merge: tuple = (), reference: str | None = None, only: tuple = ()) -> str:
     """Write {out}/results.md and the two plots from the finished run folders; return the markdown. `reference`
-    "algo:variant" adds each group's gain minus the reference group's, with Welch's 95 % interval."""
+    "algo:variant" adds each group's gain minus the reference group's, with Welch's 95 % interval; `only` keeps
+    just these "algo:variant" groups (a verdict table out of a folder of screens)."""
     groups = collect(out, merge)
+    missing = [o for o in only if tuple(o.split(":", 1)) not in groups]
+    if missing:
+        raise ConfigError(f"--only {' '.join(missing)}: no such group among {sorted(':'.join(k) for k in groups)}")
+    groups = {k: g for k, g in groups.items() if not only or ":".join(k) in only}
     ref = tuple(reference.split(":", 1)) if reference else None
     if ref is not None and ref not in groups:
         raise ConfigError(f"--reference {reference}: no such group among {sorted(':'.join(k) for k in groups)}")
@@ -509,6 +514,8 @@ def main(argv=None):
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table and plots from --out")
     ap.add_argument("--reference", default=None, metavar="ALGO:VARIANT",
                     help="add every group's gain minus this group's, with Welch's 95 %% interval")
+    ap.add_argument("--only", nargs="+", default=[], metavar="ALGO:VARIANT",
+                    help="with --report-only: report just these groups")
     ap.add_argument("--merge", nargs="+", default=[], metavar="DIR",
                     help="with --report-only: also report the finished runs in these folders (the table goes to --out)")
     ap.add_argument("--dry-run", action="store_true", help="print the runs and their commands, run nothing")
@@ -534,7 +541,7 @@ def main(argv=None):
         failed = run_grid(args.out, runs, args.jobs, threads, max_wall, command)
         if failed:
             print(f"{len(failed)} run(s) failed (they start again on the next call): {', '.join(failed)}")
-    print(report(args.out, tuple(args.merge), args.reference))
+    print(report(args.out, tuple(args.merge), args.reference, tuple(args.only)))
 
 
 if __name__ == "__main__":

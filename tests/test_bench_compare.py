@@ -175,6 +175,10 @@ def test_merged_folders_and_the_gain_at_equal_images(tmp_path):
     col = [c.strip() for c in head.strip("|").split("|")].index("gain − g2rpo:small's (Welch 95 % CI)")
     assert row("g2rpo")[col] == "—"
     assert row("densegrpo")[col] == "+0.200 [-1.071, +1.471]"  # .5 .5 against .2 .4: df 1, t 12.706, SE .1
+    text = bc.report(str(tmp_path / "verdict"), (a, b), only=("densegrpo:big",))
+    assert "| densegrpo | big |" in text and "| g2rpo |" not in text
+    with pytest.raises(ConfigError, match="--only g2rpo:none: no such group"):
+        bc.report(str(tmp_path / "verdict"), (a, b), only=("g2rpo:none",))
     with pytest.raises(ConfigError, match="--reference g2rpo:none: no such group"):
         bc.report(str(tmp_path / "verdict"), (a, b), reference="g2rpo:none")
     write_run(b, "g2rpo__small__1", [{"iteration": 0, "eval/accuracy": 0.4, "final": True}])
