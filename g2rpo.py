@@ -347,7 +347,8 @@ def singular_stochastic_rollout(velocity, x_T, sigmas, branch_steps, granulariti
                                         start.reshape(P * K * L * n, *start.shape[4:]), paths, batch)
     final = final.view(P, K, L, n, *final.shape[1:])
     return {"latents": torch.stack(latents), "next_latents": next_latents.expand(K, P, G, *next_latents.shape[3:]),
-            "log_prob": torch.stack(log_prob).expand(K, P, G), "mean": torch.stack(means).expand(K, P, G, *next_latents.shape[3:]),
+            "log_prob": torch.stack(log_prob).expand(K, P, G),
+            "mean": torch.stack(means).expand(K, P, G, *next_latents.shape[3:]),
             "final": final.expand(P, K, L, G, *final.shape[4:]),
             "nfe": nfe + nfe_ode}
 

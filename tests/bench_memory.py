@@ -179,16 +179,14 @@ def forward_inputs(model, kind: str, rows: int, image_tokens: int, text_tokens: 
 
 
 def trainable(model, lora_targets, rank: int = 32):
-    """As common.training.Trainable: a LoRA with fp32 weights on the frozen model, or every weight trained."""
-    if lora_targets is None:
-        return model.requires_grad_(True)
-    from peft import LoraConfig
+    """The model as the scripts train it (common.training.Trainable): a LoRA with fp32 weights on the frozen model,
+    or every weight trained (lora_targets None)."""
+    from types import SimpleNamespace
 
-    model.requires_grad_(False)
-    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=lora_targets))
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
+    from common.training import Trainable
+
+    Trainable(SimpleNamespace(transformer=model, dtype=next(model.parameters()).dtype), lora_targets is None, rank,
+              rank, lora_targets, need_reference=False)
     return model
 
 
@@ -200,6 +198,8 @@ def activations(name: str, micro_batch: int, full: bool, checkpointing: bool, lo
     kind, config = CONFIGS[name]
     s = SETTING[name]
     model = trainable(build(kind, config, dtype=torch.bfloat16), None if full else LORA_TARGETS[lora_target])
+    if full:  # the fp32 masters compute in bf16 (FSDP's param_dtype, DDP's autocast)
+        model.to(torch.bfloat16)
     with flash_attention_shapes():
         b = saved_for_backward(model, forward_inputs(model, kind, micro_batch * s["rows_per_sample"],
                                                      s["image_tokens"], s["text_tokens"]))

@@ -3,7 +3,8 @@ rank, its sharded checkpoints and exact resume, the user's weights in stock pipe
 offload, a 2-node launch over loopback, and the one-line errors.
 
 All 2-rank runs share ONE launch, the 2-node one (tests/parallel_worker.py: the imports are most of a tiny run's
-time): SD3 and FLUX full fine-tuning in all three scripts, FLUX LoRA in flowgrpo_baseline.py, and the per-script DDP checks (LoRA, the default path: ranks agree on the weights, the SDE window, psi) too.
+time): SD3 and FLUX full fine-tuning in all three scripts, FLUX LoRA in flowgrpo_baseline.py, and the per-script
+DDP checks (LoRA, the default path: ranks agree on the weights, the SDE window, psi) too.
 """
 import dataclasses
 import json
