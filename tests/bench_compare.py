@@ -151,6 +151,7 @@ def eval_points(rows: list[dict]) -> list[dict]:
     for r in rows:
         if "eval/accuracy" in r:
             out.append({"iteration": r["iteration"], "acc": r["eval/accuracy"], "se": r.get("eval/accuracy_se"),
+                        "reward": r.get("eval/reward_mean"),
                         "cats": {k[len("eval/accuracy_"):]: v for k, v in r.items()
                                  if k.startswith("eval/accuracy_") and k != "eval/accuracy_se"},
                         "cpu_s": prev.get("time/cpu_s", 0.0), "images": prev.get("images", 0),
@@ -250,7 +251,8 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
         for s in [g["start"], *g["seeds"].values()]:
             cats += [c for c in (s["final"]["cats"] if s else {}) if c not in cats]
     head = ["algorithm", "variant", "seeds", "start (SE)", "final", "gain [95 % CI]",
-            *[f"gain {c}" for c in cats], *([f"gain − {':'.join(ref)}'s (Welch 95 % CI)"] if ref else []),
+            *[f"gain {c}" for c in cats], "reward gain [95 % CI]",
+            *([f"gain − {':'.join(ref)}'s (Welch 95 % CI)"] if ref else []),
             f"gain at {equal_images} images (periodic evals)", "final-eval SE",
             "iterations", "images", "NFE (training)",
             "CPU s in loop", "CPU s process", "jobs x threads, OMP wait", "best eval − start (beside the last, biased up)"]
@@ -283,6 +285,10 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
         cat_gains = [fmt_ci(*mean_ci([s["final"]["cats"][c] - b["cats"][c] for s, b in zip(runs, st)]))
                      if all(c in s["final"]["cats"] and c in b["cats"] for s, b in zip(runs, st)) else "—"
                      for c in cats]
+        # the training reward on the held-out prompts: beside the accuracy it shows a proxy reward that rises while
+        # the strict verdict falls, which is reward hacking
+        rew = [(s["final"]["reward"], b["reward"]) for s, b in zip(runs, st)]
+        rew_txt = "—" if any(None in r for r in rew) else fmt_ci(*mean_ci([f - b for f, b in rew]))
         at = [accuracy_at(s["points"], "images", equal_images) for s in runs]
         at_txt = "—" if None in at else fmt_ci(*mean_ci([a - s["points"][0]["acc"] for a, s in zip(at, runs)]))
         ses = [s["final"]["se"] for s in runs if s["final"]["se"] is not None]
@@ -292,7 +298,7 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
             else f"{start['acc']:.3f}"
         lines.append("| " + " | ".join([
             algo, variant, str(len(runs)), start_txt, f"{mean([s['final']['acc'] for s in runs]):.3f}",
-            fmt_ci(*mean_ci(gains)), *cat_gains, *vs_ref, at_txt, f"{mean(ses):.3f}" if ses else "—",
+            fmt_ci(*mean_ci(gains)), *cat_gains, rew_txt, *vs_ref, at_txt, f"{mean(ses):.3f}" if ses else "—",
             f"{mean([s['iterations'] for s in runs]):.0f}", f"{mean([s['final']['images'] for s in runs]):.0f}",
             f"{mean([s['nfe_train'] for s in runs]):.0f}", f"{mean([s['final']['cpu_s'] for s in runs]):.0f}",
             f"{mean(proc):.0f}" if proc else "—", ", ".join(par),

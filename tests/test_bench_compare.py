@@ -121,6 +121,7 @@ def test_table_numbers(tmp_path):
     out = str(tmp_path)
     cat = lambda a, b: {"eval/accuracy_single": a, "eval/accuracy_position": b}  # noqa: E731
     write_run(out, "g2rpo__lr1e-4__start", [{"iteration": 0, "eval/accuracy": 0.5, **cat(0.6, 0.4),
+                                             "eval/reward_mean": 0.2,
                                              "eval/accuracy_se": 0.019, "nfe": 0, "final": True}])
     for seed, final, best in [(1, 0.6, 0.75), (2, 0.7, 0.7), (3, 0.8, 0.8)]:
         write_run(out, f"g2rpo__lr1e-4__{seed}", [
@@ -129,6 +130,7 @@ def test_table_numbers(tmp_path):
             {"iteration": 1, "eval/accuracy": best, **cat(0.5, 0.4), "nfe": 1600, "nfe/eval": 800, "images": 128,
              "time/cpu_s": 20.0 + seed},
             {"iteration": 2, "eval/accuracy": final, **cat(final + 0.1, final - 0.1), "eval/accuracy_se": 0.018,
+             "eval/reward_mean": 0.2 + final,
              "nfe": 4000, "nfe/eval": 2000, "images": 128, "time/cpu_s": 40.0, "final": True}])
     write_run(out, "g2rpo__lr1e-4__4", [{"iteration": 0, "eval/accuracy": 0.5, "nfe": 0}])  # unfinished: left out
     text = bc.report(out)
@@ -140,6 +142,7 @@ def test_table_numbers(tmp_path):
     assert got["seeds"] == "3" and got["start (SE)"] == "0.500 (0.019)" and got["final"] == "0.700"
     assert got["gain [95 % CI]"] == "+0.200 [-0.048, +0.448]"  # gains .1 .2 .3: s = .1, t_{.975,2} = 4.303
     assert got["gain single"] == "+0.200 [-0.048, +0.448]" and got["gain position"] == "+0.200 [-0.048, +0.448]"
+    assert got["reward gain [95 % CI]"] == "+0.700 [+0.452, +0.948]"  # .8 .9 1.0 against the start's .2
     assert got["final-eval SE"] == "0.018" and got["iterations"] == "2"
     # consumption at the final evaluation = the counters of the row before it (the last training iteration)
     assert got["images"] == "128" and got["NFE (training)"] == "1600" and got["CPU s in loop"] == "22"
