@@ -315,8 +315,9 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
                 notes.append(f"{algo} {variant} seed {seed} ran on a busy machine (load {load_text(s['meta'])} for "
                              f"{s['meta'].get('jobs')} x {s['meta'].get('threads')} threads of its own): other work "
                              "costs CPU seconds per iteration too, so its budget bought fewer iterations")
-    md = [f"# Comparison at equal CPU seconds (report written {datetime.date.today().isoformat()})", "",
+    md = [f"# Comparison at an equal budget (report written {datetime.date.today().isoformat()})", "",
           "Runs made by:", "", *[f"    {c}" for c in sorted(commands)], "",
+          "Budget: CPU seconds per run, or a number of iterations (`--iterations`; see the commands). "
           "gain = final − start accuracy, mean over seeds with a 95 % t-interval; start = the starting model evaluated "
           "with the final evaluation's seeds. 'CPU s in loop' = the run's CPU seconds (all threads) when it stopped "
           "training, what the budget limits; 'CPU s process' = the whole process (imports, model load, setup, final "
@@ -392,6 +393,7 @@ def plan(args, variants: dict[str, list[str]], final_seeds: int) -> list[dict]:
                 script = os.path.join(args.script_dir, os.path.basename(SCRIPTS[algo])) if args.script_dir \
                     else os.path.join(ROOT, SCRIPTS[algo])
                 budget = ["--num-iterations", "0", "--cpu-budget-s", "0"] if seed == START else \
+                    ["--num-iterations", str(args.iterations), "--cpu-budget-s", "0"] if args.iterations else \
                     ["--num-iterations", "100000", "--cpu-budget-s", str(args.cpu_seconds)]
                 flags_all = ["--seed", str(1 if seed == START else seed), *budget, "--eval-every", str(args.eval_every),
                              "--save-every", "100000", "--eval-seeds-per-prompt", str(args.eval_seeds_per_prompt),
@@ -504,6 +506,9 @@ def main(argv=None):
     ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
     ap.add_argument("--cpu-seconds", type=float, default=1200.0,
                     help="training budget of every run in process CPU seconds, all threads (1200 = 10 min on 2 cores)")
+    ap.add_argument("--iterations", type=int, default=None,
+                    help="instead of the CPU budget, a fixed number of iterations per run (equal images, not equal "
+                         "CPU: for curves read per iteration, e.g. the reward-hacking lab)")
     ap.add_argument("--jobs", type=int, default=1, help="runs side by side")
     ap.add_argument("--threads", type=int, default=None, help="threads per run (default: 2 with --jobs 1, else 1)")
     ap.add_argument("--final-se", type=float, default=0.02,
@@ -528,9 +533,11 @@ def main(argv=None):
     ap.add_argument("extra", nargs="*", help="flags for every script (after --)")
     args = ap.parse_args(argv)
     threads = args.threads or (2 if args.jobs == 1 else 1)
-    if args.jobs < 1 or threads < 1 or args.cpu_seconds <= 0 or not 0 < args.final_se < 0.5:
+    if args.jobs < 1 or threads < 1 or args.cpu_seconds <= 0 or not 0 < args.final_se < 0.5 or \
+            (args.iterations is not None and args.iterations < 1):
         raise ConfigError(f"--jobs {args.jobs} / --threads {threads} / --cpu-seconds {args.cpu_seconds} / --final-se "
-                          f"{args.final_se}: need jobs and threads >= 1, a positive budget and 0 < final-se < 0.5")
+                          f"{args.final_se} / --iterations {args.iterations}: need jobs and threads >= 1, a positive "
+                          "budget, 0 < final-se < 0.5 and iterations >= 1 (or none)")
     variants = parse_variants(args.variants)
     if not args.report_only:
         final_seeds = seeds_for_se(args.final_se, eval_prompt_counts())

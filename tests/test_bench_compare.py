@@ -196,6 +196,19 @@ def test_bad_variant_is_one_clear_line():
         bc.parse_variants(["--learning-rate 1e-4"])
     assert bc.parse_variants(["lr1e-4=--learning-rate 1e-4"]) == {"lr1e-4": ["--learning-rate", "1e-4"]}
     assert bc.parse_variants([]) == {"default": []}
+    with pytest.raises(ConfigError, match="iterations >= 1"):
+        bc.main(["--iterations", "0", "--dry-run"])
+
+
+def test_fixed_iterations_replace_the_cpu_budget_except_for_the_start_run(capsys):
+    """--iterations N: every seeded run trains N iterations with no CPU budget; the start run still trains none."""
+    bc.main(["--algos", "g2rpo", "--seeds", "3", "--iterations", "30", "--variants", "hack=--beta 0.04", "--dry-run",
+             "--", "--eval-every", "5"])
+    cmd = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if "__" in line}
+    start, run = cmd["g2rpo__hack__start"], cmd["g2rpo__hack__3"]
+    flag = lambda argv, name: argv[len(argv) - 1 - argv[::-1].index(name) + 1]  # noqa: E731  (the last one wins)
+    assert flag(start, "--num-iterations") == "0" and flag(run, "--num-iterations") == "30"
+    assert flag(run, "--cpu-budget-s") == "0" and flag(run, "--beta") == "0.04" and flag(run, "--eval-every") == "5"
 
 
 def test_a_run_on_a_busy_machine_is_flagged():
