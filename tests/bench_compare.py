@@ -521,7 +521,8 @@ def main(argv=None):
     ap.add_argument("--script-dir", default=None,
                     help="take every script's file name from this folder instead (tests use stub scripts)")
     ap.add_argument("--max-wall-s", type=float, default=None,
-                    help="kill a run after this many wall-clock seconds (default: 4 x budget / threads + 3600)")
+                    help="kill a run after this many wall-clock seconds (default: 4 x budget / threads + 3600; "
+                         "none with --iterations, whose runs the CPU budget does not bound)")
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table and plots from --out")
     ap.add_argument("--reference", default=None, metavar="ALGO:VARIANT",
                     help="add every group's gain minus this group's, with Welch's 95 %% interval")
@@ -549,7 +550,7 @@ def main(argv=None):
                 print(r["name"], " ".join([r["script"], *r["flags"]]))
             return
         os.makedirs(args.out, exist_ok=True)
-        max_wall = args.max_wall_s or 4 * args.cpu_seconds / threads + 3600
+        max_wall = args.max_wall_s or (math.inf if args.iterations else 4 * args.cpu_seconds / threads + 3600)
         command = shlex.join(["python", "tests/bench_compare.py", *(sys.argv[1:] if argv is None else argv)])
         failed = run_grid(args.out, runs, args.jobs, threads, max_wall, command)
         if failed:

@@ -206,7 +206,7 @@ def test_fixed_iterations_replace_the_cpu_budget_except_for_the_start_run(capsys
              "--", "--eval-every", "5"])
     cmd = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if "__" in line}
     start, run = cmd["g2rpo__hack__start"], cmd["g2rpo__hack__3"]
-    flag = lambda argv, name: argv[len(argv) - 1 - argv[::-1].index(name) + 1]  # noqa: E731  (the last one wins)
+    flag = lambda argv, name: argv[max(i for i, a in enumerate(argv) if a == name) + 1]  # noqa: E731  (last wins)
     assert flag(start, "--num-iterations") == "0" and flag(run, "--num-iterations") == "30"
     assert flag(run, "--cpu-budget-s") == "0" and flag(run, "--beta") == "0.04" and flag(run, "--eval-every") == "5"
 
