@@ -13,7 +13,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# `pytest` runs on 2 worker processes (pytest.ini: pytest-xdist, one test file per worker at a time): one torch
+# thread each, so the two share the 2 cores; run alone (`pytest -n 0`), a test has both.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // WORKERS))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "pictures: the script runs of this test draw their end-of-run pictures")
+
+
+@pytest.fixture(autouse=True)
+def no_run_pictures(request, monkeypatch):
+    """A training run in a test skips its end-of-run pictures (learning curve, step heat map, before/after): matplotlib
+    takes ~2-3 s of a tiny run's ~4 on 2 cores, and nothing but the picture tests reads them. Tests marked
+    `@pytest.mark.pictures` (each script's smoke test) keep them, and check them end to end; tests/test_plots.py
+    checks what they show."""
+    if request.node.get_closest_marker("pictures") is None:
+        import common.plots
+
+        monkeypatch.setattr(common.plots, "run_pictures", lambda *a, **k: [])
 
 
 @pytest.fixture(scope="session")

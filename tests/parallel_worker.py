@@ -2,7 +2,8 @@
 peft once (most of a tiny run's time on 2 cores) and then runs the scripts in-process, one after the other, exactly
 as `torchrun ... script.py FLAGS` would, except that the process group is made once and kept (gloo cannot be set up
 again under the same torchrun rendezvous once it is torn down): the scripts' setup_distributed returns the live one
-and their destroy_process_group is skipped until the last run.
+and their destroy_process_group is skipped until the last run; and the end-of-run pictures are not drawn
+(matplotlib: most of a tiny run's time; tests/conftest.py skips them the same way).
 
     torchrun --nproc-per-node 2 tests/parallel_worker.py RUNS.json [--smooth-reward]
 
@@ -58,11 +59,13 @@ def main(runs_file: str, smooth_reward: bool) -> None:
     import torch
     import torch.distributed as dist
 
+    import common.plots
     import common.rewards
     import common.utils
 
     if smooth_reward:
         common.rewards._jpeg_kb = smooth_jpeg_kb
+    common.plots.run_pictures = lambda *a, **k: []  # as in tests/conftest.py: the pictures, most of a tiny run's time
 
     with open(runs_file) as f:
         runs = json.load(f)

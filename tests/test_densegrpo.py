@@ -338,7 +338,8 @@ CALIB = ["--calibration-iterations", "2", "--calibration-trajectories", "2", "--
 CPS = ["--sde-type", "cps"]  # psi(t) is then CPS's a, clamped to [0, 1] by default
 
 
-@pytest.mark.parametrize("fixture, extra", [("tiny_sd3", []), ("tiny_flux", []), ("tiny_sd3", CPS), ("tiny_flux", CPS)],
+@pytest.mark.parametrize("fixture, extra", [pytest.param("tiny_sd3", [], marks=pytest.mark.pictures), ("tiny_flux", []),
+                                            ("tiny_sd3", CPS), ("tiny_flux", CPS)],
                          ids=["sd3", "flux", "sd3-cps", "flux-cps"])
 def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(request, fixture, extra, tmp_path, prompts_file):
     model = request.getfixturevalue(fixture)
@@ -363,7 +364,9 @@ def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(request, fixt
     assert os.path.exists(run / "psi.png") and os.path.exists(run / "checkpoint-1" / "pytorch_lora_weights.safetensors")
     if extra:  # CPS: the rollout's unnormalised log-prob is recomputed exactly, psi stays a valid CPS level
         assert first["ratio/first_minibatch_max_dev"] == 0 and max(psi["psi"]) <= 1 and math.isfinite(first["kl"])
-    elif fixture == "tiny_sd3":  # reuse the calibration: no calibration time, same psi
+    elif fixture == "tiny_sd3":  # reuse the calibration: no calibration time, same psi; the end-of-run pictures drawn
+        for picture in ("learning_curve.png", "steps_heatmap.png", "before_after.png"):
+            assert os.path.getsize(run / picture) > 0, picture
         run_main(SCRIPT, *tiny_flags(model, tmp_path, prompts_file, "reuse"), "--num-iterations", "1",
                  "--psi-file", str(run / "psi.json"), "--eval-every", "100")
         m2 = read_metrics(tmp_path / "reuse")[0]

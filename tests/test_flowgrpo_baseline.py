@@ -20,6 +20,7 @@ def prompts_file(tmp_path):
     return write_prompts(tmp_path / "prompts.txt", PROMPTS)
 
 
+@pytest.mark.pictures
 @pytest.mark.parametrize("fixture", ["tiny_sd3", "tiny_flux"])
 def test_smoke_one_iteration_and_ratio_is_one(request, fixture, tmp_path, prompts_file):
     model = request.getfixturevalue(fixture)
@@ -44,7 +45,8 @@ def test_smoke_one_iteration_and_ratio_is_one(request, fixture, tmp_path, prompt
                 "kl", "time/rollout_s", "time/train_s", "eval/reward_mean"):
         assert key in first, key
     assert first["nfe"] > 0 and first["kl"] >= 0
-    assert os.path.exists(tmp_path / "run" / "learning_curve.png")
+    for picture in ("learning_curve.png", "steps_heatmap.png", "before_after.png"):  # the end-of-run pictures
+        assert os.path.getsize(tmp_path / "run" / picture) > 0, picture
     assert os.path.exists(tmp_path / "run" / "samples" / "eval_00000.png")
     assert os.path.exists(tmp_path / "run" / "checkpoint-1" / "pytorch_lora_weights.safetensors")
 

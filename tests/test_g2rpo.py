@@ -194,7 +194,7 @@ TINY_NFE = g2rpo.rollout_nfe(4, (0, 2), 3, (1, 2))  # per prompt, for _flags
 CPS = ["--sde-type", "cps", "--noise-level", "0.8"]
 
 
-@pytest.mark.parametrize("fixture,extra", [("tiny_sd3", []), ("tiny_flux", []), ("tiny_sd3", CPS),
+@pytest.mark.parametrize("fixture,extra", [pytest.param("tiny_sd3", [], marks=pytest.mark.pictures), ("tiny_flux", []), ("tiny_sd3", CPS),
                                            ("tiny_flux", ["--sigma-grid", "official", "--lora-target", "attention-ff",
                                                           *CPS])])
 def test_smoke_tiny_backbones(request, fixture, extra, tmp_path):
@@ -216,6 +216,9 @@ def test_smoke_tiny_backbones(request, fixture, extra, tmp_path):
     assert first["nfe/rollout"] + first["nfe/completion"] == 2 * TINY_NFE
     assert first["nfe/train_forward"] == first["nfe/train_backward"] == 2 * 2
     assert os.path.exists(tmp_path / "run" / "checkpoint-1" / "pytorch_lora_weights.safetensors")
+    if fixture == "tiny_sd3" and not extra:  # the case marked `pictures`: the end-of-run pictures are drawn
+        for picture in ("learning_curve.png", "steps_heatmap.png", "before_after.png"):
+            assert os.path.getsize(tmp_path / "run" / picture) > 0, picture
 
 
 def test_noise_zero_run_has_zero_advantages(tiny_sd3, tmp_path):

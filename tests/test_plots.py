@@ -11,6 +11,8 @@ from common import toyworld
 from common.evaluation import Panel
 from common.plots import GREEN, RED, before_after, captioned_grid, learning_curve, line_plot, step_heatmap
 
+pytestmark = pytest.mark.pictures  # run_pictures is what this file tests: not replaced by tests/conftest.py
+
 
 def png_size(path) -> tuple[int, int]:
     with open(path, "rb") as f:
