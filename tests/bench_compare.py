@@ -16,8 +16,9 @@ run is its final accuracy minus that start, so both ends of the gain have the sa
 
 It resumes: a run whose metrics.jsonl has the `final: true` row is kept and skipped; any other run folder is
 deleted and the run started again. So the grid can be finished in several sittings, and `--report-only`
-rebuilds `{out}/results.md` and the plots `{out}/accuracy_vs_cpu.png`, `{out}/accuracy_vs_images.png` from the
-run folders alone. Columns: docs/results.md, "The comparison harness".
+rebuilds `{out}/results.md` and the plots `{out}/accuracy_vs_cpu.png`, `{out}/accuracy_vs_images.png` and
+`{out}/reward_vs_images.png` (the trained reward: a proxy's rise beside a falling accuracy is hacking) from the run
+folders alone. Columns: docs/results.md, "The comparison harness".
 """
 import argparse
 import datetime
@@ -326,19 +327,24 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
           "off its periodic evaluations (2 seeds per prompt, SE ~0.035; linear in between, its final evaluation the "
           "last point) minus its first, mean over seeds with a 95 % t-interval.",
           "", *lines, "", *[f"- {n}" for n in notes], "", "Per run:", "", *per_run, "",
-          "![accuracy vs CPU seconds](accuracy_vs_cpu.png) ![accuracy vs images](accuracy_vs_images.png)", ""]
+          "![accuracy vs CPU seconds](accuracy_vs_cpu.png) ![accuracy vs images](accuracy_vs_images.png) "
+          "![trained reward vs images](reward_vs_images.png)", ""]
     text = "\n".join(md)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text)
     for key, label in (("cpu_s", "CPU seconds in the training loop (all threads)"), ("images", "images sampled")):
         plot(groups, key, label, os.path.join(out, f"accuracy_vs_{key.split('_')[0]}.png"))
+    # the trained reward on the held-out prompts beside it: a proxy that rises while the accuracy falls is hacked
+    plot(groups, "images", "images sampled", os.path.join(out, "reward_vs_images.png"), y="reward",
+         ylabel="eval/reward_mean (the trained reward, held-out prompts)")
     return text
 
 
-def plot(groups: dict, key: str, xlabel: str, path: str) -> None:
-    """Accuracy against `key`: every seed faint, the mean over seeds bold (interpolated on the range that every
-    seed covers), one colour per (algorithm, variant)."""
+def plot(groups: dict, key: str, xlabel: str, path: str, y: str = "acc",
+         ylabel: str = "eval/accuracy (held-out, strict)") -> None:
+    """`y` (an evaluation point's "acc" or "reward") against `key`: every seed faint, the mean over seeds bold
+    (interpolated on the range that every seed covers), one colour per (algorithm, variant)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -351,17 +357,17 @@ def plot(groups: dict, key: str, xlabel: str, path: str) -> None:
         if not runs:
             continue
         colour = plt.cm.tab10(i % 10)
-        curves = [(np.array([p[key] for p in s["points"]], float), np.array([p["acc"] for p in s["points"]]))
-                  for s in runs]
-        for x, y in curves:
-            ax.plot(x, y, color=colour, alpha=0.25, lw=1)
-            ax.plot(x[-1:], y[-1:], "o", color=colour, alpha=0.4, ms=3)  # the final (many-seed) evaluation
-        end = min(x[-1] for x, _ in curves)
+        curves = [(np.array([p[key] for p in s["points"]], float),
+                   np.array([np.nan if p[y] is None else p[y] for p in s["points"]], float)) for s in runs]
+        for xs, ys in curves:
+            ax.plot(xs, ys, color=colour, alpha=0.25, lw=1)
+            ax.plot(xs[-1:], ys[-1:], "o", color=colour, alpha=0.4, ms=3)  # the final (many-seed) evaluation
+        end = min(xs[-1] for xs, _ in curves)
         grid = np.linspace(0, end, 50) if end > 0 else np.zeros(1)
-        ax.plot(grid, np.mean([np.interp(grid, x, y) for x, y in curves], 0), color=colour, lw=2.5,
+        ax.plot(grid, np.mean([np.interp(grid, xs, ys) for xs, ys in curves], 0), color=colour, lw=2.5,
                 label=f"{algo} {variant} ({len(runs)} seeds)")
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("eval/accuracy (held-out, strict)")
+    ax.set_ylabel(ylabel)
     ax.set_title("faint: each seed (dot: its final evaluation); bold: mean over seeds", fontsize=9)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
