@@ -15,8 +15,8 @@ from PIL import Image, ImageDraw, ImageFont
 
 DPI = 100
 GREEN, RED, NEUTRAL, BACKGROUND = (0, 170, 60), (215, 25, 30), (150, 150, 150), (255, 255, 255)
-STEP_METRICS = ("ratio_mean", "ratio_std", "clipfrac", "kl", "abs_adv", "kept")  # panel order of step_heatmap
-STEP_LABELS = {"ratio_mean": "mean ratio", "ratio_std": "std of the ratio", "clipfrac": "clip fraction",
+STEP_METRICS = ("ratio", "ratio_std", "clipfrac", "kl", "abs_adv", "kept")  # as logged; step_heatmap's panel order
+STEP_LABELS = {"ratio": "mean ratio", "ratio_std": "std of the ratio", "clipfrac": "clip fraction",
                "kl": "KL to the reference", "abs_adv": "mean |advantage|", "kept": "share of transitions kept"}
 
 
@@ -104,7 +104,7 @@ def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) 
 
 def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, panel_px=(440, 320)) -> None:
     """Per-step metrics as heat maps, step index (rows) x iteration (columns), one panel per metric present in
-    keys `<key_prefix><metric>/<step index>` (e.g. `steps/ratio_mean/3`), each with its colour bar. Iterations
+    keys `<key_prefix><metric>/<step index>` (e.g. `steps/ratio/3`, the mean ratio at step 3), each with its colour bar. Iterations
     without a value are grey. The mean ratio's colours are centred on 1 (on-policy); GRPO-Guard (arXiv 2510.22319)
     reads over-optimisation off the per-step ratio mean and spread drifting apart."""
     from matplotlib.colors import TwoSlopeNorm
@@ -135,7 +135,7 @@ def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, pa
             grid[j, i - its[0]] = v
         finite = grid[np.isfinite(grid)]
         norm = None
-        if metric == "ratio_mean" and finite.size and finite.min() < 1 < finite.max():
+        if metric == "ratio" and finite.size and finite.min() < 1 < finite.max():
             norm = TwoSlopeNorm(vcenter=1.0, vmin=finite.min(), vmax=finite.max())
         cmap = "coolwarm" if norm is not None else "viridis"
         im = ax.imshow(grid, aspect="auto", origin="lower", interpolation="nearest", cmap=cmap, norm=norm,

@@ -9,7 +9,8 @@ from PIL import Image
 
 from common import toyworld
 from common.evaluation import Panel
-from common.plots import GREEN, RED, before_after, captioned_grid, learning_curve, line_plot, step_heatmap
+from common.plots import (GREEN, RED, STEP_LABELS, STEP_METRICS, before_after, captioned_grid, learning_curve,
+                          line_plot, step_heatmap)
 
 pytestmark = pytest.mark.pictures  # run_pictures is what this file tests: not replaced by tests/conftest.py
 
@@ -34,7 +35,7 @@ def history(train=True, evals=True, steps=True, n=12):
                       "eval/accuracy_counting": 0.2 + 0.01 * it, "eval/reward_mean": 0.5})
         if steps:
             for j in range(3):
-                h.update({f"steps/ratio_mean/{j}": 1 + 0.01 * (j - 1) * it, f"steps/kl/{j}": 0.001 * it})
+                h.update({f"steps/ratio/{j}": 1 + 0.01 * (j - 1) * it, f"steps/kl/{j}": 0.001 * it})
         rows.append(h)
     return rows
 
@@ -63,8 +64,8 @@ def test_learning_curve_reward_only_evaluation(tmp_path):
     assert png_size(tmp_path / "c.png") == (900, 520)
 
 
-@pytest.mark.parametrize("metrics", [("ratio_mean", "ratio_std", "clipfrac", "kl", "abs_adv", "kept"),
-                                     ("ratio_mean", "kl"), ()])
+@pytest.mark.parametrize("metrics", [("ratio", "ratio_std", "clipfrac", "kl", "abs_adv", "kept"),
+                                     ("ratio", "kl"), ()])
 def test_step_heatmap_one_panel_per_metric(tmp_path, metrics):
     rows = [{"iteration": it, "train/reward_mean": 0.5,
              **{f"steps/{m}/{j}": 1.0 + 0.01 * it * j for m in metrics for j in range(4)}}
@@ -73,6 +74,7 @@ def test_step_heatmap_one_panel_per_metric(tmp_path, metrics):
     step_heatmap(rows, "steps/", str(path), "per-step diagnostics")
     ncols = min(3, max(1, len(metrics)))
     assert png_size(path) == (440 * ncols, 320 * max(1, math.ceil(len(metrics) / ncols)))
+    assert set(STEP_LABELS) == set(STEP_METRICS)  # every logged metric (tests/test_training.py) has its panel title
 
 
 def frame_pixels(cell: np.ndarray, color) -> int:

@@ -3,6 +3,7 @@ the metric reduction, the EMA schedule, and the count of optimizer steps in a re
 import pytest
 import torch
 
+from common.plots import STEP_METRICS
 from common.training import EMA, Stats, check_transitions, plan_updates
 from helpers import read_metrics, run_main, tiny_flags, write_prompts
 
@@ -155,7 +156,9 @@ def test_optimizer_steps_per_iteration_is_honoured(tiny_sd3, tmp_path, n_opt):
     assert m["nfe/train_forward"] == m["nfe/train_backward"] == 16
     # per-step diagnostics: one value per trained step (2 of 3), consistent with the overall numbers (every step has
     # 8 transitions, all kept, so the overall mean is the mean of the per-step means)
-    for k in ("ratio", "ratio_std", "clipfrac", "kl", "abs_adv", "kept"):
+    logged = {key.split("/")[1] for key in m if key.startswith("steps/")}
+    assert logged == set(STEP_METRICS)  # what the heat map draws, each with its label (a renamed key would be lost)
+    for k in STEP_METRICS:
         assert sorted(int(key.rsplit("/", 1)[1]) for key in m if key.startswith(f"steps/{k}/")) == [0, 1], k
     assert m["steps/kept/0"] == m["steps/kept/1"] == 1.0
     assert (m["steps/ratio/0"] + m["steps/ratio/1"]) / 2 == pytest.approx(m["ratio/mean"], abs=1e-12)
