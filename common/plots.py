@@ -102,11 +102,12 @@ def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) 
     fig.savefig(path)
 
 
-def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, panel_px=(440, 320)) -> None:
+def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, panel_px=(440, 320)) -> list[str]:
     """Per-step metrics as heat maps, step index (rows) x iteration (columns), one panel per metric present in
-    keys `<key_prefix><metric>/<step index>` (e.g. `steps/ratio/3`, the mean ratio at step 3), each with its colour bar. Iterations
-    without a value are grey. The mean ratio's colours are centred on 1 (on-policy); GRPO-Guard (arXiv 2510.22319)
-    reads over-optimisation off the per-step ratio mean and spread drifting apart."""
+    keys `<key_prefix><metric>/<step index>` (e.g. `steps/ratio/3`, the mean ratio at step 3), each with its colour
+    bar. Iterations without a value are grey; a panel whose every value is the same says so in its title. The mean
+    ratio's colours are centred on 1 (on-policy); GRPO-Guard (arXiv 2510.22319) reads over-optimisation off the
+    per-step ratio mean and spread drifting apart. -> the panel titles, in order."""
     from matplotlib.colors import TwoSlopeNorm
     from matplotlib.ticker import MaxNLocator
 
@@ -127,6 +128,7 @@ def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, pa
     if not metrics:
         fig.text(0.5, 0.5, f"no '{prefix}*' metrics in the log", ha="center", va="center")
     its = sorted({i for c in cells.values() for _, i in c})
+    titles = []
     for n, metric in enumerate(metrics):
         ax = fig.add_subplot(nrows, ncols, n + 1)
         steps = 1 + max(j for j, _ in cells[metric])
@@ -141,13 +143,19 @@ def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, pa
         im = ax.imshow(grid, aspect="auto", origin="lower", interpolation="nearest", cmap=cmap, norm=norm,
                        extent=(its[0] - 0.5, its[-1] + 0.5, -0.5, steps - 0.5))
         im.cmap.set_bad("0.85")
-        ax.set_title(STEP_LABELS.get(metric, metric), fontsize="medium")
+        label = STEP_LABELS.get(metric, metric)
+        if finite.size and finite.min() == finite.max():  # e.g. the KL with beta 0, the ratio's spread on-policy
+            label += f" (constant {finite[0]:.3g})"
+        titles.append(label)
+        ax.set_title(label, fontsize="medium")
         ax.set_xlabel("iteration")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("trained step index")
         ax.set_yticks(range(steps) if steps <= 12 else np.linspace(0, steps - 1, 6).round().astype(int))
-        fig.colorbar(im, ax=ax)
+        bar = fig.colorbar(im, ax=ax)
+        bar.formatter.set_useOffset(False)  # ratios as 0.9999, not as -0.0001 under a "+1"
     fig.savefig(path)
+    return titles
 
 
 # ---------------------------------------------------------------------------------------- image grids (PIL)

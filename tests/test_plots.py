@@ -71,10 +71,14 @@ def test_step_heatmap_one_panel_per_metric(tmp_path, metrics):
              **{f"steps/{m}/{j}": 1.0 + 0.01 * it * j for m in metrics for j in range(4)}}
             for it in range(0, 10) if it != 5]  # iteration 5 missing (grey column)
     path = tmp_path / "h.png"
-    step_heatmap(rows, "steps/", str(path), "per-step diagnostics")
+    titles = step_heatmap(rows, "steps/", str(path), "per-step diagnostics")
+    assert titles == [STEP_LABELS[m] for m in metrics]
     ncols = min(3, max(1, len(metrics)))
     assert png_size(path) == (440 * ncols, 320 * max(1, math.ceil(len(metrics) / ncols)))
     assert set(STEP_LABELS) == set(STEP_METRICS)  # every logged metric (tests/test_training.py) has its panel title
+    # a constant panel (the KL with beta 0, the ratio's spread on-policy) says so, and is drawn as any other
+    flat = [{"iteration": it, "steps/kl/0": 0.0, "steps/kl/1": 0.0, "steps/ratio/0": 1.0 + 0.01 * it} for it in range(3)]
+    assert step_heatmap(flat, "steps/", str(tmp_path / "f.png"), "t") == ["mean ratio", "KL to the reference (constant 0)"]
 
 
 def frame_pixels(cell: np.ndarray, color) -> int:
