@@ -194,7 +194,8 @@ TINY_NFE = g2rpo.rollout_nfe(4, (0, 2), 3, (1, 2))  # per prompt, for _flags
 CPS = ["--sde-type", "cps", "--noise-level", "0.8"]
 
 
-@pytest.mark.parametrize("fixture,extra", [pytest.param("tiny_sd3", [], marks=pytest.mark.pictures), ("tiny_flux", []), ("tiny_sd3", CPS),
+@pytest.mark.parametrize("fixture,extra", [pytest.param("tiny_sd3", [], marks=pytest.mark.pictures), ("tiny_flux", []),
+                                           ("tiny_sd3", CPS),
                                            ("tiny_flux", ["--sigma-grid", "official", "--lora-target", "attention-ff",
                                                           *CPS])])
 def test_smoke_tiny_backbones(request, fixture, extra, tmp_path):
