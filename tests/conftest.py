@@ -26,7 +26,8 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def no_run_pictures(request, monkeypatch):
     """A training run in a test skips its end-of-run pictures (learning curve, step heat map, before/after): matplotlib
-    takes ~2-3 s of a tiny run's ~4 on 2 cores, and nothing but the picture tests reads them. Tests marked
+    takes 2-3 s of them per run (measured 2026-12-01 on 2 cores: about half of a tiny run), and nothing but the
+    picture tests reads them. Tests marked
     `@pytest.mark.pictures` (each script's smoke test) keep them, and check them end to end; tests/test_plots.py
     checks what they show."""
     if request.node.get_closest_marker("pictures") is None:
