@@ -209,8 +209,8 @@ def color_coverage(images, prompts) -> np.ndarray:
     """A deliberately hackable proxy reward, for watching reward hacking against the strict verdict: float [B] in
     [0, 1], the share of the canvas whose palette colour is one that the prompt names. Correct renders of the 100
     test prompts cover 6-30 % of it (median 16 %); a canvas flooded with the colour scores 1 and has lost every
-    count, shape and position, which `score` (the strict verdict) sees. Whether a policy finds the flood on the toy
-    model is what the reward-hacking lab (issue #21) is to measure."""
+    count, shape and position, which `score` (the strict verdict) sees. Flow-GRPO finds the flood on the toy model in
+    ten iterations (docs/reward_hacking.md)."""
     cls = classify_pixels(to_uint8(images))
     prompts = list(prompts)
     if len(cls) != len(prompts):
