@@ -13,10 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# `pytest` runs on 2 worker processes (pytest.ini: pytest-xdist, one test file per worker at a time): one torch
-# thread each, so the two share the 2 cores; run alone (`pytest -n 0`), a test has both.
-WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // WORKERS))
+torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def pytest_configure(config):

@@ -414,8 +414,7 @@ def test_learning_on_the_toy_world(tmp_path):
     """Eval reward (deterministic ODE, fixed seeds) on the training prompts must rise within 8 iterations of the
     default toy config (2 x 8 images). The reward is JPEG compressibility: smooth, so DenseGRPO's per-step signal
     is dense (measured with 4 sampling steps for training, 2026-12-01: -1.16 -> -0.98 / -0.89 after 4 / 8
-    iterations; with the advantages' sign flipped -1.29 / -1.49; -1.164 -> -1.488 after 8 with 1 torch thread, as
-    under pytest's two workers). With the toy-world scorer on the same counting prompts DenseGRPO rose and then fell
+    iterations; with the advantages' sign flipped -1.29 / -1.49; -1.164 -> -1.488 after 8 with 1 torch thread). With the toy-world scorer on the same counting prompts DenseGRPO rose and then fell
     (0.249 -> 0.356 / 0.136 / 0.108 after 4 / 8 / 12 iterations at the default learning rate), so it cannot be the
     test."""
     prompts = write_prompts(tmp_path / "p.txt", ["a photo of three red squares", "a photo of three blue squares",

@@ -93,8 +93,8 @@ def test_saved_lora_loads_into_stock_pipeline(tiny_sd3, tmp_path, prompts_file):
 def test_learning_on_the_toy_world(tmp_path):
     """Eval reward (deterministic ODE, fixed seeds) on the training prompts must rise within 8 iterations on the
     shipped toy model. With learning rate 0 the two evaluations would be identical, so this fails when learning
-    is broken; with the advantages' sign flipped it falls (-1.154 -> -1.509, 1 torch thread as under pytest's two
-    workers, 2026-12-01). The reward is JPEG compressibility: smooth and dense, so a short CPU run shows the effect
+    is broken; with the advantages' sign flipped it falls (-1.154 -> -1.509, with 1 torch thread,
+    2026-12-01). The reward is JPEG compressibility: smooth and dense, so a short CPU run shows the effect
     reliably. (With the strict-GenEval-like toyworld reward, gains within minutes are real but noisy across
     seeds: see README, Results.)"""
     prompts = write_prompts(tmp_path / "p.txt", ["a photo of three red squares", "a photo of three blue squares",

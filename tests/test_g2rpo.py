@@ -291,7 +291,7 @@ def test_learning_on_the_toy_world(tmp_path):
     learning rate (1e-3 overshoots here) and 6 sampling steps for training (the evaluation keeps 20), which cost
     half the completions of 10. Measured on the shipped toy model (2026-12-01): 0.249 -> 0.259 / 0.370 / 0.369
     after 4 / 8 / 12 iterations (with 10 steps: 0.296 / 0.289 / 0.349); the test stops at 8. With the advantages'
-    sign flipped it falls (0.249 -> 0.162 after 8, 1 torch thread as under pytest's two workers, 2026-12-01)."""
+    sign flipped it falls (0.249 -> 0.162 after 8, 1 torch thread, 2026-12-01)."""
     prompts = write_prompts(tmp_path / "p.txt", ["a photo of three red squares", "a photo of three blue squares",
                                                  "a photo of three green triangles", "a photo of three red triangles"])
     run_main(SCRIPT, "--prompts-file", prompts, "--eval-prompts", prompts, "--eval-seeds-per-prompt", "4",
