@@ -411,17 +411,18 @@ def test_bad_input_is_one_clear_line(monkeypatch, flags, expect, tmp_path, promp
 
 
 def test_learning_on_the_toy_world(tmp_path):
-    """Eval reward (deterministic ODE, fixed seeds) on the training prompts must rise within 8 iterations of the
-    default toy config (2 x 8 images). The reward is JPEG compressibility: smooth, so DenseGRPO's per-step signal
-    is dense (measured with 4 sampling steps for training, 2026-12-01: -1.16 -> -0.98 / -0.89 after 4 / 8
-    iterations; with the advantages' sign flipped -1.29 / -1.49; -1.164 -> -1.488 after 8 with 1 torch thread). With the toy-world scorer on the same counting prompts DenseGRPO rose and then fell
-    (0.249 -> 0.356 / 0.136 / 0.108 after 4 / 8 / 12 iterations at the default learning rate), so it cannot be the
-    test."""
+    """Eval reward (deterministic ODE, fixed seeds) on the training prompts must rise within 4 iterations of the
+    default toy config (2 x 8 images) with 4 sampling steps for training and a 10-step evaluation: -1.158 -> -0.976
+    (2 torch threads, 2026-12-02); with the advantages' sign flipped it falls (-1.158 -> -1.289), so this fails when
+    learning is broken. The reward is JPEG compressibility: smooth, so DenseGRPO's per-step signal is dense. With
+    the toy-world scorer on the same counting prompts DenseGRPO rose and then fell (0.249 -> 0.356 / 0.136 / 0.108
+    after 4 / 8 / 12 iterations at the default learning rate), so it cannot be the test."""
     prompts = write_prompts(tmp_path / "p.txt", ["a photo of three red squares", "a photo of three blue squares",
                                                  "a photo of three green triangles", "a photo of three red triangles"])
     run_main(SCRIPT, "--prompts-file", prompts, "--eval-prompts", prompts, "--eval-seeds-per-prompt", "4",
-             "--num-iterations", "8", "--eval-every", "8", "--num-steps", "4", "--learning-rate", "1e-3",
-             "--calibration-iterations", "0", "--reward", "jpeg_compressibility", "--output-dir", str(tmp_path), "--run-name", "toy")
+             "--num-iterations", "4", "--eval-every", "4", "--num-steps", "4", "--eval-num-steps", "10",
+             "--learning-rate", "1e-3", "--calibration-iterations", "0", "--reward", "jpeg_compressibility",
+             "--output-dir", str(tmp_path), "--run-name", "toy")
     m = read_metrics(tmp_path / "toy")
     start, end = m[0]["eval/reward_mean"], m[-1]["eval/reward_mean"]
     assert end > start + 0.1, (start, end)
