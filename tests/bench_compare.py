@@ -313,9 +313,12 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
                            f"{s['meta'].get('process_cpu_s', float('nan')):.0f} | "
                            f"{parallel(s['meta'])} | {load_text(s['meta'])} |")
             if busy(s["meta"]):
+                flags = s["meta"].get("flags", [])  # --cpu-budget-s 0: a fixed number of iterations
+                fixed = "--cpu-budget-s" in flags and flags[flags.index("--cpu-budget-s") + 1] == "0"
                 notes.append(f"{algo} {variant} seed {seed} ran on a busy machine (load {load_text(s['meta'])} for "
-                             f"{s['meta'].get('jobs')} x {s['meta'].get('threads')} threads of its own): other work "
-                             "costs CPU seconds per iteration too, so its budget bought fewer iterations")
+                             f"{s['meta'].get('jobs')} x {s['meta'].get('threads')} threads of its own): " +
+                             ("its iterations were fixed, so only its CPU seconds are inflated" if fixed else
+                              "other work costs CPU seconds per iteration too, so its budget bought fewer iterations"))
     md = [f"# Comparison at an equal budget (report written {datetime.date.today().isoformat()})", "",
           "Runs made by:", "", *[f"    {c}" for c in sorted(commands)], "",
           "Budget: CPU seconds per run, or a number of iterations (`--iterations`; see the commands). "
@@ -328,7 +331,8 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
           "last point) minus its first, mean over seeds with a 95 % t-interval.",
           "", *lines, "", *[f"- {n}" for n in notes], "", "Per run:", "", *per_run, "",
           "![accuracy vs CPU seconds](accuracy_vs_cpu.png) ![accuracy vs images](accuracy_vs_images.png) "
-          "![trained reward vs images](reward_vs_images.png)", ""]
+          "![trained reward vs images](reward_vs_images.png) "
+          "![accuracy vs trained reward](accuracy_vs_reward.png)", ""]
     text = "\n".join(md)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "results.md"), "w") as f:
@@ -338,6 +342,7 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
     # the trained reward on the held-out prompts beside it: a proxy that rises while the accuracy falls is hacked
     plot(groups, "images", "images sampled", os.path.join(out, "reward_vs_images.png"), y="reward",
          ylabel="eval/reward_mean (the trained reward, held-out prompts)")
+    tradeoff_plot(groups, os.path.join(out, "accuracy_vs_reward.png"))
     return text
 
 
@@ -369,6 +374,45 @@ def plot(groups: dict, key: str, xlabel: str, path: str, y: str = "acc",
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title("faint: each seed (dot: its final evaluation); bold: mean over seeds", fontsize=9)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def tradeoff_plot(groups: dict, path: str) -> None:
+    """Held-out accuracy against the trained reward on the same held-out evaluations, one path per run from its
+    first evaluation to its last: the exchange rate between the reward and the task. A knob that only slows the
+    optimisation moves along the same path; one that protects the task bends it upwards. Every seed faint, the mean
+    over seeds of each evaluation (the ones every seed made) bold, its start and end marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, ((algo, variant), g) in enumerate(sorted(groups.items())):
+        runs = [g["seeds"][k] for k in sorted(g["seeds"])]
+        paths = [np.array([(p["reward"], p["acc"]) for p in s["points"] if p["reward"] is not None], float)
+                 for s in runs]
+        paths = [q for q in paths if len(q)]
+        if not paths:
+            continue
+        colour = plt.cm.tab10(i % 10)
+        for q in paths:
+            ax.plot(q[:, 0], q[:, 1], color=colour, alpha=0.25, lw=1)
+        n = min(len(q) for q in paths)
+        mean = np.mean([q[:n] for q in paths], 0)
+        ax.plot(mean[:, 0], mean[:, 1], "-o", color=colour, lw=2.5, ms=4,
+                label=f"{algo} {variant} ({len(paths)} seeds)")
+        ax.plot(mean[-1:, 0], mean[-1:, 1], "s", color=colour, ms=8)  # the final evaluation
+    ax.set_xlabel("eval/reward_mean (the trained reward, held-out prompts)")
+    ax.set_ylabel("eval/accuracy (held-out, strict)")
+    ax.set_title("each evaluation of a run, first to last (square: the final one); faint: each seed; bold: mean",
+                 fontsize=9)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)

@@ -107,6 +107,7 @@ def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path
     assert os.path.getsize(os.path.join(out, "accuracy_vs_cpu.png")) > 0
     assert os.path.getsize(os.path.join(out, "accuracy_vs_images.png")) > 0
     assert os.path.getsize(os.path.join(out, "reward_vs_images.png")) > 0
+    assert os.path.getsize(os.path.join(out, "accuracy_vs_reward.png")) > 0
     # gains 0.05 and 0.10 over 2 seeds: mean 0.075, half-width t_{0.975,1} * 0.03536 / sqrt(2) = 0.3177
     assert "| flowgrpo_baseline | default | 2 | 0.500 (0.013) | 0.575 | +0.075 [-0.243, +0.393] |" in text
     assert "| 1 x 2" not in text and "| 2 x 1, passive |" in text  # side by side, 1 thread, no spinning
