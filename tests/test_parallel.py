@@ -92,7 +92,7 @@ LORA = ["--ema-decay", "0.5", "--ema-update-interval", "1", "--beta", "0.04", "-
 @pytest.fixture(scope="module")
 def two_nodes(tiny_sd3, tiny_flux, tmp_path_factory):
     """Every 2-rank run of this file in ONE launch, the documented multi-node one (2 nodes x 1 process over loopback):
-    SD3 full fine-tuning with ddp and with fsdp in each script (3 iterations; 4 for the baseline, with the KL to the
+    SD3 full fine-tuning with ddp and with fsdp in each script (2 iterations; 4 for the baseline, with the KL to the
     frozen copy, and its fsdp run again as 2 + 2 with a resume), FLUX full fine-tuning (3) and LoRA (2) in the
     baseline. Returns (output folder, run names, {(run, rank): RESULT})."""
     out = tmp_path_factory.mktemp("fsdp")
@@ -101,7 +101,7 @@ def two_nodes(tiny_sd3, tiny_flux, tmp_path_factory):
     full = [*FAST, "--full-finetune"]
     runs, names = [], []
     for script in SCRIPTS:
-        its = "4" if script == SCRIPTS[0] else "3"
+        its = "4" if script == SCRIPTS[0] else "2"
         beta = ["--beta", "0.04"] if script == SCRIPTS[0] else []  # the KL reference: the frozen copy, sharded too
         for par in ("ddp", "fsdp"):
             names.append(f"{script}-{par}")
@@ -176,10 +176,10 @@ def test_ddp_densegrpo_ranks_agree_on_psi_and_weights(two_nodes):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_fsdp_full_finetune_ends_with_ddps_weights(two_nodes, tiny_sd3, script):
-    """2 ranks, full fine-tuning of the tiny SD3 for 3 iterations (4 for the baseline, with the KL to a sharded frozen
+    """2 ranks, full fine-tuning of the tiny SD3 for 2 iterations (4 for the baseline, with the KL to a sharded frozen
     copy): the saved transformer equals DDP's within float tolerance, and both ranks end with the same weights."""
     out, names, res = two_nodes
-    its = 4 if script == "flowgrpo_baseline.py" else 3
+    its = 4 if script == "flowgrpo_baseline.py" else 2
     ddp, fsdp = (transformer_weights(out / f"{script}-{p}" / f"checkpoint-{its}") for p in ("ddp", "fsdp"))
     assert_close(ddp, fsdp, transformer_weights(tiny_sd3))
     i = names.index(f"{script}-fsdp")
