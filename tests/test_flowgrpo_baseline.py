@@ -92,11 +92,11 @@ def test_saved_lora_loads_into_stock_pipeline(tiny_sd3, tmp_path, prompts_file):
 
 def test_learning_on_the_toy_world(tmp_path):
     """Eval reward (deterministic ODE, fixed seeds) on the training prompts must rise within 3 iterations on the
-    shipped toy model: -1.146 -> -0.959 (-0.926 after 4; 2 torch threads, 10-step evaluation, 2026-12-02). With learning rate 0 the
-    two evaluations would be identical, and with the advantages' sign flipped it falls (-1.146 -> -1.298), so this
-    fails when learning is broken. The reward is JPEG compressibility: smooth and dense, so a short CPU run shows the
-    effect reliably. (With the strict-GenEval-like toyworld reward, gains within minutes are real but noisy across
-    seeds: see README, Results.)"""
+    shipped toy model: -1.146 -> -0.959 (-0.926 after 4; 2 torch threads, 10-step evaluation, 2026-12-02). With
+    learning rate 0 the two evaluations would be identical, and with the advantages' sign flipped it falls
+    (-1.146 -> -1.298), so this fails when learning is broken. The reward is JPEG compressibility: smooth and
+    dense, so a short CPU run shows the effect reliably. (With the strict-GenEval-like toyworld reward, gains within
+    minutes are real but noisy across seeds: see README, Results.)"""
     prompts = write_prompts(tmp_path / "p.txt", ["a photo of three red squares", "a photo of three blue squares",
                                                  "a photo of three green triangles", "a photo of three red triangles"])
     run_main(SCRIPT, "--prompts-file", prompts, "--eval-prompts", prompts, "--eval-seeds-per-prompt", "2",
