@@ -16,9 +16,9 @@ run is its final accuracy minus that start, so both ends of the gain have the sa
 
 It resumes: a run whose metrics.jsonl has the `final: true` row is kept and skipped; any other run folder is
 deleted and the run started again. So the grid can be finished in several sittings, and `--report-only`
-rebuilds `{out}/results.md` and the plots `{out}/accuracy_vs_cpu.png`, `{out}/accuracy_vs_images.png` and
-`{out}/reward_vs_images.png` (the trained reward: a proxy's rise beside a falling accuracy is hacking) from the run
-folders alone. Columns: docs/results.md, "The comparison harness".
+rebuilds `{out}/results.md` and the plots `{out}/accuracy_vs_cpu.png`, `{out}/accuracy_vs_images.png`,
+`{out}/reward_vs_images.png` (the trained reward: a proxy's rise beside a falling accuracy is hacking) and
+`{out}/accuracy_vs_reward.png` (the two against each other, evaluation by evaluation) from the run folders alone. Columns: docs/results.md, "The comparison harness".
 """
 import argparse
 import datetime
@@ -346,17 +346,36 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
     return text
 
 
-def plot(groups: dict, key: str, xlabel: str, path: str, y: str = "acc",
-         ylabel: str = "eval/accuracy (held-out, strict)") -> None:
-    """`y` (an evaluation point's "acc" or "reward") against `key`: every seed faint, the mean over seeds bold
-    (interpolated on the range that every seed covers), one colour per (algorithm, variant)."""
+def _figure():
+    """(pyplot, figure, axes) of one comparison plot, drawn off-screen."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    return plt, fig, ax
+
+
+def _save(plt, fig, ax, path: str, xlabel: str, ylabel: str, title: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot(groups: dict, key: str, xlabel: str, path: str, y: str = "acc",
+         ylabel: str = "eval/accuracy (held-out, strict)") -> None:
+    """`y` (an evaluation point's "acc" or "reward") against `key`: every seed faint, the mean over seeds bold
+    (interpolated on the range that every seed covers), one colour per (algorithm, variant)."""
+    import numpy as np
+
+    plt, fig, ax = _figure()
     for i, ((algo, variant), g) in enumerate(sorted(groups.items())):
         runs = [g["seeds"][k] for k in sorted(g["seeds"])]
         if not runs:
@@ -371,15 +390,7 @@ def plot(groups: dict, key: str, xlabel: str, path: str, y: str = "acc",
         grid = np.linspace(0, end, 50) if end > 0 else np.zeros(1)
         ax.plot(grid, np.mean([np.interp(grid, xs, ys) for xs, ys in curves], 0), color=colour, lw=2.5,
                 label=f"{algo} {variant} ({len(runs)} seeds)")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title("faint: each seed (dot: its final evaluation); bold: mean over seeds", fontsize=9)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, ax, path, xlabel, ylabel, "faint: each seed (dot: its final evaluation); bold: mean over seeds")
 
 
 def tradeoff_plot(groups: dict, path: str) -> None:
@@ -387,13 +398,9 @@ def tradeoff_plot(groups: dict, path: str) -> None:
     first evaluation to its last: the exchange rate between the reward and the task. A knob that only slows the
     optimisation moves along the same path; one that protects the task bends it upwards. Every seed faint, the mean
     over seeds of each evaluation (the ones every seed made) bold, its start and end marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    plt, fig, ax = _figure()
     for i, ((algo, variant), g) in enumerate(sorted(groups.items())):
         runs = [g["seeds"][k] for k in sorted(g["seeds"])]
         paths = [np.array([(p["reward"], p["acc"]) for p in s["points"] if p["reward"] is not None], float)
@@ -409,16 +416,9 @@ def tradeoff_plot(groups: dict, path: str) -> None:
         ax.plot(mean[:, 0], mean[:, 1], "-o", color=colour, lw=2.5, ms=4,
                 label=f"{algo} {variant} ({len(paths)} seeds)")
         ax.plot(mean[-1:, 0], mean[-1:, 1], "s", color=colour, ms=8)  # the final evaluation
-    ax.set_xlabel("eval/reward_mean (the trained reward, held-out prompts)")
-    ax.set_ylabel("eval/accuracy (held-out, strict)")
-    ax.set_title("each evaluation of a run, first to last (square: the final one); faint: each seed; bold: mean",
-                 fontsize=9)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, ax, path, "eval/reward_mean (the trained reward, held-out prompts)",
+          "eval/accuracy (held-out, strict)",
+          "each evaluation of a run, first to last (square: the final one); faint: each seed; bold: mean")
 
 
 # ------------------------------------------------------------------------------------------------ running

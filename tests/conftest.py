@@ -24,9 +24,8 @@ def pytest_configure(config):
 def no_run_pictures(request, monkeypatch):
     """A training run in a test skips its end-of-run pictures (learning curve, step heat map, before/after): matplotlib
     takes 2-3 s of them per run (measured 2026-12-01 on 2 cores: about half of a tiny run), and nothing but the
-    picture tests reads them. Tests marked
-    `@pytest.mark.pictures` (each script's smoke test) keep them, and check them end to end; tests/test_plots.py
-    checks what they show."""
+    picture tests reads them. Tests marked `@pytest.mark.pictures` (each script's smoke test) keep them, and check
+    them end to end; tests/test_plots.py checks what they show."""
     if request.node.get_closest_marker("pictures") is None:
         import common.plots
 
