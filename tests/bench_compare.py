@@ -260,7 +260,7 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     per_run = ["| algorithm | variant | seed | iterations | start | final | gain | final-eval SE | best | images | "
                "NFE (training) | CPU s in loop | CPU s / iteration | CPU s process | jobs x threads, OMP wait | "
-               "load mean (max) |", "|" + "---|" * 16]
+               "load mean (max) | speed probe CPU s |", "|" + "---|" * 17]
     commands, notes = set(), []
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
 
@@ -311,7 +311,8 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
                            f"{s['best']:.3f} | {f['images']} | {s['nfe_train']} | {f['cpu_s']:.0f} | "
                            f"{f['cpu_s'] / max(s['iterations'], 1):.1f} | "
                            f"{s['meta'].get('process_cpu_s', float('nan')):.0f} | "
-                           f"{parallel(s['meta'])} | {load_text(s['meta'])} |")
+                           f"{parallel(s['meta'])} | {load_text(s['meta'])} | "
+                           f"{'—' if not s['meta'].get('speed_probe_cpu_s') else format(s['meta']['speed_probe_cpu_s'], '.2f')} |")
             if busy(s["meta"]):
                 flags = s["meta"].get("flags", [])  # --cpu-budget-s 0: a fixed number of iterations
                 fixed = "--cpu-budget-s" in flags and flags[flags.index("--cpu-budget-s") + 1] == "0"
@@ -319,6 +320,9 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
                              f"{s['meta'].get('jobs')} x {s['meta'].get('threads')} threads of its own): " +
                              ("its iterations were fixed, so only its CPU seconds are inflated" if fixed else
                               "other work costs CPU seconds per iteration too, so its budget bought fewer iterations"))
+    spread = speed_spread([s["meta"] for g in groups.values() for s in g["seeds"].values()])
+    if spread:
+        notes.insert(0, spread)
     md = [f"# Comparison at an equal budget (report written {datetime.date.today().isoformat()})", "",
           "Runs made by:", "", *[f"    {c}" for c in sorted(commands)], "",
           "Budget: CPU seconds per run, or a number of iterations (`--iterations`; see the commands). "
@@ -464,7 +468,7 @@ def check_kept_run(out: str, run: dict) -> None:
                               f"this grid asks for ({' '.join(run['flags'])}); use another --out or delete that folder")
 
 
-def launch(out: str, run: dict, threads: int, jobs: int, command: str) -> subprocess.Popen:
+def launch(out: str, run: dict, threads: int, jobs: int, command: str, probe: float | None = None) -> subprocess.Popen:
     run_dir = os.path.join(out, run["name"])
     shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run starts again from nothing
     os.makedirs(run_dir)
@@ -476,7 +480,7 @@ def launch(out: str, run: dict, threads: int, jobs: int, command: str) -> subpro
            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     cmd = [sys.executable, run["script"], "--output-dir", out, "--run-name", run["name"], *run["flags"]]
     meta = {"flags": run["flags"], "threads": threads, "jobs": jobs, "omp_wait_policy": env["OMP_WAIT_POLICY"],
-            "command": command,
+            "command": command, "speed_probe_cpu_s": probe,
             "started": datetime.datetime.now().isoformat(timespec="seconds")}
     with open(os.path.join(run_dir, "harness.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -498,8 +502,56 @@ def reap(p: subprocess.Popen) -> bool:
     return True
 
 
-def run_grid(out: str, runs: list[dict], jobs: int, threads: int, max_wall_s: float, command: str) -> list[str]:
-    """Run what is not finished, `jobs` at a time; return the names of runs that failed."""
+PROBE_CALLS = 10
+
+
+def probe_workload(calls: int = PROBE_CALLS) -> float:
+    """CPU seconds of `calls` forwards of the toy transformer at batch 64 (one warm-up first): the machine's speed.
+    A CPU-seconds budget is equal work only on one machine: the same G2RPO iteration took 45.9 CPU s on the machine
+    of 2026-12-01 and 86.3 on that of 2026-12-02 (docs/results.md), so every run records this number."""
+    import torch
+
+    from common.backbones import load_backbone
+
+    torch.manual_seed(0)
+    bb = load_backbone(os.path.join(ROOT, "common", "toyworld", "model"), "cpu")
+    emb, x = bb.encode(["a photo of a red circle"] * 64), bb.initial_noise(64, 32, 32)
+    with torch.no_grad():
+        bb.velocity(x, 0.5, emb)
+        t0 = time.process_time()
+        for _ in range(calls):
+            bb.velocity(x, 0.5, emb)
+    return time.process_time() - t0
+
+
+def speed_probe() -> float | None:
+    """probe_workload() in a fresh one-thread process (the runs' environment); None if it fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe-only"], env=env, cwd=ROOT,
+                       capture_output=True, text=True)
+    try:
+        return float(p.stdout.split()[-1])
+    except (IndexError, ValueError):
+        print(f"speed probe failed (exit {p.returncode}): {p.stderr.strip()[-300:]}", flush=True)
+        return None
+
+
+def speed_spread(metas: list[dict]) -> str | None:
+    """A warning when the runs of one table were made on machines of different speed (probe CPU s differing by
+    more than 15 %): their CPU-seconds budgets are then not the same work."""
+    probes = [m["speed_probe_cpu_s"] for m in metas if m.get("speed_probe_cpu_s")]
+    if len(probes) < 2 or max(probes) <= 1.15 * min(probes):
+        return None
+    return (f"the runs' speed probes range from {min(probes):.2f} to {max(probes):.2f} CPU s ({PROBE_CALLS} toy "
+            "forwards): they were made on machines of different speed, so equal CPU seconds are not equal work; "
+            "compare runs with similar probes, at equal images, or made with --iterations")
+
+
+def run_grid(out: str, runs: list[dict], jobs: int, threads: int, max_wall_s: float, command: str,
+             probe: float | None = None) -> list[str]:
+    """Run what is not finished, `jobs` at a time; return the names of runs that failed. `probe`: this machine's
+    speed_probe(), recorded in every run's harness.json."""
     todo = []
     for r in runs:
         if is_finished(os.path.join(out, r["name"])):
@@ -511,7 +563,7 @@ def run_grid(out: str, runs: list[dict], jobs: int, threads: int, max_wall_s: fl
     try:
         while todo or active:
             while todo and len(active) < jobs:
-                active.append(launch(out, todo.pop(0), threads, jobs, command))
+                active.append(launch(out, todo.pop(0), threads, jobs, command, probe))
                 print(f"started  {active[-1].run['name']}", flush=True)
             time.sleep(0.2)
             if time.time() - last_load > 5:  # the machine's load: other work inflates CPU seconds per iteration
@@ -581,8 +633,14 @@ def main(argv=None):
     ap.add_argument("--merge", nargs="+", default=[], metavar="DIR",
                     help="with --report-only: also report the finished runs in these folders (the table goes to --out)")
     ap.add_argument("--dry-run", action="store_true", help="print the runs and their commands, run nothing")
+    ap.add_argument("--no-speed-probe", action="store_true",
+                    help="skip timing the machine before the grid (speed_probe_cpu_s in every harness.json)")
+    ap.add_argument("--probe-only", action="store_true", help=argparse.SUPPRESS)  # speed_probe()'s child process
     ap.add_argument("extra", nargs="*", help="flags for every script (after --)")
     args = ap.parse_args(argv)
+    if args.probe_only:
+        print(f"{probe_workload():.3f}")
+        return
     threads = args.threads or (2 if args.jobs == 1 else 1)
     if args.jobs < 1 or threads < 1 or args.cpu_seconds <= 0 or not 0 < args.final_se < 0.5 or \
             (args.iterations is not None and args.iterations < 1):
@@ -602,7 +660,10 @@ def main(argv=None):
         os.makedirs(args.out, exist_ok=True)
         max_wall = args.max_wall_s or (math.inf if args.iterations else 4 * args.cpu_seconds / threads + 3600)
         command = shlex.join(["python", "tests/bench_compare.py", *(sys.argv[1:] if argv is None else argv)])
-        failed = run_grid(args.out, runs, args.jobs, threads, max_wall, command)
+        probe = None if args.no_speed_probe else speed_probe()
+        if probe is not None:
+            print(f"speed probe: {probe:.2f} CPU s for {PROBE_CALLS} toy forwards at batch 64, one thread", flush=True)
+        failed = run_grid(args.out, runs, args.jobs, threads, max_wall, command, probe)
         if failed:
             print(f"{len(failed)} run(s) failed (they start again on the next call): {', '.join(failed)}")
     print(report(args.out, tuple(args.merge), args.reference, tuple(args.only)))

@@ -65,6 +65,7 @@ def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path
     argv = ["--script-dir", stubs, "--out", out, "--algos", "flowgrpo_baseline", "yardstick", "--seeds", "1", "2",
             "--cpu-seconds", "30", "--jobs", "2", "--eval-every", "1"]
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(bc, "speed_probe", lambda: 2.5)  # the real one loads the toy model (test below)
     monkeypatch.setenv("STUB_CRASH", "yardstick__default__2")
     bc.main(argv)
     first = launches(out)
@@ -93,7 +94,7 @@ def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path
     assert s[s.index("--num-iterations") + 1] == "0"
     meta = json.load(open(os.path.join(out, "flowgrpo_baseline__default__1", "harness.json")))
     assert meta["jobs"] == 2 and meta["threads"] == 1 and meta["returncode"] == 0 and meta["process_cpu_s"] >= 0
-    assert meta["omp_wait_policy"] == "PASSIVE"
+    assert meta["omp_wait_policy"] == "PASSIVE" and meta["speed_probe_cpu_s"] == 2.5
 
     # a finished run made with another budget is not silently mixed into the table
     with pytest.raises(ConfigError, match="other flags"):
@@ -111,6 +112,7 @@ def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path
     # gains 0.05 and 0.10 over 2 seeds: mean 0.075, half-width t_{0.975,1} * 0.03536 / sqrt(2) = 0.3177
     assert "| flowgrpo_baseline | default | 2 | 0.500 (0.013) | 0.575 | +0.075 [-0.243, +0.393] |" in text
     assert "| 1 x 2" not in text and "| 2 x 1, passive |" in text  # side by side, 1 thread, no spinning
+    assert text.count("| 2.50 |") == 4 and "machines of different speed" not in text  # the probe, per run
 
 
 def write_run(out, name, rows):
@@ -219,3 +221,13 @@ def test_a_run_on_a_busy_machine_is_flagged():
     quiet, loaded = {"jobs": 2, "threads": 1, "load": [1.9, 2.1, 2.2]}, {"jobs": 2, "threads": 1, "load": [2.9, 3.1]}
     assert not bc.busy(quiet) and bc.busy(loaded) and not bc.busy({"jobs": 2, "threads": 1})  # old runs: no samples
     assert bc.load_text(loaded) == "3.0 (3.1)" and bc.load_text({}) == "—"
+
+
+def test_the_speed_probe_times_the_toy_model_and_flags_runs_from_machines_of_different_speed():
+    """CPU seconds are equal work only on one machine (the same G2RPO iteration: 45.9 CPU s on 2026-12-01's,
+    86.3 on 2026-12-02's): every run records a timed workload, and a table that mixes speeds says so."""
+    assert 0 < bc.probe_workload(calls=1) < 60
+    same = [{"speed_probe_cpu_s": 2.7}, {"speed_probe_cpu_s": 3.0}, {}]  # {}: a run from before the probe
+    assert bc.speed_spread(same) is None and bc.speed_spread([{"speed_probe_cpu_s": 2.7}]) is None
+    note = bc.speed_spread([*same, {"speed_probe_cpu_s": 5.3}])
+    assert "from 2.70 to 5.30 CPU s" in note and "different speed" in note
