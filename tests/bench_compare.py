@@ -19,6 +19,8 @@ deleted and the run started again. So the grid can be finished in several sittin
 rebuilds `{out}/results.md` and the plots `{out}/accuracy_vs_cpu.png`, `{out}/accuracy_vs_images.png`,
 `{out}/reward_vs_images.png` (the trained reward: a proxy's rise beside a falling accuracy is hacking) and
 `{out}/accuracy_vs_reward.png` (the two against each other, evaluation by evaluation) from the run folders alone. Columns: docs/results.md, "The comparison harness".
+Before a grid it times the machine (`speed_probe`, 10 toy forwards on one thread, in every harness.json): a CPU
+second is not the same work on every machine, and a table mixing runs from machines of different speed says so.
 """
 import argparse
 import datetime
