@@ -73,12 +73,12 @@ def transformer_weights(folder):
     return load_file(os.path.join(folder, "transformer", "diffusion_pytorch_model.safetensors"))
 
 
-def assert_close(a: dict, b: dict, base: dict | None = None):
+def assert_close(a: dict, b: dict, base: dict | None = None, atol: float = 1e-4):
     """Equal within float tolerance (FSDP sums the ranks' gradients in another order than DDP), and far closer to
     each other than to the starting weights (so the comparison is not trivially met)."""
     assert sorted(a) == sorted(b)
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert diff < 1e-4, diff
+    assert diff < atol, diff
     if base is not None:
         moved = max((a[k] - base[k]).abs().max().item() for k in a)
         assert moved > 100 * diff, (moved, diff)
@@ -243,7 +243,10 @@ def test_two_nodes_over_loopback_and_flux_fsdp_matches_ddp(two_nodes, tiny_flux)
                  transformer_weights(tiny_flux))
     a, b = (load_file(str(out / f"flux-lora-{p}" / "checkpoint-2" / "pytorch_lora_weights.safetensors"))
             for p in ("ddp", "fsdp"))
-    assert_close(a, b, {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in a.items()})
+    # LoRA at lr 5e-2: Adam turns a gradient element at float-noise level, whose sign depends on the reduction order,
+    # into a step of up to lr, so the weights differ by more than full fine-tuning's: 6.0e-4 on a weight of 0.056 on
+    # the machine of 2026-12-02 (under 1e-4 before), while they moved by 0.09 (the 100x check below still holds)
+    assert_close(a, b, {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in a.items()}, atol=2e-3)
     pipe = FluxPipeline.from_pretrained(tiny_flux)
     kw = dict(height=64, width=64, num_inference_steps=2, guidance_scale=3.5, max_sequence_length=8, output_type="pt")
     before = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
