@@ -225,6 +225,11 @@ def load_text(meta: dict) -> str:
     return f"{sum(load) / len(load):.1f} ({max(load):.1f})" if load else "—"
 
 
+def probe_text(meta: dict) -> str:
+    """The run's speed probe in CPU seconds, or — (runs from before 2026-12-02, or a failed probe)."""
+    return f"{meta['speed_probe_cpu_s']:.2f}" if meta.get("speed_probe_cpu_s") else "—"
+
+
 def busy(meta: dict) -> bool:
     """Did other work share the machine? Its own jobs x threads explain a load up to about that number; measured
     2026-12-01 on the 2-core machine: 31.7 CPU s per iteration with two harness runs alone (load ~2), 39-41 with
@@ -314,7 +319,7 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
                            f"{f['cpu_s'] / max(s['iterations'], 1):.1f} | "
                            f"{s['meta'].get('process_cpu_s', float('nan')):.0f} | "
                            f"{parallel(s['meta'])} | {load_text(s['meta'])} | "
-                           f"{'—' if not s['meta'].get('speed_probe_cpu_s') else format(s['meta']['speed_probe_cpu_s'], '.2f')} |")
+                           f"{probe_text(s['meta'])} |")
             if busy(s["meta"]):
                 flags = s["meta"].get("flags", [])  # --cpu-budget-s 0: a fixed number of iterations
                 fixed = "--cpu-budget-s" in flags and flags[flags.index("--cpu-budget-s") + 1] == "0"
@@ -470,16 +475,21 @@ def check_kept_run(out: str, run: dict) -> None:
                               f"this grid asks for ({' '.join(run['flags'])}); use another --out or delete that folder")
 
 
+def run_env(threads: int) -> dict:
+    """The environment of every process the harness starts: the runs and the speed probe."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "WANDB_MODE": "disabled",
+            "HF_HUB_OFFLINE": "1",
+            # Waiting OpenMP threads sleep instead of spinning: spinning is counted as CPU time, 5-10x the work
+            # on a shared machine (docs/results.md, "The comparison harness"), and would make budgets unequal.
+            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+
+
 def launch(out: str, run: dict, threads: int, jobs: int, command: str, probe: float | None = None) -> subprocess.Popen:
     run_dir = os.path.join(out, run["name"])
     shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run starts again from nothing
     os.makedirs(run_dir)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "WANDB_MODE": "disabled",
-           "HF_HUB_OFFLINE": "1",
-           # Waiting OpenMP threads sleep instead of spinning: spinning is counted as CPU time, 5-10x the work
-           # on a shared machine (docs/results.md, "The comparison harness"), and would make budgets unequal.
-           "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    env = run_env(threads)
     cmd = [sys.executable, run["script"], "--output-dir", out, "--run-name", run["name"], *run["flags"]]
     meta = {"flags": run["flags"], "threads": threads, "jobs": jobs, "omp_wait_policy": env["OMP_WAIT_POLICY"],
             "command": command, "speed_probe_cpu_s": probe,
@@ -527,10 +537,8 @@ def probe_workload(calls: int = PROBE_CALLS) -> float:
 
 
 def speed_probe() -> float | None:
-    """probe_workload() in a fresh one-thread process (the runs' environment); None if it fails."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe-only"], env=env, cwd=ROOT,
+    """probe_workload() in a fresh process with one thread and the runs' environment; None if it fails."""
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe-only"], env=run_env(1), cwd=ROOT,
                        capture_output=True, text=True)
     try:
         return float(p.stdout.split()[-1])
