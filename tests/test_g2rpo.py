@@ -271,9 +271,12 @@ def test_official_sigma_grid_is_the_released_codes(request, fixture):
     assert tyro_args(["--sigma-grid", "official"]).sigma_grid == "official"
 
 
-def test_default_branch_steps_are_the_first_half(tmp_path, tiny_sd3):
-    args = tyro_args(["--num-steps", "16", "--groups-per-iteration", "4"])
-    g2rpo.check_args(args, 2)
+def test_branch_steps_and_the_images_they_cost():
+    args = tyro_args([])  # the toy default: the first 3 of 10 steps, 12 prompts
+    g2rpo.check_args(args, 1)
+    assert args.branch_steps == (0, 1, 2) and args.images_per_iteration == 12 * 3 * 3 * 8
+    args = tyro_args(["--num-steps", "16", "--groups-per-iteration", "4", "--branch-steps", *map(str, range(7, -1, -1))])
+    g2rpo.check_args(args, 2)  # the paper's first half, given in any order
     assert args.branch_steps == tuple(range(8)) and args.trained_steps == 8 and args.prompts_per_rank == 2
     assert args.images_per_rank == 2 * 8 * 3 * 8  # prompts x |M| x |Λ| x G images scored per rank
 

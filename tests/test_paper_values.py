@@ -46,6 +46,7 @@ G2RPO = {  # Zhou et al., arXiv 2510.01982; reference/g2rpo.md §3.3 (hyperparam
     "noise_level": {0.7},                     # §1.3, §3.3: eta = 0.7
     "group_size": {12},                       # §3.3: G = 12
     "groups_per_iteration": {16},             # §3.3: 1 prompt per GPU, 16 GPUs
+    "branch_steps": {*range(10), 16},         # §1.2: M = {16, ..., 9} of T = 16, 8 steps (code: --eta_step_list 0..7)
     "granularities": {1, 2, 3},               # §2.1: paper Lambda = {1, 2, 3} (scripts {1, 2})
     "adv_clip_max": {5},                      # §3.3: "epsilon = 5"
     "learning_rate": {2e-6},                  # §3.3: AdamW 2e-6, full fine-tune
