@@ -124,9 +124,8 @@ class Args:
     group_size: int = 8
     """images per prompt, G (paper: 24)"""
     groups_per_iteration: int = 8
-    """prompts per iteration over all ranks (paper: 48 groups of 24, App. A's 144 x 8 images). Toy default 8 x 8
-    images, a quarter of the baseline's 256 (each image also costs its completions and 10 more decodes): the best
-    setting the harness found, which stops the 2-prompt default's fall but does not learn (docs/results.md)"""
+    """prompts per iteration over all ranks (paper: 48 groups of 24, App. A's 144 x 8 images). Toy default 8 x 8: the
+    best setting the harness found; it stops the 2-prompt default's fall but does not learn (docs/results.md)"""
     rollout_batch_size: int = 16
     """images per transformer call while sampling, per rank (toy: all at once; real models: what fits, e.g. 6)"""
 
@@ -195,8 +194,7 @@ class Args:
 
     # ---- optimisation
     num_iterations: int = 36
-    """rollout + update iterations (0 = only evaluate the starting model). Toy default 36: about 1,200 CPU seconds of
-    training on 2 cores"""
+    """rollout + update iterations (0 = only evaluate the starting model; toy default 36: ~1,200 CPU s on 2 cores)"""
     learning_rate: float = 3e-4
     """AdamW learning rate (paper: 3e-4 with LoRA)"""
     adam_betas: tuple[float, float] = (0.9, 0.999)
