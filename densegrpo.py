@@ -236,6 +236,7 @@ class Args:
     cpu_budget_s: float = 0.0
     """stop at the first iteration that starts after this many CPU seconds of the process (all threads), then run the
     final evaluation (0 = no budget; the comparison benchmark gives every algorithm the same budget)"""
+
     # ---- filled in at runtime
     world_size: int = 0
     """number of processes (torchrun ranks)"""
