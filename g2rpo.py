@@ -14,27 +14,23 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 import tyro
-from tqdm import tqdm
 
 from common import toyworld
 from common.backbones import LORA_TARGETS, ConfigError, check_model_path, check_resolution, load_backbone
-from common.checkpoint import resolve_run_dir, restore_checkpoint, rng_state, save_checkpoint, trainer_state
+from common.checkpoint import resolve_run_dir, restore_checkpoint
 from common.checks import check_ranges, check_sde_type, read_prompt_file
-from common.evaluation import evaluate
-from common.parallel import check_parallel, grad_sync, is_sharded, parallelize, weights_digest
-from common.plots import run_pictures
+from common.parallel import check_parallel, parallelize, set_grad_sync
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
+from common.run import Run
 from common.sampler import gaussian_kl, ode_along_paths, ode_step, ratio_norm, sde_step_with_logprob
-from common.training import (EMA, Stats, Trainable, check_transitions, ema_weights, optimizer_step, plan_updates,
-                             training_nfe)
-from common.utils import (RunLogger, Timer, all_gather_cat, all_reduce, seed_everything, setup_distributed,
+from common.training import (EMA, GradShare, Stats, Trainable, check_transitions, ema_weights, optimizer_step,
+                             plan_updates)
+from common.utils import (RunLogger, all_gather_cat, seed_everything, setup_distributed,
                           truncate_metrics)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -204,6 +200,10 @@ class Args:
     """evaluation prompts, one per line (never trained on)"""
     eval_every: int = 10
     """evaluate every N iterations (and at the start and the end)"""
+    grad_share_every: int = 0
+    """diagnostic: every N iterations, split the update's gradient by trained step and log each step's share, g_j . g /
+    |g|^2 (steps/grad_share/{step}, summing to 1; common/training.py GradShare). The update is unchanged; a measured
+    iteration trains at a few times the cost; one process only. 0 = off"""
     eval_num_steps: int = 20
     """ODE steps at evaluation (the released vis_flux.py: 50 at 1024 px; the paper's Table 3 also tests 10 and 20)"""
     eval_guidance_scale: float | None = None
@@ -370,6 +370,23 @@ def mgai_advantages(rewards: torch.Tensor, weights: torch.Tensor, eps: float) ->
     return advantage_mix(z.reshape(-1, z.shape[-1]), weights).view(z.shape[:-1])
 
 
+# ============================ SHARED: the log-prob of a stored step (same in all three scripts) ============================
+def step_log_prob(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args):
+    """log pi(x_next | x_t, c) of the micro-batch's stored SDE steps under `model` (E2-E3), with the step Gaussian's
+    mean and std_dev_t: the policy's (with gradient) or, with model=trainable.reference, the KL reference's. As
+    CleanRL's get_action_and_value: one forward per state (`mb.states`), its velocity handed to every transition
+    that starts from that state (`mb.rows`; G²RPO's G branches share one), and the stored action scored, not drawn."""
+    s, r = mb.states, mb.rows
+    # CFG inside the training forward; --detach-uncond stops the gradient of the unconditional branch
+    v = backbone.velocity(tr["latents"][s], tr["sigma"][s], emb[tr["prompt_index"][s]], args.guidance_scale,
+                          model=model, detach_uncond=args.detach_uncond)[mb.expand]
+    _, log_prob, mean, std_dev_t = sde_step_with_logprob(v, tr["latents"][r], tr["sigma"][r], tr["sigma_next"][r],
+                                                         tr["noise_level"][r], prev_sample=tr["next_latents"][r],
+                                                         sigma_max=sigmas[1], sde_type=args.sde_type)
+    return log_prob, mean, std_dev_t
+# ================================================= END OF SHARED =================================================
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
     # ---- cheap checks first: bad input costs one line, not a model load
@@ -412,52 +429,29 @@ if __name__ == "__main__":
         if guard_names else None
     logger = RunLogger(run_dir, is_main, args.track, asdict(args), args.wandb_project_name, args.wandb_entity,
                        os.path.basename(run_dir))
-    start_iteration = 0
-    counts = {"images": 0, "nfe/rollout": 0, "nfe/completion": 0, "nfe/train_forward": 0, "nfe/train_backward": 0,
-              "nfe/eval": 0}  # cumulative, over all ranks
+    start_iteration, counts = 0, None  # counts: cumulative over all ranks (common/run.py)
     if resume_dir:
         start_iteration, counts = restore_checkpoint(resume_dir, rank, params, optimizer, ema, policy)  # and this rank's RNG
         if is_main:
             truncate_metrics(run_dir, start_iteration)
 
     sigmas = backbone.schedule(args.num_steps, args.resolution, args.resolution, args.shift, grid=args.sigma_grid)
-    eval_cfg = args.guidance_scale if args.eval_guidance_scale is None else args.eval_guidance_scale
 
-    timer, t_start, cpu_start = Timer(), time.time(), time.process_time()
-    bar = tqdm(range(start_iteration, args.num_iterations + 1), disable=not is_main, initial=start_iteration,
-               total=args.num_iterations + 1, desc=args.exp_name)
-    last_eval = ""
-    for iteration in bar:
-        metrics, grid_img = {"iteration": iteration}, None
-        timer.times.clear()
-        over_budget = args.cpu_budget_s > 0 and time.process_time() - cpu_start > args.cpu_budget_s
-        final = iteration == args.num_iterations or bool(all_reduce(torch.tensor([float(over_budget)]), world_size,
-                                                                    dist.ReduceOp.MAX if world_size > 1 else None))
-        if iteration % args.eval_every == 0 or final:
-            seeds = args.final_eval_seeds_per_prompt if final and args.final_eval_seeds_per_prompt else \
-                args.eval_seeds_per_prompt
-            with timer("eval"), ema_weights(ema):  # common/evaluation.py: ODE from fixed seeds, same in all scripts
-                eval_metrics, grid_img, panel = evaluate(
-                    backbone, reward_model, guard_model, eval_prompts, args.eval_num_steps, args.shift, eval_cfg, seeds,
-                    args.eval_batch_size, args.resolution, rank, world_size, return_panel=True, iteration=iteration)
-            counts["nfe/eval"] += len(eval_prompts) * seeds * args.eval_num_steps
-            metrics.update(eval_metrics)
-            last_eval = f"{metrics.get('eval/accuracy', metrics['eval/reward_mean']):.3f}@{iteration}"
-            if is_main:
-                os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
-                grid_img.save(os.path.join(run_dir, "samples", f"eval_{iteration:05d}.png"))
-                panel.save(os.path.join(run_dir, "samples", f"eval_{iteration:05d}.npz"))  # for before_after.png
-        if final:
-            metrics.update({**counts, "nfe": training_nfe(counts), "final": True,
-                            "time/elapsed_s": time.time() - t_start, "time/cpu_s": time.process_time() - cpu_start})
-            logger.log(metrics, {"eval/samples": grid_img, "eval/panel": panel.captioned()} if grid_img else None)
+    run = Run(args, run_dir, rank, world_size, device, logger, counts, start_iteration, __file__)
+    for iteration in range(start_iteration, args.num_iterations + 1):
+        metrics = {"iteration": iteration}
+        last = run.is_last(iteration)  # --num-iterations reached, or the CPU budget spent
+        if iteration % args.eval_every == 0 or last:
+            metrics.update(run.evaluate(iteration, last, backbone, reward_model, guard_model, eval_prompts, ema))
+        if last:
+            run.log_final(metrics)
             break
 
         # ================================ ROLLOUT: sample groups and build transitions ================================
         # ALGO LOGIC. G²RPO keeps each group on one rank (as the official code, one prompt per GPU): all ranks draw the
         # same prompts (a generator seeded by the iteration) and rank r keeps slice r. The noise is seeded by
         # (seed, iteration, rank), so a resumed run samples exactly what the uninterrupted run would have.
-        with timer("rollout"):
+        with run.timer("rollout"):
             g = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration)
             prompt_ids = torch.randint(len(train_prompts), (args.groups_per_iteration,), generator=g)
             mine = slice(rank * args.prompts_per_rank, (rank + 1) * args.prompts_per_rank)
@@ -471,14 +465,15 @@ if __name__ == "__main__":
                 args.noise_level, generator=gen, batch=args.rollout_batch_size, official=args.official_coarse_schedule,
                 sde_type=args.sde_type)
             anchor_nfe = len(my_prompts) * (max(M) + 1)  # the anchor's calls; the rest are completions
-            rollout_counts = {"images": args.images_per_rank, "nfe/rollout": anchor_nfe,
+            rollout_counts = {"trajectories": len(my_prompts) * G,  # a group: G branches at each k, scored at each λ
+                              "scored_images": args.images_per_rank, "nfe/rollout": anchor_nfe,
                               "nfe/completion": roll["nfe"] - anchor_nfe}  # = prompts_per_rank * rollout_nfe(...)
-        with timer("reward"):
-            final = roll.pop("final").flatten(0, 3)  # one image per (prompt, k, λ, member)
+        with run.timer("reward"):
+            clean = roll.pop("final").flatten(0, 3)  # clean latents, one image per (prompt, k, λ, member)
             job_prompts = [p for p in my_prompts for _ in range(len(M) * len(Lam) * G)]
             bs = args.rollout_batch_size
-            scores = torch.cat([reward_model(backbone.decode(final[b:b + bs], args.resolution, args.resolution),
-                                             job_prompts[b:b + bs]) for b in range(0, len(final), bs)])  # [n, R] raw
+            scores = torch.cat([reward_model(backbone.decode(clean[b:b + bs], args.resolution, args.resolution),
+                                             job_prompts[b:b + bs]) for b in range(0, len(clean), bs)])  # [n, R] raw
             all_scores = all_gather_cat(scores.to(device), world_size).cpu()  # rank-major = global prompt order
             if not torch.isfinite(all_scores).all():
                 raise SystemExit(f"error: non-finite reward at iteration {iteration}; stopping before any update "
@@ -516,118 +511,58 @@ if __name__ == "__main__":
                             "train/zero_std_frac": (advantages == 0).all(-1).float().mean().item()})
             metrics.update({f"train/group_std_k{k}": group_std[:, j].mean().item() for j, k in enumerate(M)})
             metrics.update({f"train/reward_mean_lam{lam}": mixed[:, :, j].mean().item() for j, lam in enumerate(Lam)})
-        del roll, final
+        del roll, clean
         # ============================== END OF ROLLOUT (the scripts differ only above) ==============================
 
-        # =============================== TRAINING on transitions (same in all three scripts) ===============================
-        # ALGO LOGIC: the PPO-clipped GRPO objective (Flow-GRPO §4) on single SDE steps. The contract of `transitions`
+        # ============================ TRAINING on transitions (same in all three scripts) ============================
+        # ALGO LOGIC: the PPO-clipped GRPO objective (Flow-GRPO §4) on single SDE steps, found as in CleanRL's update:
+        # log-prob of the stored step under the current policy, ratio, clipped loss, KL. The contract of `transitions`
         # (fields, shapes, order) is checked here and listed in docs/design.md; the micro-batch plan, the metric sums
         # and the EMA are plumbing in common/training.py.
-        with timer("train"):
+        with run.timer("train"):
             tr = {k: v.to(device) for k, v in check_transitions(transitions, sigmas, len(my_prompts)).items()}
             keep = tr["advantage"] != 0 if args.drop_zero_advantage else torch.ones_like(tr["advantage"], dtype=bool)
             stats = Stats(num_slots=args.num_steps)
             stats.add(torch.ones_like(tr["advantage"]), tr["step_index"], kept=keep.float())  # share kept, per step
-            first_ratio_dev = None
-            for _epoch in range(args.num_inner_epochs):
-                for step in plan_updates(keep, args.train_batch_size, args.optimizer_steps_per_iteration, world_size,
-                                         tr.get("state_index"), tr.get("update_block")):
-                    for mb in step.micro_batches:
-                        s, r = mb.states, mb.rows  # one forward per state; every row (transition) gets its own loss
-                        e = emb[tr["prompt_index"][s]]
-                        with grad_sync(policy, mb.sync):  # only the last micro-batch of a step syncs gradients
-                            # CFG inside the training forward; --detach-uncond stops the gradient of the uncond branch.
-                            v = backbone.velocity(tr["latents"][s], tr["sigma"][s], e, args.guidance_scale,
-                                                  model=policy, detach_uncond=args.detach_uncond)[mb.expand]
-                            _, log_prob, mean, std_dev_t = sde_step_with_logprob(
-                                v, tr["latents"][r], tr["sigma"][r], tr["sigma_next"][r], tr["noise_level"][r],
-                                prev_sample=tr["next_latents"][r], sigma_max=sigmas[1], sde_type=args.sde_type)
-                            log_ratio = log_prob - tr["log_prob"][r]  # new over rollout policy, one step
-                            if args.ratio_norm != "off":  # GRPO-Guard: re-centred, noise-independent log-ratio (E7)
-                                log_ratio = ratio_norm(log_ratio, mean, tr["mean"][r], std_dev_t, tr["sigma"][r],
-                                                       tr["sigma_next"][r])
-                            ratio = torch.exp(log_ratio)
-                            adv = tr["advantage"][r]
-                            clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
-                            policy_loss = torch.maximum(-adv * ratio, -adv * clipped)
-                            if args.ratio_norm == "guard":  # and its gradient re-weighting: every step's loss / |dt|
-                                policy_loss = policy_loss / (tr["sigma"][r] - tr["sigma_next"][r])
-                            kl = torch.zeros_like(policy_loss)
-                            if args.beta > 0:  # KL to the reference policy on the step's Gaussian means (sampler E5)
-                                v_ref = trainable.reference_velocity(tr["latents"][s], tr["sigma"][s], e,
-                                                                     args.guidance_scale)[mb.expand]
-                                mean_ref = sde_step_with_logprob(
-                                    v_ref, tr["latents"][r], tr["sigma"][r], tr["sigma_next"][r], tr["noise_level"][r],
-                                    prev_sample=tr["next_latents"][r], sigma_max=sigmas[1], sde_type=args.sde_type)[2]
-                                kl = gaussian_kl(mean, mean_ref, std_dev_t)
-                            loss = ((policy_loss + args.beta * kl) * mb.weight).sum() / step.divisor
-                            loss.backward()
-                        if first_ratio_dev is None:  # before any update the policy IS the rollout policy: ratio == 1
-                            first_ratio_dev = (ratio.detach() - 1).abs().max().item()
-                        stats.add(mb.weight, tr["step_index"][r], ratio=ratio, ratio_sq=ratio ** 2, kl=kl,
-                                  clipfrac=((ratio - 1).abs() > args.clip_range).float(), policy_loss=policy_loss,
-                                  approx_kl_k2=0.5 * (log_prob - tr["log_prob"][r]) ** 2, abs_adv=adv.abs())
-                        stats.add_extremes(mb.weight, ratio=ratio)
-                        stats.count(**{"nfe/train_forward": len(s) * (2 if args.beta > 0 else 1),
-                                       "nfe/train_backward": len(s)})
-                    try:
-                        stats.count(grad_norm=optimizer_step(params, optimizer, args.max_grad_norm, ema),
-                                    optimizer_steps=1)
-                    except FloatingPointError:
-                        raise SystemExit(f"error: non-finite loss or gradient at iteration {iteration}; stopping before "
-                                         f"the update (the last checkpoint-N in {run_dir} is intact: --resume {run_dir})")
+            plan = plan_updates(keep, args.train_batch_size, args.optimizer_steps_per_iteration, world_size,
+                                tr.get("state_index"), tr.get("update_block"), epochs=args.num_inner_epochs)
+            measured = args.grad_share_every > 0 and iteration % args.grad_share_every == 0  # the diagnostic, if asked
+            grad_share = GradShare(params, args.num_steps, active=measured)
+            for mb in plan:  # micro-batches in order; the last one of each optimizer step has mb.sync
+                r = mb.rows  # the micro-batch's transitions; every one gets its own loss
+                set_grad_sync(policy, mb.sync)  # only the last micro-batch of an optimizer step syncs gradients
+                log_prob, mean, std_dev_t = step_log_prob(backbone, policy, tr, mb, emb, sigmas, args)
+                log_ratio = log_prob - tr["log_prob"][r]  # new over rollout policy, one step
+                if args.ratio_norm != "off":  # GRPO-Guard: re-centred, noise-independent log-ratio (E7)
+                    log_ratio = ratio_norm(log_ratio, mean, tr["mean"][r], std_dev_t, tr["sigma"][r],
+                                           tr["sigma_next"][r])
+                ratio = torch.exp(log_ratio)
+                adv = tr["advantage"][r]
+                clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
+                policy_loss = torch.maximum(-adv * ratio, -adv * clipped)
+                if args.ratio_norm == "guard":  # and its gradient re-weighting: every step's loss / |dt|
+                    policy_loss = policy_loss / (tr["sigma"][r] - tr["sigma_next"][r])
+                # KL to the reference policy on the step's Gaussian means (sampler E5); beta = 0: no reference forward
+                kl = (gaussian_kl(mean, step_log_prob(backbone, trainable.reference, tr, mb, emb, sigmas, args)[1],
+                                  std_dev_t) if args.beta > 0 else torch.zeros_like(policy_loss))
+                loss = ((policy_loss + args.beta * kl) * mb.weight).sum() / mb.divisor
+                # --grad-share-every: each trained step's part of this gradient (on the measured iterations only)
+                grad_share.add((policy_loss + args.beta * kl) * mb.weight / mb.divisor, tr["step_index"][r])
+                loss.backward()
+                stats.keep_first(ratio_dev=(ratio.detach() - 1).abs().max())  # on-policy: ratio == 1 before any update
+                stats.add(mb.weight, tr["step_index"][r], ratio=ratio, ratio_sq=ratio**2, kl=kl, abs_adv=adv.abs(),
+                          clipfrac=((ratio - 1).abs() > args.clip_range).float(), policy_loss=policy_loss,
+                          approx_kl_k2=0.5 * (log_prob - tr["log_prob"][r]) ** 2)
+                stats.add_extremes(mb.weight, ratio=ratio)
+                stats.count(**{"nfe/train_forward": len(mb.states) * (2 if args.beta > 0 else 1),
+                               "nfe/train_backward": len(mb.states)})
+                if mb.sync:  # its gradient is complete: clip, step (a non-finite one stops the run in one line)
+                    grad_norm = optimizer_step(params, optimizer, args.max_grad_norm, ema, iteration, run_dir)
+                    stats.count(grad_norm=grad_norm, optimizer_steps=1)
         # ============================================ END OF TRAINING ============================================
 
-        # ---- logging (global numbers: sums over ranks, reduced once)
-        stats.count(**rollout_counts)  # this rank's images and rollout / completion NFE
-        red = stats.reduce(world_size, device)
-        counts.update({k: v + int(red.get(k, 0)) for k, v in counts.items()})
-        n_opt = int(red.get("optimizer_steps", 0))
-        means = {"ratio/mean": red.get("ratio", 1.0), "ratio/min": red.get("ratio/min", 1.0),  # nothing trained: 1
-                 "ratio/max": red.get("ratio/max", 1.0), **{k: red.get(k, 0.0) for k in ("clipfrac", "approx_kl_k2",
-                                                                                        "kl", "policy_loss")}}
-        per_step = {f"steps/{k}/{j}": v for k in ("ratio", "clipfrac", "kl", "abs_adv", "kept")
-                    for j, v in red.get(f"{k}/per_step", {}).items()}
-        per_step.update({f"steps/ratio_std/{j}": max(red["ratio_sq/per_step"][j] - m ** 2, 0.0) ** 0.5
-                         for j, m in red.get("ratio/per_step", {}).items()})
-        metrics.update({
-            **counts, "nfe": training_nfe(counts), **means, **per_step,
-            "ratio/first_minibatch_max_dev": first_ratio_dev or 0.0, "train/optimizer_steps": n_opt,
-            "train/kept_transitions": int(red.get("ratio/weight", 0)), "grad_norm": red["grad_norm"] / n_opt if n_opt else 0.0,
-            **{f"time/{k}_s": timer.times.get(k, 0.0) for k in ("rollout", "reward", "train", "eval")},
-            "time/elapsed_s": time.time() - t_start, "time/cpu_s": time.process_time() - cpu_start})
-        if device.type == "cuda":
-            metrics["mem/max_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-        logger.log(metrics, {"eval/samples": grid_img, "eval/panel": panel.captioned()} if grid_img else None)
-        bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", eval=last_eval)
-
-        # ---- checkpoint (rank 0 writes; every rank contributes its RNG state; FSDP: every rank writes its shards)
+        run.log(metrics, stats, rollout_counts, grad_share)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations:
-            rngs = [None] * world_size
-            if world_size > 1:
-                dist.all_gather_object(rngs, rng_state())
-            else:
-                rngs = [rng_state()]
-            if is_main or is_sharded(params):
-                state = {**trainer_state(params, optimizer, ema, policy),  # params, optimizer, EMA
-                         "iteration": iteration + 1, "counts": counts, "rng": rngs, "args": asdict(args),
-                         "script": os.path.basename(__file__)}
-                save_checkpoint(run_dir, state, save_weights, args.keep_checkpoints)  # checkpoint-{iteration}
-            if world_size > 1:
-                dist.barrier()
+            run.checkpoint(iteration + 1, params, optimizer, ema, policy, save_weights)
 
-    # Every rank prints a checksum of the trained weights (FSDP: gathered): they must be identical on all ranks.
-    print(f"final weights: rank {rank} sha256 {weights_digest(params)[:16]}", flush=True)
-    if is_main:
-        hist = logger.history()
-        run_pictures(run_dir, hist, args.exp_name)  # learning_curve.png, steps_heatmap.png, before_after.png
-        ev_key = "eval/accuracy" if any("eval/accuracy" in h for h in hist) else "eval/reward_mean"
-        evals = [h for h in hist if ev_key in h]
-        se = {h["iteration"]: f" ± {h['eval/accuracy_se']:.3f}" if "eval/accuracy_se" in h else "" for h in evals}
-        print(f"held-out {ev_key}: {evals[0][ev_key]:.3f}{se[evals[0]['iteration']]} at iteration "
-              f"{evals[0]['iteration']} -> {evals[-1][ev_key]:.3f}{se[evals[-1]['iteration']]} at iteration "
-              f"{evals[-1]['iteration']}; run folder: {run_dir}")
-    logger.close()
-    if world_size > 1:
-        dist.barrier()  # leave together: tearing gloo down while a peer still runs can abort that peer
-        dist.destroy_process_group()
+    run.finish(params)

@@ -80,6 +80,7 @@ RANGES: dict[str, Rule] = {
     "eval_every": _int(1, "evaluate every N iterations"),
     "save_every": _int(1, "save a checkpoint every N iterations"),
     "keep_checkpoints": _int(0, "0 keeps every checkpoint"),
+    "grad_share_every": _int(0, "measure each trained step's share of the gradient every N iterations; 0 = never"),
     # objective
     "clip_range": Rule(0, 1, lo_open=True, hi_open=True, why="the ratio is clipped to [1 - eps, 1 + eps]"),
     "adv_clip_max": Rule(0, lo_open=True, why="advantages are clipped to [-max, max]"),

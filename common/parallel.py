@@ -8,7 +8,7 @@ training section of the scripts is the same text for both (and for one process):
 
     check_parallel(args, world_size)        the flags, one line each, before any model is loaded
     parallelize(trainable, kind, ...)       -> policy, the module the training forward calls
-    grad_sync(policy, sync)                 the context of one micro-batch: skip the gradient sync unless `sync`
+    set_grad_sync(policy, sync)             before a micro-batch: skip the gradient sync unless `sync`
     is_sharded(params), full_tensor(t)      FSDP's parameters are DTensors (shards); the whole tensor, gathered
     weights_digest(params)                  sha256 of the whole trained weights (the same on every rank)
     gather_state_dict, save_pretrained_gathered   the user's weights from the shards (common/training.py)
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from contextlib import contextmanager
 
 import torch
 
@@ -41,6 +40,9 @@ def check_parallel(args, world_size: int) -> None:
         raise ConfigError("--parallel fsdp shards the model over the ranks of a process group, and `python script.py` "
                           "starts none: launch it with `torchrun --nproc-per-node N script.py --parallel fsdp ...` (N = 1 "
                           "works: FSDP over one rank, with --fsdp-offload to hold the model in host memory)")
+    if getattr(args, "grad_share_every", 0) and world_size > 1:
+        raise ConfigError(f"--grad-share-every {args.grad_share_every} is a diagnostic for one process (it splits this "
+                          "rank's gradient by step): run it without torchrun, or pass --grad-share-every 0")
     if args.fsdp_offload and args.parallel != "fsdp":
         raise ConfigError(f"--fsdp-offload keeps FSDP's shards in host memory: it needs --parallel fsdp (got --parallel "
                           f"{args.parallel}, which has no shards to offload)")
@@ -157,21 +159,18 @@ def parallelize(trainable, kind: str, world_size: int, offload: bool = False) ->
     return transformer
 
 
-@contextmanager
-def grad_sync(policy: torch.nn.Module, sync: bool):
-    """`with grad_sync(policy, mb.sync):` around one micro-batch's forward and backward. Only the last micro-batch of
-    an optimizer step (sync=True) communicates its gradients; the others accumulate locally.
+def set_grad_sync(policy: torch.nn.Module, sync: bool) -> None:
+    """Before a micro-batch's forward: only the last micro-batch of an optimizer step (sync=True) communicates its
+    gradients in its backward; the others accumulate locally (nanoGPT's `require_backward_grad_sync` line).
 
-    DDP: no_sync() on the others. FSDP2: set_requires_gradient_sync(sync), its own switch; the skipped micro-batches
-    accumulate UNSHARDED gradients of the trained weights (no reduce-scatter until the last), which costs the full
-    size of those gradients in fp32 while accumulating (docs/results.md, memory model). One process: nothing to do.
+    DDP: that flag, which `no_sync()` sets. FSDP2: set_requires_gradient_sync(sync), its own switch; the skipped
+    micro-batches accumulate UNSHARDED gradients of the trained weights (no reduce-scatter until the last), which
+    costs the full size of those gradients in fp32 while accumulating (docs/results.md, memory model). One process:
+    nothing to do.
     """
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(policy, torch.nn.parallel.DistributedDataParallel) and not sync:
-        with policy.no_sync():
-            yield
-        return
-    if isinstance(policy, FSDPModule):
+    if isinstance(policy, torch.nn.parallel.DistributedDataParallel):
+        policy.require_backward_grad_sync = sync
+    elif isinstance(policy, FSDPModule):
         policy.set_requires_gradient_sync(sync)
-    yield

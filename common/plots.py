@@ -15,9 +15,14 @@ from PIL import Image, ImageDraw, ImageFont
 
 DPI = 100
 GREEN, RED, NEUTRAL, BACKGROUND = (0, 170, 60), (215, 25, 30), (150, 150, 150), (255, 255, 255)
-STEP_METRICS = ("ratio", "ratio_std", "clipfrac", "kl", "abs_adv", "kept")  # as logged; step_heatmap's panel order
-STEP_LABELS = {"ratio": "mean ratio", "ratio_std": "std of the ratio", "clipfrac": "clip fraction",
-               "kl": "KL to the reference", "abs_adv": "mean |advantage|", "kept": "share of transitions kept"}
+# Per-step metrics as logged (steps/<metric>/<step>), in step_heatmap's panel order: first where the update comes
+# from (--grad-share-every), then what the algorithm hands each step (DenseGRPO's dense reward), then the PPO ratio.
+STEP_METRICS = ("grad_share", "grad_norm", "abs_adv", "kept", "dR_abs", "dR_zero", "ratio", "ratio_std", "clipfrac",
+                "kl")
+STEP_LABELS = {"grad_share": "share of the gradient, g_j . g / |g|^2", "grad_norm": "gradient norm |g_j|",
+               "abs_adv": "mean |advantage|", "kept": "share of transitions kept", "dR_abs": "mean |ΔR_t|",
+               "dR_zero": "share of ΔR_t = 0", "ratio": "mean ratio", "ratio_std": "std of the ratio",
+               "clipfrac": "clip fraction", "kl": "KL to the reference"}
 
 
 def _figure(width_px: int, height_px: int, **kwargs):
@@ -65,8 +70,13 @@ def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) 
     handles = []
     tr_x, tr_y = _points([h.get("iteration") for h in history], [h.get("train/reward_mean") for h in history])
     if tr_x:
-        handles += ax.plot(tr_x, tr_y, color="tab:blue", linewidth=1.5, marker="." if len(tr_x) <= 60 else None,
+        # one iteration's reward jumps by +-0.1 (a few prompts per iteration): the raw points faint, the trend bold
+        handles += ax.plot(tr_x, tr_y, color="tab:blue", linewidth=0.8, alpha=0.35, marker=".",
                            label="training reward (mean of the rollouts)")
+        w = running_window(len(tr_y))
+        if w > 1:
+            handles += ax.plot(tr_x, running_mean(tr_y, w), color="tab:blue", linewidth=2.2,
+                               label=f"training reward, running mean of {w} iterations")
         ax.set_ylabel("training reward", color="tab:blue")
         ax.tick_params(axis="y", colors="tab:blue")
     else:
@@ -102,12 +112,33 @@ def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) 
     fig.savefig(path)
 
 
+def running_window(n: int) -> int:
+    """Iterations in the learning curve's running mean: a tenth of the run, 3 to 10 (1 below 6 points: none)."""
+    return 1 if n < 6 else max(3, min(10, n // 10))
+
+
+def running_mean(ys: list[float], w: int) -> list[float]:
+    """Trailing mean of the last w points (fewer at the start)."""
+    c = np.cumsum([0.0, *ys])
+    return [(c[i + 1] - c[max(0, i + 1 - w)]) / (i + 1 - max(0, i + 1 - w)) for i in range(len(ys))]
+
+
+def varies_over_steps(cells: dict[tuple[int, int], float]) -> bool:
+    """Does a per-step metric differ between the steps of some iteration? (Flow-GRPO's |advantage| is the same at
+    every step of a trajectory, the ratio is 1 at every step on-policy, the KL 0 with beta 0: nothing to see.)"""
+    by_it: dict[int, list[float]] = {}
+    for (_, i), v in cells.items():
+        by_it.setdefault(i, []).append(v)
+    return any(len(vs) > 1 and max(vs) - min(vs) > 1e-9 * max(1.0, abs(max(vs))) for vs in by_it.values())
+
+
 def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, panel_px=(440, 320)) -> list[str]:
-    """Per-step metrics as heat maps, step index (rows) x iteration (columns), one panel per metric present in
-    keys `<key_prefix><metric>/<step index>` (e.g. `steps/ratio/3`, the mean ratio at step 3), each with its colour
-    bar. Iterations without a value are grey; a panel whose every value is the same says so in its title. The mean
-    ratio's colours are centred on 1 (on-policy); GRPO-Guard (arXiv 2510.22319) reads over-optimisation off the
-    per-step ratio mean and spread drifting apart. -> the panel titles, in order."""
+    """Per-step metrics as heat maps, step index (rows) x iteration (columns), one panel per metric that differs
+    between the steps (`varies_over_steps`) among the keys `<key_prefix><metric>/<step index>` (e.g.
+    `steps/grad_share/3`, step 3's share of the gradient), each with its colour bar; the others are named in one line
+    under the panels, with their value when it is one. Iterations without a value are grey. The gradient share's
+    and the mean ratio's colours are centred on 0 and 1; GRPO-Guard (arXiv 2510.22319) reads over-optimisation off
+    the per-step ratio mean and spread drifting apart. -> the drawn panels' titles, in order."""
     from matplotlib.colors import TwoSlopeNorm
     from matplotlib.ticker import MaxNLocator
 
@@ -120,13 +151,21 @@ def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, pa
             metric, _, j = k[len(prefix):].rpartition("/")
             if metric and j.isdigit():
                 cells.setdefault(metric, {})[(int(j), int(h["iteration"]))] = float(v)
-    metrics = [m for m in STEP_METRICS if m in cells] + sorted(set(cells) - set(STEP_METRICS))
+    present = [m for m in STEP_METRICS if m in cells] + sorted(set(cells) - set(STEP_METRICS))
+    metrics = [m for m in present if varies_over_steps(cells[m])]
+    flat = []  # the panels not drawn: the same at every step
+    for m in present:
+        if m not in metrics:
+            values = set(cells[m].values())
+            flat.append(STEP_LABELS.get(m, m) + (f" ({values.pop():.3g})" if len(values) == 1 else ""))
     ncols = min(3, max(1, len(metrics)))
     nrows = max(1, math.ceil(len(metrics) / ncols))
-    fig = _figure(panel_px[0] * ncols, panel_px[1] * nrows, layout="constrained")
+    fig = _figure(panel_px[0] * ncols, panel_px[1] * nrows + (40 if flat else 0), layout="constrained")
     fig.suptitle(title)
+    if flat:
+        fig.supxlabel("the same at every step, not drawn: " + "; ".join(flat), fontsize="small", wrap=True)
     if not metrics:
-        fig.text(0.5, 0.5, f"no '{prefix}*' metrics in the log", ha="center", va="center")
+        fig.text(0.5, 0.5, f"no '{prefix}*' metric differs between steps", ha="center", va="center")
     its = sorted({i for c in cells.values() for _, i in c})
     titles = []
     for n, metric in enumerate(metrics):
@@ -136,16 +175,14 @@ def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, pa
         for (j, i), v in cells[metric].items():
             grid[j, i - its[0]] = v
         finite = grid[np.isfinite(grid)]
-        norm = None
-        if metric == "ratio" and finite.size and finite.min() < 1 < finite.max():
-            norm = TwoSlopeNorm(vcenter=1.0, vmin=finite.min(), vmax=finite.max())
+        norm, centre = None, {"ratio": 1.0, "grad_share": 0.0}.get(metric)
+        if centre is not None and finite.size and finite.min() < centre < finite.max():
+            norm = TwoSlopeNorm(vcenter=centre, vmin=finite.min(), vmax=finite.max())
         cmap = "coolwarm" if norm is not None else "viridis"
         im = ax.imshow(grid, aspect="auto", origin="lower", interpolation="nearest", cmap=cmap, norm=norm,
                        extent=(its[0] - 0.5, its[-1] + 0.5, -0.5, steps - 0.5))
         im.cmap.set_bad("0.85")
         label = STEP_LABELS.get(metric, metric)
-        if finite.size and finite.min() == finite.max():  # e.g. the KL with beta 0, the ratio's spread on-policy
-            label += f" (constant {finite[0]:.3g})"
         titles.append(label)
         ax.set_title(label, fontsize="medium")
         ax.set_xlabel("iteration")

@@ -7,11 +7,13 @@ in all three and is tested on its own (tests/test_training.py):
 - `check_transitions`: the hand-over from rollout to training, checked (fields, shapes, dtypes, order).
 - `plan_updates`: which transitions go into which micro-batch and optimizer step, with equal shapes on every rank.
 - `Stats`: named weighted means (overall and per trained step), reduced over the ranks in one all-reduce.
+- `GradShare`: the diagnostic that splits an iteration's gradient by trained step (--grad-share-every).
 - `EMA`: Flow-GRPO's moving average of the trained weights (update interval and warm-up decay).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -88,31 +90,33 @@ class MicroBatch:
     rows: torch.Tensor  # every transition of those states
     expand: torch.Tensor  # position in `states` of each row's state: v[expand] gives every row its state's v
     weight: torch.Tensor  # 1 for kept transitions, 0 for dropped ones and for padding
-    sync: bool  # last micro-batch of its optimizer step: DDP all-reduces the gradients in this backward
-
-
-@dataclass
-class OptimizerStep:
-    micro_batches: list[MicroBatch]
-    divisor: float  # kept transitions of this step over all ranks / world_size (see plan_updates)
+    sync: bool  # last micro-batch of its optimizer step: its backward all-reduces the gradients, then the step
+    divisor: float = 1.0  # kept transitions of its optimizer step over all ranks / world_size (see plan_updates)
 
 
 def plan_updates(keep: torch.Tensor, states_per_batch: int, optimizer_steps: int, world_size: int = 1,
                  state_index: torch.Tensor | None = None, update_block: torch.Tensor | None = None,
-                 generator: torch.Generator | None = None) -> list[OptimizerStep]:
-    """Split one pass over the transitions into optimizer steps and micro-batches.
+                 generator: torch.Generator | None = None, epochs: int = 1) -> list[MicroBatch]:
+    """Split `epochs` passes over the transitions into micro-batches, in order, grouped into optimizer steps: the
+    last micro-batch of each step has `sync` (each pass shuffled anew).
 
     keep [N] bool: transitions that carry loss (advantage != 0 with --drop-zero-advantage). States (state_index; by
     default every transition is its own state) with at least one kept transition are shuffled and cut into
     `optimizer_steps` equal parts, each into micro-batches of `states_per_batch` states. Every backward under DDP is a
     collective, so every rank must run the same number of micro-batches: a rank with fewer kept states pads with
     weight-0 copies of a state, which cost compute and no gradient. The loss of a micro-batch is
-    sum(weight * loss) / divisor with divisor = (kept transitions of the optimizer step on all ranks) / world_size:
+    sum(weight * loss) / mb.divisor with divisor = (kept transitions of its optimizer step on all ranks) / world_size:
     DDP averages the ranks' gradients, so each step's gradient is the mean over all its kept transitions.
     update_block [N] (optional): blocks in increasing order, each with its own `optimizer_steps` steps (G²RPO's
     one update per branch step). A step with no kept transition on any rank is left out (its divisor would be 0).
     Collectives: one all_gather of the kept-state counts and one all_reduce of the per-step counts per block.
     """
+    return [step for _ in range(epochs) for step in _plan_pass(keep, states_per_batch, optimizer_steps, world_size,
+                                                               state_index, update_block, generator)]
+
+
+def _plan_pass(keep, states_per_batch, optimizer_steps, world_size, state_index, update_block, generator):
+    """One pass of plan_updates."""
     n = len(keep)
     device = keep.device
     state = torch.arange(n, device=device) if state_index is None else state_index.to(device)
@@ -156,7 +160,9 @@ def plan_updates(keep: torch.Tensor, states_per_batch: int, optimizer_steps: int
         total = torch.tensor(local_kept, device=device, dtype=torch.float64)
         if world_size > 1:
             dist.all_reduce(total)
-        plan += [OptimizerStep(mbs, float(t) / world_size) for mbs, t in zip(steps, total.tolist()) if t > 0]
+        for mbs, t in zip(steps, total.tolist()):
+            if t > 0:
+                plan += [dataclasses.replace(mb, divisor=float(t) / world_size) for mb in mbs]
     return plan
 
 
@@ -174,13 +180,21 @@ class Stats:
     """Weighted means by name, overall and per trained step, reduced over the ranks once per iteration.
 
     add(weight, by=step_index, name=values, ...) accumulates sum(weight * values) per step slot; extremes (ratio
-    min / max) are kept apart. Every rank must add the same names (they are reduced by name, in sorted order).
+    min / max) are kept apart; `keep_first` keeps the first value given for a name (this rank's, not reduced). Every
+    rank must add the same names (they are reduced by name, in sorted order).
     """
     num_slots: int
     sums: dict = field(default_factory=dict)
     weights: dict = field(default_factory=dict)
     maxima: dict = field(default_factory=dict)
     totals: dict = field(default_factory=dict)
+    first: dict = field(default_factory=dict)
+
+    def keep_first(self, **values: torch.Tensor) -> None:
+        """E.g. the ratio's deviation from 1 in the first micro-batch, before any update: it must be 0 on-policy."""
+        for name, v in values.items():
+            if name not in self.first:
+                self.first[name] = float(v)
 
     def add(self, weight: torch.Tensor, by: torch.Tensor, **values: torch.Tensor) -> None:
         w = weight.detach().double()
@@ -226,11 +240,46 @@ class Stats:
         return out
 
 
-def training_nfe(counts: dict) -> int:
-    """The `nfe` of metrics.jsonl: transformer forwards spent on training (rollout, completions, training forwards
-    incl. the KL reference), a CFG pair counted once. Backward passes and evaluation are counted apart
-    (`nfe/train_backward`, `nfe/eval`): the evaluation is the same for every algorithm and buys no learning."""
-    return sum(counts[f"nfe/{k}"] for k in ("rollout", "completion", "train_forward"))
+
+class GradShare:
+    """Diagnostic (--grad-share-every): where the iteration's update comes from, step by step.
+
+    The iteration's gradient (before clipping) is a sum over its transitions, so it splits exactly by trained step:
+    g = sum_j g_j, g_j the gradient of the loss of step j's transitions alone. Step j's share is its projection on
+    the whole, share_j = g_j . g / |g|^2: the shares sum to 1, a step pulling against the others has a negative
+    share, and a step that carries the update has a share near 1. `add(row_loss, step_index)`, called with the
+    micro-batch's per-transition loss before its backward, takes one extra backward per step present in the
+    micro-batch (autograd.grad, which leaves .grad alone: the update is unchanged), so a measured iteration trains
+    at a few times the cost; an inactive one (active=False, the iterations not measured) costs nothing. One process
+    only: the per-step gradients are this rank's.
+    """
+
+    def __init__(self, params: dict, num_slots: int, active: bool = True):
+        self.params, self.grads, self.active = list(params.values()), [None] * num_slots, active
+
+    def add(self, row_loss: torch.Tensor, step_index: torch.Tensor) -> None:
+        """Each step's part of this micro-batch's gradient, added up (nothing when not active)."""
+        if not self.active:
+            return
+        for j in step_index.unique().tolist():
+            grads = torch.autograd.grad(row_loss[step_index == j].sum(), self.params, retain_graph=True,
+                                        allow_unused=True)
+            flat = torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().double()
+                              for g, p in zip(grads, self.params)])
+            self.grads[j] = flat if self.grads[j] is None else self.grads[j] + flat
+
+    def shares(self) -> dict[int, float]:
+        """{step: share} of the steps that had a gradient (empty when nothing was trained or g = 0)."""
+        steps = [j for j, g in enumerate(self.grads) if g is not None]
+        if not steps:
+            return {}
+        total = sum(self.grads[j] for j in steps)
+        norm2 = float(total @ total)
+        return {j: float(self.grads[j] @ total) / norm2 for j in steps} if norm2 > 0 else {}
+
+    def norms(self) -> dict[int, float]:
+        """{step: |g_j|}."""
+        return {j: float(g.norm()) for j, g in enumerate(self.grads) if g is not None}
 
 
 # ------------------------------------------------------------------------------------------ EMA
@@ -296,14 +345,21 @@ def ema_weights(ema: EMA | None):
             yield
 
 
-def optimizer_step(params: dict, optimizer, max_grad_norm: float, ema: EMA | None) -> float:
+class NonFiniteUpdate(SystemExit):
+    """A non-finite loss or gradient: the run stops before the update, in one line (a SystemExit, no traceback)."""
+
+
+def optimizer_step(params: dict, optimizer, max_grad_norm: float, ema: EMA | None, iteration: int = -1,
+                   run_dir: str = "") -> float:
     """Clip the gradient norm, step, zero the gradients, update the EMA. Returns the norm before clipping.
 
-    Under DDP the gradients are already all-reduced, so every rank sees the same norm and stops together when it is
-    not finite (no extra collective)."""
+    A non-finite norm (a NaN or inf loss or gradient) stops the run before the update with one line that says how to
+    go on. Under DDP the gradients are already all-reduced, so every rank sees the same norm and stops together (no
+    extra collective)."""
     norm = torch.nn.utils.clip_grad_norm_(params.values(), max_grad_norm)
     if not torch.isfinite(norm):
-        raise FloatingPointError("non-finite gradient norm")
+        raise NonFiniteUpdate(f"error: non-finite loss or gradient at iteration {iteration}; stopping before the "
+                              f"update (the last checkpoint-N in {run_dir} is intact: --resume {run_dir})")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if ema is not None:
@@ -345,16 +401,22 @@ class Trainable:
         # autocast (a LoRA needs none: peft casts its input to the adapter's dtype and the output back).
         backbone.autocast = full_finetune and backbone.dtype != torch.float32
 
-    @torch.no_grad()
+    def reference(self, *args, **kwargs):
+        """The KL reference policy's transformer, called as the transformer is (`backbone.velocity(..., model=
+        trainable.reference)`): the frozen copy, or the LoRA-carrying network with its adapter off; never with
+        gradient."""
+        with torch.no_grad():
+            if self.ref_model is not None:
+                return self.ref_model(*args, **kwargs)
+            self.backbone.transformer.disable_adapters()
+            try:
+                return self.backbone.transformer(*args, **kwargs)
+            finally:
+                self.backbone.transformer.enable_adapters()
+
     def reference_velocity(self, x, sigma, emb, guidance_scale: float) -> torch.Tensor:
-        """v of the KL reference policy: the frozen copy, or the LoRA-carrying network with its adapter off."""
-        if self.ref_model is not None:
-            return self.backbone.velocity(x, sigma, emb, guidance_scale, model=self.ref_model)
-        self.backbone.transformer.disable_adapters()
-        try:
-            return self.backbone.velocity(x, sigma, emb, guidance_scale)
-        finally:
-            self.backbone.transformer.enable_adapters()
+        """v of the KL reference policy."""
+        return self.backbone.velocity(x, sigma, emb, guidance_scale, model=self.reference)
 
     def save_weights(self, folder: str) -> None:
         """Weights for users: a LoRA that a stock pipeline loads with `load_lora_weights(folder)`, or (full

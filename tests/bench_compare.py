@@ -16,8 +16,8 @@ run is its final accuracy minus that start, so both ends of the gain have the sa
 
 It resumes: a run whose metrics.jsonl has the `final: true` row is kept and skipped; any other run folder is
 deleted and the run started again. So the grid can be finished in several sittings, and `--report-only`
-rebuilds `{out}/results.md` and the plots `{out}/accuracy_vs_cpu.png`, `{out}/accuracy_vs_images.png`,
-`{out}/reward_vs_images.png` (the trained reward: a proxy's rise beside a falling accuracy is hacking) and
+rebuilds `{out}/results.md` and the plots `{out}/accuracy_vs_cpu.png`, `{out}/accuracy_vs_trajectories.png`,
+`{out}/accuracy_vs_scored.png`, `{out}/reward_vs_trajectories.png` (the trained reward: a proxy's rise beside a falling accuracy is hacking) and
 `{out}/accuracy_vs_reward.png` (the two against each other, evaluation by evaluation) from the run folders alone. Columns: docs/results.md, "The comparison harness".
 Before a grid it times the machine (`speed_probe`, 10 toy forwards on one thread, in every harness.json): a CPU
 second is not the same work on every machine, and a table mixing runs from machines of different speed says so.
@@ -43,6 +43,7 @@ SCRIPTS = {"flowgrpo_baseline": "flowgrpo_baseline.py", "g2rpo": "g2rpo.py", "de
            "yardstick": "tests/yardstick_raft.py"}
 ALGOS = tuple(SCRIPTS)
 START = "start"  # the seed slot of the zero-iteration run that evaluates the starting model
+BUDGETS = {"trajectories": "trajectories", "scored_images": "scored images"}  # counter -> column name
 
 
 # ------------------------------------------------------------------------------------------------ statistics
@@ -147,9 +148,11 @@ def is_finished(run_dir: str) -> bool:
     return any(r.get("final") for r in read_rows(run_dir))
 
 
-def eval_points(rows: list[dict]) -> list[dict]:
+def eval_points(rows: list[dict], trajectories_per_iteration: int = 0) -> list[dict]:
     """Every evaluation of a run, placed at what the run had consumed when it was made. A row's evaluation runs
-    at the start of its iteration, before that iteration's training, so its counters are the previous row's."""
+    at the start of its iteration, before that iteration's training, so its counters are the previous row's.
+    Logs written before 2026-12-03 have one counter, `images`, which counted the scored images (completions and
+    branches included); their trajectories are iterations x trajectories_per_iteration (prompts x G, args.json)."""
     out, prev = [], {}
     for r in rows:
         if "eval/accuracy" in r:
@@ -157,7 +160,9 @@ def eval_points(rows: list[dict]) -> list[dict]:
                         "reward": r.get("eval/reward_mean"),
                         "cats": {k[len("eval/accuracy_"):]: v for k, v in r.items()
                                  if k.startswith("eval/accuracy_") and k != "eval/accuracy_se"},
-                        "cpu_s": prev.get("time/cpu_s", 0.0), "images": prev.get("images", 0),
+                        "cpu_s": prev.get("time/cpu_s", 0.0),
+                        "trajectories": prev.get("trajectories", r["iteration"] * trajectories_per_iteration),
+                        "scored_images": prev.get("scored_images", prev.get("images", 0)),
                         "nfe": prev.get("nfe", 0), "final": bool(r.get("final"))})  # nfe: training forwards
         prev = r
     return out
@@ -165,7 +170,12 @@ def eval_points(rows: list[dict]) -> list[dict]:
 
 def summarize(run_dir: str) -> dict | None:
     """The numbers of one finished run (None if it has no final row)."""
-    pts = eval_points(read_rows(run_dir))
+    per_iteration = 0
+    if os.path.exists(os.path.join(run_dir, "args.json")):
+        with open(os.path.join(run_dir, "args.json")) as f:
+            a = json.load(f)
+        per_iteration = a.get("groups_per_iteration", 0) * a.get("group_size", 0)
+    pts = eval_points(read_rows(run_dir), per_iteration)
     if not pts or not pts[-1]["final"]:
         return None
     meta = {}
@@ -202,7 +212,7 @@ def collect(out: str, merge: tuple = ()) -> dict:
 
 
 def accuracy_at(points: list[dict], key: str, x: float) -> float | None:
-    """A run's accuracy at `x` of `key` (e.g. images), linear between its evaluations; None beyond its last."""
+    """A run's accuracy at `x` of `key` (e.g. trajectories), linear between its evaluations; None beyond its last."""
     for a, b in zip(points, points[1:]):
         if a[key] <= x <= b[key]:
             return a["acc"] if b[key] == a[key] else a["acc"] + (b["acc"] - a["acc"]) * (x - a[key]) / (b[key] - a[key])
@@ -250,10 +260,9 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
     ref = tuple(reference.split(":", 1)) if reference else None
     if ref is not None and ref not in groups:
         raise ConfigError(f"--reference {reference}: no such group among {sorted(':'.join(k) for k in groups)}")
-    # Equal images: every run's accuracy where the run that consumed the fewest images ended, read off its curve
-    # of periodic evaluations (2 seeds per prompt) and against its own first evaluation.
-    finals = [s["final"]["images"] for g in groups.values() for s in g["seeds"].values()]
-    equal_images = min(finals) if finals else 0
+    # Equal budgets: every run's accuracy where the run that consumed the fewest trajectories (scored images) ended,
+    # read off its curve of periodic evaluations (2 seeds per prompt) and against its own first evaluation.
+    equal = {k: min([s["final"][k] for g in groups.values() for s in g["seeds"].values()] or [0]) for k in BUDGETS}
     cats = []
     for g in groups.values():
         for s in [g["start"], *g["seeds"].values()]:
@@ -261,13 +270,13 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
     head = ["algorithm", "variant", "seeds", "start (SE)", "final", "gain [95 % CI]",
             *[f"gain {c}" for c in cats], "reward gain [95 % CI]",
             *([f"gain − {':'.join(ref)}'s (Welch 95 % CI)"] if ref else []),
-            f"gain at {equal_images} images (periodic evals)", "final-eval SE",
-            "iterations", "images", "NFE (training)",
+            *[f"gain at {equal[k]} {BUDGETS[k]} (periodic evals)" for k in BUDGETS], "final-eval SE",
+            "iterations", *BUDGETS.values(), "NFE (training)",
             "CPU s in loop", "CPU s process", "jobs x threads, OMP wait", "best eval − start (beside the last, biased up)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    per_run = ["| algorithm | variant | seed | iterations | start | final | gain | final-eval SE | best | images | "
-               "NFE (training) | CPU s in loop | CPU s / iteration | CPU s process | jobs x threads, OMP wait | "
-               "load mean (max) | speed probe CPU s |", "|" + "---|" * 17]
+    per_run = ["| algorithm | variant | seed | iterations | start | final | gain | final-eval SE | best | trajectories "
+               "| scored images | NFE (training) | CPU s in loop | CPU s / iteration | CPU s process | jobs x threads, "
+               "OMP wait | load mean (max) | speed probe CPU s |", "|" + "---|" * 18]
     commands, notes = set(), []
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
 
@@ -297,8 +306,10 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
         # the strict verdict falls, which is reward hacking
         rew = [(s["final"]["reward"], b["reward"]) for s, b in zip(runs, st)]
         rew_txt = "—" if any(None in r for r in rew) else fmt_ci(*mean_ci([f - b for f, b in rew]))
-        at = [accuracy_at(s["points"], "images", equal_images) for s in runs]
-        at_txt = "—" if None in at else fmt_ci(*mean_ci([a - s["points"][0]["acc"] for a, s in zip(at, runs)]))
+        at_txt = []
+        for k in BUDGETS:
+            at = [accuracy_at(s["points"], k, equal[k]) for s in runs]
+            at_txt.append("—" if None in at else fmt_ci(*mean_ci([a - s["points"][0]["acc"] for a, s in zip(at, runs)])))
         ses = [s["final"]["se"] for s in runs if s["final"]["se"] is not None]
         par = sorted({parallel(s["meta"]) for s in runs})
         proc = [s["meta"]["process_cpu_s"] for s in runs if s["meta"].get("process_cpu_s") is not None]
@@ -306,8 +317,8 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
             else f"{start['acc']:.3f}"
         lines.append("| " + " | ".join([
             algo, variant, str(len(runs)), start_txt, f"{mean([s['final']['acc'] for s in runs]):.3f}",
-            fmt_ci(*mean_ci(gains)), *cat_gains, rew_txt, *vs_ref, at_txt, f"{mean(ses):.3f}" if ses else "—",
-            f"{mean([s['iterations'] for s in runs]):.0f}", f"{mean([s['final']['images'] for s in runs]):.0f}",
+            fmt_ci(*mean_ci(gains)), *cat_gains, rew_txt, *vs_ref, *at_txt, f"{mean(ses):.3f}" if ses else "—",
+            f"{mean([s['iterations'] for s in runs]):.0f}", *[f"{mean([s['final'][k] for s in runs]):.0f}" for k in BUDGETS],
             f"{mean([s['nfe_train'] for s in runs]):.0f}", f"{mean([s['final']['cpu_s'] for s in runs]):.0f}",
             f"{mean(proc):.0f}" if proc else "—", ", ".join(par),
             fmt_ci(*mean_ci([s["best"] - b["acc"] for s, b in zip(runs, st)]))]) + " |")
@@ -315,7 +326,8 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
             f = s["final"]
             per_run.append(f"| {algo} | {variant} | {seed} | {s['iterations']} | {b['acc']:.3f} | {f['acc']:.3f} | "
                            f"{f['acc'] - b['acc']:+.3f} | {'—' if f['se'] is None else format(f['se'], '.3f')} | "
-                           f"{s['best']:.3f} | {f['images']} | {s['nfe_train']} | {f['cpu_s']:.0f} | "
+                           f"{s['best']:.3f} | {f['trajectories']} | {f['scored_images']} | {s['nfe_train']} | "
+                           f"{f['cpu_s']:.0f} | "
                            f"{f['cpu_s'] / max(s['iterations'], 1):.1f} | "
                            f"{s['meta'].get('process_cpu_s', float('nan')):.0f} | "
                            f"{parallel(s['meta'])} | {load_text(s['meta'])} | "
@@ -336,22 +348,27 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
           "gain = final − start accuracy, mean over seeds with a 95 % t-interval; start = the starting model evaluated "
           "with the final evaluation's seeds. 'CPU s in loop' = the run's CPU seconds (all threads) when it stopped "
           "training, what the budget limits; 'CPU s process' = the whole process (imports, model load, setup, final "
-          "evaluation). Images and NFE are the means at the final evaluation; NFE (training) excludes evaluation. "
-          f"'gain at {equal_images} images': where the run with the fewest images ended, each run's accuracy read "
-          "off its periodic evaluations (2 seeds per prompt, SE ~0.035; linear in between, its final evaluation the "
-          "last point) minus its first, mean over seeds with a 95 % t-interval.",
+          "evaluation). Trajectories (images the policy sampled to the end), scored images (every image a reward "
+          "scored for training: DenseGRPO's completions and G²RPO's branches included) and NFE are the means at the "
+          "final evaluation; NFE (training) excludes evaluation. "
+          f"'gain at {equal['trajectories']} trajectories' ('... scored images'): where the run with the fewest ended, "
+          "each run's accuracy read off its periodic evaluations (2 seeds per prompt, SE ~0.035; linear in between, "
+          "its final evaluation the last point) minus its first, mean over seeds with a 95 % t-interval.",
           "", *lines, "", *[f"- {n}" for n in notes], "", "Per run:", "", *per_run, "",
-          "![accuracy vs CPU seconds](accuracy_vs_cpu.png) ![accuracy vs images](accuracy_vs_images.png) "
-          "![trained reward vs images](reward_vs_images.png) "
+          "![accuracy vs CPU seconds](accuracy_vs_cpu.png) ![accuracy vs trajectories](accuracy_vs_trajectories.png) "
+          "![accuracy vs scored images](accuracy_vs_scored.png) "
+          "![trained reward vs trajectories](reward_vs_trajectories.png) "
           "![accuracy vs trained reward](accuracy_vs_reward.png)", ""]
     text = "\n".join(md)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text)
-    for key, label in (("cpu_s", "CPU seconds in the training loop (all threads)"), ("images", "images sampled")):
+    for key, label in (("cpu_s", "CPU seconds in the training loop (all threads)"),
+                       ("trajectories", "trajectories (images the policy sampled to the end)"),
+                       ("scored_images", "scored images (completions and branches included)")):
         plot(groups, key, label, os.path.join(out, f"accuracy_vs_{key.split('_')[0]}.png"))
     # the trained reward on the held-out prompts beside it: a proxy that rises while the accuracy falls is hacked
-    plot(groups, "images", "images sampled", os.path.join(out, "reward_vs_images.png"), y="reward",
+    plot(groups, "trajectories", "trajectories", os.path.join(out, "reward_vs_trajectories.png"), y="reward",
          ylabel="eval/reward_mean (the trained reward, held-out prompts)")
     tradeoff_plot(groups, os.path.join(out, "accuracy_vs_reward.png"))
     return text
@@ -555,7 +572,7 @@ def speed_spread(metas: list[dict]) -> str | None:
         return None
     return (f"the runs' speed probes range from {min(probes):.2f} to {max(probes):.2f} CPU s ({PROBE_CALLS} toy "
             "forwards): they were made on machines of different speed, so equal CPU seconds are not equal work; "
-            "compare runs with similar probes, at equal images, or made with --iterations")
+            "compare runs with similar probes, at equal trajectories, or made with --iterations")
 
 
 def run_grid(out: str, runs: list[dict], jobs: int, threads: int, max_wall_s: float, command: str,
@@ -619,7 +636,7 @@ def main(argv=None):
     ap.add_argument("--cpu-seconds", type=float, default=1200.0,
                     help="training budget of every run in process CPU seconds, all threads (1200 = 10 min on 2 cores)")
     ap.add_argument("--iterations", type=int, default=None,
-                    help="instead of the CPU budget, a fixed number of iterations per run (equal images, not equal "
+                    help="instead of the CPU budget, a fixed number of iterations per run (equal trajectories, not equal "
                          "CPU: for curves read per iteration, e.g. the reward-hacking lab)")
     ap.add_argument("--jobs", type=int, default=1, help="runs side by side")
     ap.add_argument("--threads", type=int, default=None, help="threads per run (default: 2 with --jobs 1, else 1)")

@@ -96,7 +96,8 @@ class Probe:
             out = fn(*args, **kwargs)
             sync()
             dt, rows = time.perf_counter() - t0, args[1].shape[0]
-            if kind == "velocity" and torch.is_grad_enabled():  # a training forward: its time is the train phase
+            reference = getattr(kwargs.get("model"), "__name__", "") == "reference"  # the KL reference: no gradient
+            if kind == "velocity" and torch.is_grad_enabled() and not reference:  # a training forward: the train phase
                 self.add("train_rows", rows)
             else:  # velocity without grad (sampling, completions, KL reference), decode, reward
                 key = "forward" if kind == "velocity" else kind

@@ -12,7 +12,7 @@ counts r (in + out) per adapted Linear. Per GPU, with P weights in the transform
           autocast full fine-tuning: a bf16 copy of every weight, 2P, kept for the backward
     FSDP  weights  (the same) / N + two gathered bf16 blocks (the one computing, the one prefetched)
           grads    4T / N + one block's unsharded fp32 gradient before its reduce-scatter; with gradient
-                   accumulation (grad_sync skips the sync) the UNSHARDED 4T while accumulating
+                   accumulation (set_grad_sync skips the sync) the UNSHARDED 4T while accumulating
           Adam     8T / N
           offload  weights, grads and Adam live in host memory; the GPU keeps the gathered blocks
     KL reference of full fine-tuning: a frozen bf16 copy, 2P (DDP) or 2P / N (FSDP).

@@ -106,8 +106,8 @@ def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path
     bc.main(["--out", out, "--report-only"])
     text = open(os.path.join(out, "results.md")).read()
     assert os.path.getsize(os.path.join(out, "accuracy_vs_cpu.png")) > 0
-    assert os.path.getsize(os.path.join(out, "accuracy_vs_images.png")) > 0
-    assert os.path.getsize(os.path.join(out, "reward_vs_images.png")) > 0
+    for name in ("accuracy_vs_trajectories.png", "accuracy_vs_scored.png", "reward_vs_trajectories.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0
     assert os.path.getsize(os.path.join(out, "accuracy_vs_reward.png")) > 0
     # gains 0.05 and 0.10 over 2 seeds: mean 0.075, half-width t_{0.975,1} * 0.03536 / sqrt(2) = 0.3177
     assert "| flowgrpo_baseline | default | 2 | 0.500 (0.013) | 0.575 | +0.075 [-0.243, +0.393] |" in text
@@ -149,33 +149,43 @@ def test_table_numbers(tmp_path):
     assert got["reward gain [95 % CI]"] == "+0.700 [+0.452, +0.948]"  # .8 .9 1.0 against the start's .2
     assert got["final-eval SE"] == "0.018" and got["iterations"] == "2"
     # consumption at the final evaluation = the counters of the row before it (the last training iteration)
-    assert got["images"] == "128" and got["NFE (training)"] == "1600" and got["CPU s in loop"] == "22"
+    # (a log from before 2026-12-03: its one `images` counter counted the scored images)
+    assert got["scored images"] == "128" and got["NFE (training)"] == "1600" and got["CPU s in loop"] == "22"
     # the best evaluation only beside the last: bests .75 .7 .8 minus .5
     assert got["best eval − start (beside the last, biased up)"] == "+0.250 [+0.126, +0.374]"
     assert "| g2rpo | lr1e-4 | 4 |" not in text and "| g2rpo | lr1e-4 | 3 | 2 | 0.500 | 0.800 | +0.300 |" in text
 
 
-def test_merged_folders_and_the_gain_at_equal_images(tmp_path):
+def counted(trajectories, scored):
+    return {"trajectories": trajectories, "scored_images": scored}
+
+
+def test_merged_folders_and_the_gain_at_equal_trajectories_and_scored_images(tmp_path):
     """--merge reports grids from several folders as one table (a run found twice is refused), and every group's
-    gain is also read where the run with the fewest images ended: the same number of images for every run."""
+    gain is also read where the run with the fewest trajectories (scored images) ended: equal budgets on both axes."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    for seed, final in [(1, 0.6), (2, 0.8)]:  # ends at 128 images
+    for seed, final in [(1, 0.6), (2, 0.8)]:  # ends at 128 trajectories, 1280 scored images (completions)
         write_run(a, f"g2rpo__small__{seed}", [
-            {"iteration": 0, "eval/accuracy": 0.4, "images": 64, "time/cpu_s": 1.0},
-            {"iteration": 1, "images": 128, "time/cpu_s": 2.0},
-            {"iteration": 2, "eval/accuracy": final, "images": 128, "time/cpu_s": 3.0, "final": True}])
-    for seed, mid in [(1, 0.5), (2, 0.6)]:  # reaches 512 images; at 128 it is halfway from its first eval to `mid`
+            {"iteration": 0, "eval/accuracy": 0.4, **counted(64, 640), "time/cpu_s": 1.0},
+            {"iteration": 1, **counted(128, 1280), "time/cpu_s": 2.0},
+            {"iteration": 2, "eval/accuracy": final, **counted(128, 1280), "time/cpu_s": 3.0, "final": True}])
+    for seed, mid in [(1, 0.5), (2, 0.6)]:  # 512 trajectories; at 128 it is halfway from its first eval to `mid`
         write_run(b, f"densegrpo__big__{seed}", [
-            {"iteration": 0, "eval/accuracy": 0.4, "images": 256, "time/cpu_s": 1.0},
-            {"iteration": 1, "eval/accuracy": mid, "images": 512, "time/cpu_s": 2.0},
-            {"iteration": 2, "eval/accuracy": 0.9, "images": 512, "time/cpu_s": 3.0, "final": True}])
+            {"iteration": 0, "eval/accuracy": 0.4, **counted(256, 256), "time/cpu_s": 1.0},
+            {"iteration": 1, "eval/accuracy": mid, **counted(512, 512), "time/cpu_s": 2.0},
+            {"iteration": 2, "eval/accuracy": 0.9, **counted(512, 512), "time/cpu_s": 3.0, "final": True}])
     text = bc.report(str(tmp_path / "verdict"), (a, b))
     head = next(line for line in text.splitlines() if line.startswith("| algorithm | variant | seeds"))
-    col = [c.strip() for c in head.strip("|").split("|")].index("gain at 128 images (periodic evals)")
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    col = cols.index("gain at 128 trajectories (periodic evals)")
+    scored = cols.index("gain at 512 scored images (periodic evals)")
     row = lambda algo: [c.strip() for c in next(  # noqa: E731  (reads the latest `text`)
         line for line in text.splitlines() if line.startswith(f"| {algo} |")).strip("|").split("|")]
     assert row("g2rpo")[col] == "+0.300 [-0.971, +1.571]"  # gains .2 .4 at their end: s = .141, t_{.975,1} = 12.71
     assert row("densegrpo")[col] == "+0.075 [-0.243, +0.393]"  # (.5 - .4) / 2 and (.6 - .4) / 2 at 128 of 256
+    # at 512 scored images DenseGRPO has ended (its final evaluation: .9 - .4 in both seeds), and G²RPO is 0.4 of the
+    # way from its first evaluation (0 scored) to its last (1280): gains .08 and .16
+    assert row("densegrpo")[scored] == "+0.500 [+0.500, +0.500]" and row("g2rpo")[scored].startswith("+0.120 [")
     assert os.path.exists(tmp_path / "verdict" / "results.md")
     text = bc.report(str(tmp_path / "verdict"), (a, b), reference="g2rpo:small")  # gain minus the reference's
     head = next(line for line in text.splitlines() if line.startswith("| algorithm | variant | seeds"))
@@ -231,3 +241,17 @@ def test_the_speed_probe_times_the_toy_model_and_flags_runs_from_machines_of_dif
     assert bc.speed_spread(same) is None and bc.speed_spread([{"speed_probe_cpu_s": 2.7}]) is None
     note = bc.speed_spread([*same, {"speed_probe_cpu_s": 5.3}])
     assert "from 2.70 to 5.30 CPU s" in note and "different speed" in note
+
+
+def test_a_log_from_before_the_two_counters_is_read_under_their_names(tmp_path):
+    """Logs before 2026-12-03 have one `images` counter, which counted every scored image; their trajectories are
+    iterations x prompts x G, from args.json."""
+    out = str(tmp_path)
+    write_run(out, "densegrpo__old__1", [
+        {"iteration": 0, "eval/accuracy": 0.4, "images": 0, "time/cpu_s": 1.0},
+        {"iteration": 1, "images": 704, "time/cpu_s": 2.0},
+        {"iteration": 2, "eval/accuracy": 0.5, "images": 1408, "time/cpu_s": 3.0, "final": True}])
+    with open(os.path.join(out, "densegrpo__old__1", "args.json"), "w") as f:
+        json.dump({"groups_per_iteration": 8, "group_size": 8}, f)
+    last = bc.summarize(os.path.join(out, "densegrpo__old__1"))["final"]
+    assert last["trajectories"] == 2 * 64 and last["scored_images"] == 704  # the counters of the row before

@@ -345,11 +345,13 @@ def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(request, fixt
     model = request.getfixturevalue(fixture)
     guidance = ["--guidance-scale", "4.5"] if fixture == "tiny_sd3" else ["--guidance-scale", "3.5"]
     run_main(SCRIPT, *tiny_flags(model, tmp_path, prompts_file), "--num-iterations", "1", "--beta", "0.04",
-             *guidance, *CALIB, *extra)
+             *guidance, *CALIB, *extra, "--grad-share-every", "1")
     run = tmp_path / "run"
     m = read_metrics(run)
     assert [x["iteration"] for x in m] == [0, 1]
     first = m[0]
+    shares = [v for k, v in first.items() if k.startswith("steps/grad_share/")]  # the diagnostic: 2 trained steps
+    assert len(shares) == 2 and sum(shares) == pytest.approx(1)
     assert first["ratio/first_minibatch_max_dev"] < 1e-5  # psi(t) per transition is used consistently
     for key in ("nfe", "train/reward_mean", "train/reward_std", "train/reward_ode_mean", "train/dR_abs_mean",
                 "rollout/completion_nfe", "rollout/completion_calls", "time/calibration_s", "psi/t3", "kl"):
@@ -357,6 +359,9 @@ def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(request, fixt
     T, n = 3, 4
     assert first["rollout/completion_nfe"] == n * (T * (T + 1) // 2 - T)  # the first steps reuse the SDE's v
     assert first["nfe/rollout"] == n * T and first["nfe/completion"] == first["rollout/completion_nfe"]
+    # trajectories: prompts x G; scored: the L + 1 latents whose completions the L = 2 trained steps need, and the SDE
+    # image (--timestep-fraction 0.99 of T = 3 trains 2 steps)
+    assert first["trajectories"] == n and first["scored_images"] == n * (2 + 1 + 1)
     assert first["nfe/train_forward"] == 2 * first["nfe/train_backward"] > 0  # beta > 0: a reference forward each
     psi = json.load(open(run / "psi.json"))
     assert len(psi["psi"]) == T and len(psi["history"]) == 2 and psi["balance_test"] == "share"

@@ -41,6 +41,8 @@ def test_smoke_one_iteration_and_ratio_is_one(request, fixture, tmp_path, prompt
     first = m[0]
     # On-policy: the training forward recomputes the rollout's log-probs before any update.
     assert first["ratio/first_minibatch_max_dev"] < 1e-5
+    # prompts x G trajectories, each image scored once; the final row carries the run's counters
+    assert first["trajectories"] == first["scored_images"] == 2 * 2 and m[-1]["trajectories"] == 2 * 2
     for key in ("nfe", "train/reward_mean", "train/reward_std", "ratio/mean", "ratio/min", "ratio/max", "clipfrac",
                 "kl", "time/rollout_s", "time/train_s", "eval/reward_mean"):
         assert key in first, key
@@ -255,3 +257,20 @@ def test_ratio_norm_is_one_on_policy_and_trains(tiny_sd3, tmp_path, prompts_file
     a = torch.load(tmp_path / "run" / "checkpoint-1" / "trainer_state.pt", weights_only=False)["params"]
     b = torch.load(tmp_path / "plain" / "checkpoint-1" / "trainer_state.pt", weights_only=False)["params"]
     assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_grad_share_diagnostic_sums_to_one_and_leaves_the_update_unchanged(tiny_sd3, tmp_path, prompts_file):
+    """--grad-share-every 1: every training row holds each trained step's share of the gradient (they sum to 1) and
+    its norm, and the trained weights are bit for bit those of a run without the diagnostic (autograd.grad leaves
+    .grad alone)."""
+    flags = ["--num-iterations", "2", "--eval-every", "100", "--train-batch-size", "2", "--save-every", "2"]
+    run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "share"), *flags, "--grad-share-every", "1")
+    run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "plain"), *flags)
+    for row in read_metrics(tmp_path / "share")[:2]:
+        shares = {k: v for k, v in row.items() if k.startswith("steps/grad_share/")}
+        assert sorted(shares) == ["steps/grad_share/0", "steps/grad_share/1"]  # 3 steps, fraction 0.99: 2 trained
+        assert sum(shares.values()) == pytest.approx(1.0) and row["steps/grad_norm/1"] > 0
+    assert not any(k.startswith("steps/grad_share/") for k in read_metrics(tmp_path / "plain")[0])
+    a, b = (torch.load(tmp_path / r / "checkpoint-2" / "trainer_state.pt", weights_only=False)["params"]
+            for r in ("share", "plain"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

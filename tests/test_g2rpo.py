@@ -200,10 +200,13 @@ CPS = ["--sde-type", "cps", "--noise-level", "0.8"]
                                                           *CPS])])
 def test_smoke_tiny_backbones(request, fixture, extra, tmp_path):
     guidance = ["--guidance-scale", "4.5" if fixture == "tiny_sd3" else "3.5"]
-    run_main(SCRIPT, *_flags(request.getfixturevalue(fixture), tmp_path), "--num-iterations", "1", *guidance, *extra)
+    run_main(SCRIPT, *_flags(request.getfixturevalue(fixture), tmp_path), "--num-iterations", "1", *guidance, *extra,
+             "--grad-share-every", "1")
     m = read_metrics(tmp_path / "run")
     assert [x["iteration"] for x in m] == [0, 1]
     first = m[0]
+    shares = {k: v for k, v in first.items() if k.startswith("steps/grad_share/")}  # the diagnostic: M = {0, 2}
+    assert sorted(shares) == ["steps/grad_share/0", "steps/grad_share/2"] and sum(shares.values()) == pytest.approx(1)
     for key in ("train/reward_mean", "train/reward_std", "train/group_std_k0", "train/group_std_k2",
                 "train/reward_mean_lam1", "train/reward_mean_lam2", "ratio/first_minibatch_max_dev", "nfe",
                 "eval/reward_mean"):
@@ -215,6 +218,8 @@ def test_smoke_tiny_backbones(request, fixture, extra, tmp_path):
     # |M| x prompts = 2 x 2 rows, not |M| x prompts x G = 12.
     assert first["train/kept_transitions"] > 0
     assert first["nfe/rollout"] + first["nfe/completion"] == 2 * TINY_NFE
+    # trajectories: prompts x G; scored: every branch (|M| = 2) of every member at every granularity (|Λ| = 2)
+    assert first["trajectories"] == 2 * 3 and first["scored_images"] == 2 * 2 * 2 * 3
     assert first["nfe/train_forward"] == first["nfe/train_backward"] == 2 * 2
     assert os.path.exists(tmp_path / "run" / "checkpoint-1" / "pytorch_lora_weights.safetensors")
     if fixture == "tiny_sd3" and not extra:  # the case marked `pictures`: the end-of-run pictures are drawn
@@ -349,7 +354,7 @@ def test_shared_state_gradient_equals_per_transition_gradient(request, fixture):
         for p in params:
             p.grad = None
         keep = torch.ones(P * G, dtype=torch.bool)
-        (mb,) = plan_updates(keep, 8, 1, state_index=state_index if shared else None)[0].micro_batches
+        (mb,) = plan_updates(keep, 8, 1, state_index=state_index if shared else None)
         s, r = mb.states, mb.rows
         v = bb.velocity(rows_x[s], sigmas[1], emb[state_index[s]], cfg)[mb.expand]
         _, lp, _, _ = sde_step_with_logprob(v, rows_x[r], sigmas[1], sigmas[2], 0.9, prev_sample=nxt[r],

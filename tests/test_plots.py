@@ -64,8 +64,7 @@ def test_learning_curve_reward_only_evaluation(tmp_path):
     assert png_size(tmp_path / "c.png") == (900, 520)
 
 
-@pytest.mark.parametrize("metrics", [("ratio", "ratio_std", "clipfrac", "kl", "abs_adv", "kept"),
-                                     ("ratio", "kl"), ()])
+@pytest.mark.parametrize("metrics", [STEP_METRICS, ("ratio", "kl"), ()])
 def test_step_heatmap_one_panel_per_metric(tmp_path, metrics):
     rows = [{"iteration": it, "train/reward_mean": 0.5,
              **{f"steps/{m}/{j}": 1.0 + 0.01 * it * j for m in metrics for j in range(4)}}
@@ -76,9 +75,22 @@ def test_step_heatmap_one_panel_per_metric(tmp_path, metrics):
     ncols = min(3, max(1, len(metrics)))
     assert png_size(path) == (440 * ncols, 320 * max(1, math.ceil(len(metrics) / ncols)))
     assert set(STEP_LABELS) == set(STEP_METRICS)  # every logged metric (tests/test_training.py) has its panel title
-    # a constant panel (the KL with beta 0, the ratio's spread on-policy) says so, and is drawn as any other
-    flat = [{"iteration": it, "steps/kl/0": 0.0, "steps/kl/1": 0.0, "steps/ratio/0": 1.0 + 0.01 * it} for it in range(3)]
-    assert step_heatmap(flat, "steps/", str(tmp_path / "f.png"), "t") == ["mean ratio", "KL to the reference (constant 0)"]
+    # a metric that is the same at every step of every iteration (the KL with beta 0; Flow-GRPO's |advantage|, equal
+    # at every step of a trajectory) tells nothing per step: it is named under the panels, not drawn
+    flat = [{"iteration": it, "steps/kl/0": 0.0, "steps/kl/1": 0.0, "steps/abs_adv/0": 0.5 + it, "steps/abs_adv/1": 0.5 + it,
+             "steps/grad_share/0": 0.1 * it, "steps/grad_share/1": 1 - 0.1 * it} for it in range(3)]
+    assert step_heatmap(flat, "steps/", str(tmp_path / "f.png"), "t") == [STEP_LABELS["grad_share"]]
+    assert png_size(tmp_path / "f.png") == (440, 320 + 40)  # one panel and the line naming the other two
+
+
+def test_the_learning_curves_running_mean_shows_the_trend_through_the_noise():
+    from common.plots import running_mean, running_window
+
+    assert running_window(5) == 1 and running_window(30) == 3 and running_window(60) == 6 and running_window(500) == 10
+    assert running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    noisy = [0.5 + 0.002 * i + (0.1 if i % 2 else -0.1) for i in range(60)]  # a climb hidden by +-0.1 jumps
+    smooth = running_mean(noisy, running_window(len(noisy)))
+    assert max(abs(a - b) for a, b in zip(smooth[6:], smooth[7:])) < 0.02 < min(abs(a - b) for a, b in zip(noisy, noisy[1:]))
 
 
 def frame_pixels(cell: np.ndarray, color) -> int:

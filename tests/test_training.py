@@ -48,23 +48,36 @@ def test_ema_swap_and_state_roundtrip():
 
 
 # ---------------------------------------------------------------------------------------- micro-batch plan
+def optimizer_steps(plan):
+    """The plan's micro-batches grouped into optimizer steps (each ends with the micro-batch that has `sync`)."""
+    steps, current = [], []
+    for mb in plan:
+        current.append(mb)
+        if mb.sync:
+            steps.append(current)
+            current = []
+    assert not current, "the last micro-batch of the plan must end an optimizer step"
+    return steps
+
+
 def test_plan_makes_exactly_the_requested_optimizer_steps():
     """4 optimizer steps over 5 micro-batches' worth of transitions: 4 steps (the old ceil rule made 3)."""
     keep = torch.ones(40, dtype=torch.bool)
     plan = plan_updates(keep, states_per_batch=8, optimizer_steps=4)
-    assert len(plan) == 4
-    rows = torch.cat([mb.rows for st in plan for mb in st.micro_batches])
+    steps = optimizer_steps(plan)
+    assert len(steps) == 4
+    rows = torch.cat([mb.rows for mb in plan])
     assert sorted(rows.tolist()) == list(range(40))  # every transition exactly once
-    assert all(st.micro_batches[-1].sync and not any(mb.sync for mb in st.micro_batches[:-1]) for st in plan)
-    assert sum(st.divisor for st in plan) == 40
+    assert all(len({mb.divisor for mb in st}) == 1 for st in steps)  # one divisor per optimizer step
+    assert sum(st[0].divisor for st in steps) == 40
+    assert len(plan_updates(keep, 8, 4, epochs=3)) == 3 * len(plan)  # --num-inner-epochs: one plan per pass
 
 
 def test_plan_drops_zero_weight_and_keeps_the_mean():
     keep = torch.tensor([True, False, True, True, False, False, True, False])
-    plan = plan_updates(keep, states_per_batch=3, optimizer_steps=1)
-    mbs = plan[0].micro_batches
+    mbs = plan_updates(keep, states_per_batch=3, optimizer_steps=1)
     kept_rows = torch.cat([mb.rows[mb.weight > 0] for mb in mbs])
-    assert sorted(kept_rows.tolist()) == [0, 2, 3, 6] and plan[0].divisor == 4
+    assert sorted(kept_rows.tolist()) == [0, 2, 3, 6] and mbs[0].divisor == 4
     assert sum(len(mb.states) for mb in mbs) == 4  # dropped transitions cost no forward on one rank
 
 
@@ -75,18 +88,17 @@ def test_plan_with_shared_states_runs_one_forward_per_state():
     keep = torch.ones(12, dtype=torch.bool)
     keep[4:8] = False  # state 1: every member tied
     keep[0] = False  # state 0: one member tied
-    plan = plan_updates(keep, states_per_batch=8, optimizer_steps=1, state_index=state)
-    (mb,) = plan[0].micro_batches
+    (mb,) = plan_updates(keep, states_per_batch=8, optimizer_steps=1, state_index=state)
     assert len(mb.states) == 2 and sorted(state[mb.states].tolist()) == [0, 2]
     assert torch.equal(state[mb.rows], state[mb.states][mb.expand])
-    assert mb.weight.sum() == 7 and plan[0].divisor == 7
+    assert mb.weight.sum() == 7 and mb.divisor == 7 and mb.sync
 
 
 def test_plan_update_blocks_get_their_own_steps_in_order():
     block = torch.arange(3).repeat_interleave(4)
-    plan = plan_updates(torch.ones(12, dtype=torch.bool), 2, 1, update_block=block)
-    assert len(plan) == 3
-    assert [sorted(set(block[torch.cat([m.rows for m in st.micro_batches])].tolist())) for st in plan] == [[0], [1], [2]]
+    steps = optimizer_steps(plan_updates(torch.ones(12, dtype=torch.bool), 2, 1, update_block=block))
+    assert len(steps) == 3
+    assert [sorted(set(block[torch.cat([m.rows for m in st])].tolist())) for st in steps] == [[0], [1], [2]]
 
 
 def test_plan_with_nothing_kept_is_empty():
@@ -157,8 +169,10 @@ def test_optimizer_steps_per_iteration_is_honoured(tiny_sd3, tmp_path, n_opt):
     # per-step diagnostics: one value per trained step (2 of 3), consistent with the overall numbers (every step has
     # 8 transitions, all kept, so the overall mean is the mean of the per-step means)
     logged = {key.split("/")[1] for key in m if key.startswith("steps/")}
-    assert logged == set(STEP_METRICS)  # what the heat map draws, each with its label (a renamed key would be lost)
-    for k in STEP_METRICS:
+    # what the heat map draws, each with its label (a renamed key would be lost); the gradient share only when asked,
+    # the dense reward's statistics only in DenseGRPO
+    assert logged == set(STEP_METRICS) - {"grad_share", "grad_norm", "dR_abs", "dR_zero"}
+    for k in logged:
         assert sorted(int(key.rsplit("/", 1)[1]) for key in m if key.startswith(f"steps/{k}/")) == [0, 1], k
     assert m["steps/kept/0"] == m["steps/kept/1"] == 1.0
     assert (m["steps/ratio/0"] + m["steps/ratio/1"]) / 2 == pytest.approx(m["ratio/mean"], abs=1e-12)
@@ -251,3 +265,36 @@ def test_full_finetune_in_bf16_computes_under_autocast(fixture, request):
         assert (out - v32).norm() < 0.05 * v32.norm(), (out - v32).norm() / v32.norm()
     grads = [p.grad for p in trainable.params.values()]
     assert all(g is not None and g.dtype == torch.float32 for g in grads) and sum(g.norm() for g in grads) > 0
+
+
+def test_grad_share_splits_the_gradient_by_step_exactly_as_separate_backward_passes():
+    """GradShare, fed micro-batch by micro-batch, gives each step's gradient as a backward pass over that step's
+    transitions alone would; the shares g_j . g / |g|^2 sum to 1; and .grad (the update) is left alone."""
+    from common.training import GradShare
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(6, 1)
+    params = dict(net.named_parameters())
+    x, steps = torch.randn(12, 6), torch.tensor([0, 1, 2, 0, 1, 2, 0, 0, 2, 2, 1, 0])
+    weight = torch.rand(12)
+
+    def row_loss(rows):
+        return (net(x[rows]).squeeze(1) ** 2 - 0.3 * net(x[rows]).squeeze(1)) * weight[rows]
+
+    share = GradShare(params, num_slots=4)  # slot 3: a step with no transition
+    for rows in (torch.arange(0, 5), torch.arange(5, 12)):  # two micro-batches, steps mixed in each
+        loss = row_loss(rows)
+        share.add(loss, steps[rows])
+        loss.sum().backward()
+    accumulated = torch.cat([p.grad.flatten() for p in params.values()]).double()
+    separate = []
+    for j in range(3):
+        grads = torch.autograd.grad(row_loss((steps == j).nonzero().squeeze(1)).sum(), list(params.values()))
+        separate.append(torch.cat([g.flatten() for g in grads]).double())
+    for j in range(3):
+        assert torch.allclose(share.grads[j], separate[j], atol=1e-6), j  # float32 sums, split differently
+    assert share.grads[3] is None and torch.allclose(sum(separate), accumulated, atol=1e-6)
+    total = sum(separate)
+    expect = {j: float(separate[j] @ total / (total @ total)) for j in range(3)}
+    assert share.shares() == pytest.approx(expect, abs=1e-6) and sum(share.shares().values()) == pytest.approx(1.0)
+    assert share.norms() == pytest.approx({j: float(separate[j].norm()) for j in range(3)})

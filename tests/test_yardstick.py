@@ -33,9 +33,9 @@ def test_short_run_logs_the_harness_keys_and_stops_on_its_budget(tmp_path):
     assert m[0]["time/cpu_s"] > 0.01
     for key in ("eval/accuracy", "eval/accuracy_single", "eval/accuracy_counting", "eval/accuracy_se",
                 "eval/reward_mean", "nfe", "nfe/rollout", "nfe/completion", "nfe/train_forward", "nfe/train_backward",
-                "nfe/eval", "images", "time/cpu_s", "time/elapsed_s"):
+                "nfe/eval", "trajectories", "scored_images", "time/cpu_s", "time/elapsed_s"):
         assert all(key in r for r in m), key
-    assert "train/reward_mean" in m[0] and m[1]["images"] == 8 and m[1]["nfe/rollout"] == 8 * 3
+    assert "train/reward_mean" in m[0] and m[1]["trajectories"] == m[1]["scored_images"] == 8 and m[1]["nfe/rollout"] == 8 * 3
     assert m[-1]["nfe/eval"] == 2 * 1 * 2 + 2 * 3 * 2  # the periodic evaluation (1 seed), the final one (3 seeds)
     assert m[-1]["nfe"] == sum(m[-1][f"nfe/{k}"] for k in ("rollout", "completion", "train_forward"))
     lora = torch.load(tmp_path / "run" / "lora.pt")

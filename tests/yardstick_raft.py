@@ -204,7 +204,7 @@ if __name__ == "__main__":
                             .item(), "train/kept": int(len(kept)) // args.fm_draws, "train/loss": loss.item()})
         metrics.update({"nfe": sum(count[k] for k in ("rollout", "completion", "train_forward")),  # as training_nfe
                         **{f"nfe/{k}": v for k, v in count.items()},
-                        "images": images_seen, "time/cpu_s": time.process_time() - cpu0,
+                        "trajectories": images_seen, "scored_images": images_seen, "time/cpu_s": time.process_time() - cpu0,
                         "time/elapsed_s": time.time() - t0})
         if final:
             metrics["final"] = True

@@ -1,0 +1,151 @@
+"""Benchmark (not a test): the shape of the three scripts as a reader meets it, measured on formatted code.
+
+    python tests/bench_code_shape.py                 # this checkout
+    python tests/bench_code_shape.py --root DIR      # another checkout (e.g. a worktree at an older commit)
+
+Every number is taken after `ruff format --line-length 120` of a temporary copy (so packing lines cannot move it):
+lines per script; lines > 100 characters; the main loop's lines (the `for iteration in ...` statement, whole) and the
+share of them that is the algorithm (the rollout section between its ROLLOUT and END OF ROLLOUT banners, and the
+loss: from the policy's log-prob to `loss.backward()`); the deepest statement of the training section (indent levels
+of its first line: the body of `if __name__` is level 1); names imported from the project's own modules (`from common... import`); and, for
+`diff flowgrpo_baseline.py X`, the share of changed lines that are the algorithm: everything but the module
+docstring, the imports, and the help text of flags both scripts share (a flag of its own, its checks, its rollout,
+its advantages are the algorithm). Needs ruff (pip install ruff).
+"""
+
+import argparse
+import ast
+import difflib
+import os
+import shutil
+import subprocess
+import tempfile
+
+SCRIPTS = ("flowgrpo_baseline.py", "g2rpo.py", "densegrpo.py")
+
+
+def formatted(root: str) -> dict[str, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        for s in SCRIPTS:
+            shutil.copy(os.path.join(root, s), os.path.join(tmp, s))
+        subprocess.run(["ruff", "format", "--quiet", "--line-length", "120", "--no-cache", tmp], check=True)
+        return {s: open(os.path.join(tmp, s)).read() for s in SCRIPTS}
+
+
+def main_loop(tree: ast.Module) -> ast.For:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and node.target.id == "iteration":
+            return node
+    raise ValueError("no `for iteration in ...` loop")
+
+
+def depth_of_statements(node, level=-1, out=None):
+    """{line: indent level} of every statement under `node` (a module's own statements: 0)."""
+    out = {} if out is None else out
+    for field in ("body", "orelse", "finalbody", "handlers"):
+        for child in getattr(node, field, []) or []:
+            if isinstance(child, ast.stmt):
+                out[child.lineno] = level + 1
+            depth_of_statements(child, level + 1, out)
+    return out
+
+
+def algorithm_lines_of_loop(lines: list[str], first: int, last: int) -> int:
+    """Lines of the loop that are the algorithm: the rollout section and the loss."""
+    count, inside = 0, False
+    for i in range(first - 1, last):
+        text = lines[i]
+        if "# ==" in text and "ROLLOUT" in text and "END OF ROLLOUT" not in text:
+            inside = True
+        if inside:
+            count += 1
+        if "END OF ROLLOUT" in text:
+            inside = False
+    loss_start = next((i for i in range(first - 1, last) if "log_prob, mean, std_dev_t = " in lines[i]
+                       or "_, log_prob, mean, std_dev_t = sde_step_with_logprob(" in lines[i]), None)
+    loss_end = next((i for i in range(first - 1, last) if "loss.backward()" in lines[i]), None)
+    if loss_start is not None and loss_end is not None:
+        count += loss_end - loss_start + 1
+    return count
+
+
+def regions(text: str) -> dict[int, str]:
+    """line -> 'docstring' | 'import' | 'flag:<name>' for the lines that are not plainly algorithm or loop."""
+    tree = ast.parse(text)
+    out = {}
+    doc = tree.body[0]
+    if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
+        out.update({i: "docstring" for i in range(doc.lineno, doc.end_lineno + 1)})
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update({i: "import" for i in range(node.lineno, node.end_lineno + 1)})
+        if isinstance(node, ast.ClassDef) and node.name == "Args":
+            body = node.body
+            for k, stmt in enumerate(body):
+                if isinstance(stmt, ast.AnnAssign):
+                    end = body[k + 1].end_lineno if k + 1 < len(body) and isinstance(body[k + 1], ast.Expr) else stmt.end_lineno
+                    out.update({i: f"flag:{stmt.target.id}" for i in range(stmt.lineno, end + 1)})
+    return out
+
+
+def diff_share(base: str, other: str) -> tuple[int, int]:
+    """(changed lines of `diff base other`, those that are the algorithm)."""
+    a, b = base.splitlines(), other.splitlines()
+    ra, rb = regions(base), regions(other)
+    flags_a = {v for v in ra.values() if v.startswith("flag:")}
+    flags_b = {v for v in rb.values() if v.startswith("flag:")}
+    shared = flags_a & flags_b
+    changed = algo = 0
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag == "equal":
+            continue
+        for region, lo, hi in ((ra, i1, i2), (rb, j1, j2)):
+            for i in range(lo, hi):
+                changed += 1
+                kind = region.get(i + 1, "")
+                if kind not in ("docstring", "import") and kind not in shared:
+                    algo += 1
+    return changed, algo
+
+
+def measure(root: str) -> dict:
+    texts = formatted(root)
+    out = {}
+    for s, text in texts.items():
+        lines = text.splitlines()
+        tree = ast.parse(text)
+        loop = main_loop(tree)
+        depth = depth_of_statements(tree)
+        train_first = next(i for i, line in enumerate(lines, 1) if "TRAINING on transitions" in line)
+        train_last = next(i for i, line in enumerate(lines, 1) if "END OF TRAINING" in line)
+        deepest = max(d for line, d in depth.items() if train_first <= line <= train_last)
+        own = sum(len(n.names) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("common"))
+        loop_lines = loop.end_lineno - loop.lineno + 1
+        out[s] = {"lines": len(lines), "over_100": sum(len(line) > 100 for line in lines) / len(lines),
+                  "loop_lines": loop_lines,
+                  "loop_algorithm": algorithm_lines_of_loop(lines, loop.lineno, loop.end_lineno) / loop_lines,
+                  "deepest_training_statement": deepest, "own_names_imported": own}
+    for s in SCRIPTS[1:]:
+        changed, algo = diff_share(texts[SCRIPTS[0]], texts[s])
+        out[s]["diff_changed"], out[s]["diff_algorithm"] = changed, algo / changed
+    return out
+
+
+def table(result: dict) -> str:
+    rows = [("lines (formatted)", lambda m: str(m["lines"])),
+            ("lines > 100 characters", lambda m: f"{100 * m['over_100']:.1f} %"),
+            ("main loop, lines", lambda m: str(m["loop_lines"])),
+            ("share of the main loop that is the algorithm", lambda m: f"{100 * m['loop_algorithm']:.0f} %"),
+            ("deepest statement of the training section", lambda m: str(m["deepest_training_statement"])),
+            ("names imported from common/", lambda m: str(m["own_names_imported"])),
+            ("changed lines of the diff against the baseline", lambda m: str(m.get("diff_changed", "—"))),
+            ("share of the diff that is the algorithm",
+             lambda m: f"{100 * m['diff_algorithm']:.0f} %" if "diff_algorithm" in m else "—")]
+    head = "| | " + " | ".join(SCRIPTS) + " |\n|---|" + "---|" * len(SCRIPTS)
+    return head + "\n" + "\n".join(f"| {name} | " + " | ".join(f(result[s]) for s in SCRIPTS) + " |" for name, f in rows)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    print(table(measure(ap.parse_args().root)))
