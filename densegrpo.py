@@ -33,10 +33,17 @@ from common.plots import line_plot
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
 from common.run import Run
 from common.sampler import gaussian_kl, ode_along_paths, ratio_norm, sde_step_with_logprob
-from common.training import (EMA, GradShare, Stats, Trainable, check_transitions, ema_weights, optimizer_step,
-                             plan_updates)
-from common.utils import (RunLogger, all_gather_cat, seed_everything, setup_distributed,
-                          truncate_metrics)
+from common.training import (
+    EMA,
+    GradShare,
+    Stats,
+    Trainable,
+    check_transitions,
+    ema_weights,
+    optimizer_step,
+    plan_updates,
+)
+from common.utils import RunLogger, all_gather_cat, seed_everything, setup_distributed, truncate_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOY_MODEL = os.path.join(HERE, "common", "toyworld", "model")
@@ -263,17 +270,31 @@ def check_args(args: Args, world_size: int) -> None:
     # (A_i - mean) / (std + eps) is 0 / 0 for a group of equal rewards without eps (the shared table allows 0 for G²RPO)
     check_flag(args, "std_eps", Rule(0, lo_open=True, why="a group of equal rewards has std 0"))
     if args.images_per_iteration % world_size:
-        raise ConfigError(f"groups_per_iteration * group_size = {args.images_per_iteration} images cannot be "
-                          f"split evenly over {world_size} ranks; make it a multiple of {world_size}")
+        raise ConfigError(
+            f"groups_per_iteration * group_size = {args.images_per_iteration} images cannot be "
+            f"split evenly over {world_size} ranks; make it a multiple of {world_size}"
+        )
     args.images_per_rank = args.images_per_iteration // world_size
     if args.images_per_rank % args.rollout_batch_size:
-        raise ConfigError(f"each rank samples {args.images_per_rank} images, not a multiple of --rollout-batch-size "
-                          f"{args.rollout_batch_size}; pick a divisor of {args.images_per_rank}")
+        raise ConfigError(
+            f"each rank samples {args.images_per_rank} images, not a multiple of --rollout-batch-size "
+            f"{args.rollout_batch_size}; pick a divisor of {args.images_per_rank}"
+        )
     if not 1 <= args.trained_steps <= args.num_steps:
-        raise ConfigError(f"--timestep-fraction {args.timestep_fraction} trains {args.trained_steps} of "
-                          f"{args.num_steps} steps; it must train at least one")
-    check_flag(args, "completion_steps", Rule(1, integer=True, optional=True, why="a completion needs at least one "
-                                                "ODE step; unset = t, the paper's choice; 1 or 2 = the cheap variants"))
+        raise ConfigError(
+            f"--timestep-fraction {args.timestep_fraction} trains {args.trained_steps} of "
+            f"{args.num_steps} steps; it must train at least one"
+        )
+    check_flag(
+        args,
+        "completion_steps",
+        Rule(
+            1,
+            integer=True,
+            optional=True,
+            why="a completion needs at least one ODE step; unset = t, the paper's choice; 1 or 2 = the cheap variants",
+        ),
+    )
     check_flag(args, "completion_batch_size", Rule(1, integer=True, why="completions per transformer call"))
     if args.balance_threshold is None:
         args.balance_threshold = 1 / 3 if args.balance_test == "fraction" else 2.0  # paper: epsilon_1 = 2
@@ -282,21 +303,27 @@ def check_args(args: Args, world_size: int) -> None:
     lo, hi = args.psi_bounds = args.psi_bounds or (0.0, 1.0 if args.sde_type == "cps" else 1.5)
     check_sde_type(args, args.trained_steps == args.num_steps, f"--timestep-fraction {args.timestep_fraction}")
     if args.sde_type == "cps" and (hi > 1 or args.psi_scale == "raw"):
-        raise ConfigError(f"--sde-type cps with --psi-bounds {lo} {hi} and --psi-scale {args.psi_scale}: psi is CPS's "
-                          "a in sin(a pi / 2) (bounds at most 1, --psi-scale multiplier); raw reads it as the SDE's "
-                          "std_dev_t")
+        raise ConfigError(
+            f"--sde-type cps with --psi-bounds {lo} {hi} and --psi-scale {args.psi_scale}: psi is CPS's "
+            "a in sin(a pi / 2) (bounds at most 1, --psi-scale multiplier); raw reads it as the SDE's "
+            "std_dev_t"
+        )
     if not 0 <= lo <= hi:
         raise ConfigError(f"--psi-bounds {lo} {hi}: need 0 <= low <= high (psi enters the SDE squared)")
     if not lo <= args.noise_level <= hi:
-        raise ConfigError(f"--psi-bounds {lo} {hi} do not contain the start --noise-level {args.noise_level} (bounds "
-                          "are in units of the multiplier a, also with --psi-scale raw); widen them or move the start")
+        raise ConfigError(
+            f"--psi-bounds {lo} {hi} do not contain the start --noise-level {args.noise_level} (bounds "
+            "are in units of the multiplier a, also with --psi-scale raw); widen them or move the start"
+        )
     if args.calibration_average < 1:
         raise ConfigError(f"--calibration-average {args.calibration_average}: average at least the last iterate")
     if args.psi_file is not None and not os.path.isfile(args.psi_file):
         raise ConfigError(f"--psi-file '{args.psi_file}' does not exist: pass the psi.json of an earlier run")
     if args.psi_file is None and args.calibration_iterations and args.calibration_trajectories % world_size:
-        raise ConfigError(f"--calibration-trajectories {args.calibration_trajectories} cannot be split evenly over "
-                          f"{world_size} ranks; make it a multiple of {world_size}")
+        raise ConfigError(
+            f"--calibration-trajectories {args.calibration_trajectories} cannot be split evenly over "
+            f"{world_size} ranks; make it a multiple of {world_size}"
+        )
 
 
 # ALGO LOGIC: group-relative advantages (GRPO), Flow-GRPO's PerPromptStatTracker in a few lines.
@@ -332,8 +359,9 @@ def step_noise_levels(psi: torch.Tensor, sigmas: torch.Tensor, scale: str) -> to
     return psi.float() if scale == "multiplier" else psi.float() / psi_factor(sigmas)
 
 
-def sample_trajectories(backbone, emb, sigmas, noise_levels, n, batch_size, resolution, guidance_scale, gen,
-                        sde_type="sde"):
+def sample_trajectories(
+    backbone, emb, sigmas, noise_levels, n, batch_size, resolution, guidance_scale, gen, sde_type="sde"
+):
     """SDE rollout exactly as the baseline's (same generator draws in the same order, so psi == noise_level gives the
     baseline's trajectories), with a noise level per step. Returns latents [T+1, n, ...] (index 0 = x_T, pure noise;
     index T = the SDE's image x_0), the rollout policy's log-probs [T, n] and the velocities v(latents[k], sigma_k)
@@ -345,9 +373,17 @@ def sample_trajectories(backbone, emb, sigmas, noise_levels, n, batch_size, reso
         x = backbone.initial_noise(m, resolution, resolution, generator=gen)
         xs, lp, vs, ms = [x], [], [], []
         for j in range(len(sigmas) - 1):
-            v = backbone.velocity(x, sigmas[j], emb[b:b + m], guidance_scale)
-            x, log_prob, mean, _ = sde_step_with_logprob(v, x, sigmas[j], sigmas[j + 1], float(noise_levels[j]),
-                                                         generator=gen, sigma_max=sigmas[1], sde_type=sde_type)
+            v = backbone.velocity(x, sigmas[j], emb[b : b + m], guidance_scale)
+            x, log_prob, mean, _ = sde_step_with_logprob(
+                v,
+                x,
+                sigmas[j],
+                sigmas[j + 1],
+                float(noise_levels[j]),
+                generator=gen,
+                sigma_max=sigmas[1],
+                sde_type=sde_type,
+            )
             xs.append(x)
             lp.append(log_prob)
             vs.append(v)
@@ -370,8 +406,9 @@ def completion_grid(num_steps: int, k: int, n: int | None) -> list[int]:
 
 
 @torch.no_grad()
-def dense_rollout(backbone, reward_model, prompts: list[str], emb, sigmas, noise_levels, args, gen,
-                  upto: int | None = None) -> dict:
+def dense_rollout(
+    backbone, reward_model, prompts: list[str], emb, sigmas, noise_levels, args, gen, upto: int | None = None
+) -> dict:
     """Sample one SDE trajectory per prompt and score every latent of it (Eq. 8-9).
 
     R[:, k] = R(ODE completion of latents[k]) for k < T, and R[:, T] = R(the SDE's own image): x_hat_{0,0} = x_0 needs
@@ -382,8 +419,18 @@ def dense_rollout(backbone, reward_model, prompts: list[str], emb, sigmas, noise
     sequential transformer calls of sampling and of the completions: nfe / calls = {"rollout": .., "completion": ..}
     (a CFG pair is one). Completion NFE per trajectory: sum_k (len(grid_k) - 1) - T (first steps reused)."""
     n, T = len(prompts), len(sigmas) - 1
-    latents, log_probs, vels, means = sample_trajectories(backbone, emb, sigmas, noise_levels, n, args.rollout_batch_size,
-                                                   args.resolution, args.guidance_scale, gen, args.sde_type)
+    latents, log_probs, vels, means = sample_trajectories(
+        backbone,
+        emb,
+        sigmas,
+        noise_levels,
+        n,
+        args.rollout_batch_size,
+        args.resolution,
+        args.guidance_scale,
+        gen,
+        args.sde_type,
+    )
     grids = [completion_grid(T, k, args.completion_steps) for k in range(T)] + [[T]]  # [T]: the SDE image
     # A step with psi = 0 is the Euler step (E1) with v(latents[k]), the first step of latents[k]'s completion. Where
     # that completion then goes on along latents[k+1]'s own grid (always for n = t), both are one computation:
@@ -399,18 +446,30 @@ def dense_rollout(backbone, reward_model, prompts: list[str], emb, sigmas, noise
     # Staircase-batched Euler ODE (common/sampler.py); the first step of each reuses the SDE step's v(x_k, sigma_k).
     clean, nfe, calls = ode_along_paths(
         lambda x, sig, rows: backbone.velocity(x, sig, emb[prompt_of[rows]], args.guidance_scale),
-        latents[run].flatten(0, 1), paths, args.completion_batch_size, first_velocity=vels[run].flatten(0, 1))
+        latents[run].flatten(0, 1),
+        paths,
+        args.completion_batch_size,
+        first_velocity=vels[run].flatten(0, 1),
+    )
     clean = torch.cat([clean.view(len(run), *latents.shape[1:]), latents[T:]])  # last: the SDE image (index T)
-    images = torch.cat([backbone.decode(c, args.resolution, args.resolution)
-                        for c in clean.flatten(0, 1).split(args.rollout_batch_size)])
+    images = torch.cat(
+        [
+            backbone.decode(c, args.resolution, args.resolution)
+            for c in clean.flatten(0, 1).split(args.rollout_batch_size)
+        ]
+    )
     scores = reward_model(images, list(prompts) * (len(run) + 1)).view(len(run) + 1, n, -1)  # k-major
     row = {T: len(run)}  # row of scores holding R_k
     for k in reversed(need[:-1]):
         row[k] = row[k + 1] if same[k] else run.index(k)
-    return {"latents": latents, "log_probs": log_probs, "means": means,
-            "scores": scores[[row[k] for k in need]].transpose(0, 1),  # [n, len(need), K]
-            "nfe": {"rollout": n * T, "completion": nfe},
-            "calls": {"rollout": T * math.ceil(n / args.rollout_batch_size), "completion": calls}}
+    return {
+        "latents": latents,
+        "log_probs": log_probs,
+        "means": means,
+        "scores": scores[[row[k] for k in need]].transpose(0, 1),  # [n, len(need), K]
+        "nfe": {"rollout": n * T, "completion": nfe},
+        "calls": {"rollout": T * math.ceil(n / args.rollout_batch_size), "completion": calls},
+    }
 
 
 # ALGO LOGIC: dense reward (Eq. 7) and per-timestep advantages (Eq. 10).
@@ -443,8 +502,16 @@ CALIBRATION_RULES = {
 }
 
 
-def calibrate_psi(psi: torch.Tensor, sample_dR: Callable, iterations: int, step: float, bounds: tuple[float, float],
-                  rule: Callable, average: int, unit: torch.Tensor | None = None) -> tuple[torch.Tensor, list[dict]]:
+def calibrate_psi(
+    psi: torch.Tensor,
+    sample_dR: Callable,
+    iterations: int,
+    step: float,
+    bounds: tuple[float, float],
+    rule: Callable,
+    average: int,
+    unit: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list[dict]]:
     """Algorithm 1. sample_dR(psi, iteration) -> DeltaR [N, T] of N fresh trajectories sampled with noise psi. At each
     timestep: psi += step * unit * rule(#pos, #neg, N), clamped to [low, high] * unit. unit [T] is psi's own scale
     (ones on the multiplier scale; sqrt(sigma / (1 - sigma)) on the raw one, so step and bounds mean the same noise
@@ -457,8 +524,9 @@ def calibrate_psi(psi: torch.Tensor, sample_dR: Callable, iterations: int, step:
         dR = sample_dR(psi, it)
         pos, neg = (dR > 0).sum(0).tolist(), (dR < 0).sum(0).tolist()
         move = torch.tensor([float(rule(p, q, len(dR))) for p, q in zip(pos, neg)])
-        history.append({"iteration": it, "psi": psi.tolist(), "pos": pos, "neg": neg, "n": len(dR),
-                        "move": move.tolist()})
+        history.append(
+            {"iteration": it, "psi": psi.tolist(), "pos": pos, "neg": neg, "n": len(dR), "move": move.tolist()}
+        )
         psi = torch.minimum(torch.maximum(psi + step * unit * move, bounds[0] * unit), bounds[1] * unit)
         history[-1]["psi_next"] = psi.tolist()
     if history:
@@ -472,9 +540,11 @@ def load_psi(path: str, num_steps: int, psi_scale: str, sde_type: str = "sde") -
         info = json.load(f)
     have = len(info["psi"]), info.get("psi_scale"), info.get("sde_type", "sde")  # files before CPS: the SDE
     if have != (num_steps, psi_scale, sde_type):
-        raise ConfigError(f"--psi-file '{path}' holds {have[0]} steps on the {have[1]} scale for --sde-type {have[2]}; "
-                          f"this run has --num-steps {num_steps}, --psi-scale {psi_scale} and --sde-type {sde_type}: "
-                          "recalibrate or match")
+        raise ConfigError(
+            f"--psi-file '{path}' holds {have[0]} steps on the {have[1]} scale for --sde-type {have[2]}; "
+            f"this run has --num-steps {num_steps}, --psi-scale {psi_scale} and --sde-type {sde_type}: "
+            "recalibrate or match"
+        )
     return info
 
 
@@ -489,8 +559,13 @@ def save_psi(run_dir: str, info: dict, psi0: torch.Tensor, average: int) -> None
         counts = [np.sum([[h["pos"][j], h["pos"][j] + h["neg"][j]] for h in last], 0) for j in range(T)]
         frac = [float(p / n) if n else None for p, n in counts]
         series["positive fraction of nonzero dR"] = (ts, frac)
-    line_plot(series, os.path.join(run_dir, "psi.png"), "paper timestep t (T = first step)", "psi / fraction",
-              f"calibration, rule {info.get('balance_test')}")
+    line_plot(
+        series,
+        os.path.join(run_dir, "psi.png"),
+        "paper timestep t (T = first step)",
+        "psi / fraction",
+        f"calibration, rule {info.get('balance_test')}",
+    )
 
 
 # ============================ SHARED: the log-prob of a stored step (same in all three scripts) ============================
@@ -501,12 +576,27 @@ def step_log_prob(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args
     that starts from that state (`mb.rows`; G²RPO's G branches share one), and the stored action scored, not drawn."""
     s, r = mb.states, mb.rows
     # CFG inside the training forward; --detach-uncond stops the gradient of the unconditional branch
-    v = backbone.velocity(tr["latents"][s], tr["sigma"][s], emb[tr["prompt_index"][s]], args.guidance_scale,
-                          model=model, detach_uncond=args.detach_uncond)[mb.expand]
-    _, log_prob, mean, std_dev_t = sde_step_with_logprob(v, tr["latents"][r], tr["sigma"][r], tr["sigma_next"][r],
-                                                         tr["noise_level"][r], prev_sample=tr["next_latents"][r],
-                                                         sigma_max=sigmas[1], sde_type=args.sde_type)
+    v = backbone.velocity(
+        tr["latents"][s],
+        tr["sigma"][s],
+        emb[tr["prompt_index"][s]],
+        args.guidance_scale,
+        model=model,
+        detach_uncond=args.detach_uncond,
+    )[mb.expand]
+    _, log_prob, mean, std_dev_t = sde_step_with_logprob(
+        v,
+        tr["latents"][r],
+        tr["sigma"][r],
+        tr["sigma_next"][r],
+        tr["noise_level"][r],
+        prev_sample=tr["next_latents"][r],
+        sigma_max=sigmas[1],
+        sde_type=args.sde_type,
+    )
     return log_prob, mean, std_dev_t
+
+
 # ================================================= END OF SHARED =================================================
 
 
@@ -517,7 +607,7 @@ if __name__ == "__main__":
         parse_reward_spec(args.reward)
         guard_names = [n for n, _ in parse_reward_spec(args.guard_rewards)] if args.guard_rewards else []
     except ValueError as e:
-        raise ConfigError(str(e))
+        raise ConfigError(str(e)) from None
     train_prompts = read_prompt_file(args.prompts_file, "--prompts-file")
     eval_prompts = read_prompt_file(args.eval_prompts, "--eval-prompts")
     check_resolution(args.model_path, check_model_path(args.model_path), args.resolution, args.resolution)
@@ -527,20 +617,46 @@ if __name__ == "__main__":
     seed_everything(args.seed, args.torch_deterministic)
     run_dir, resume_dir = resolve_run_dir(args, __file__, is_main)  # --resume: checkpoint verified, flags compared
     if is_main:
-        print("batch arithmetic: " + ", ".join(f"{k}={getattr(args, k)}" for k in (
-            "world_size", "groups_per_iteration", "group_size", "images_per_iteration", "images_per_rank",
-            "rollout_batch_size", "train_batch_size", "trained_steps", "optimizer_steps_per_iteration")))
+        print(
+            "batch arithmetic: "
+            + ", ".join(
+                f"{k}={getattr(args, k)}"
+                for k in (
+                    "world_size",
+                    "groups_per_iteration",
+                    "group_size",
+                    "images_per_iteration",
+                    "images_per_rank",
+                    "rollout_batch_size",
+                    "train_batch_size",
+                    "trained_steps",
+                    "optimizer_steps_per_iteration",
+                )
+            )
+        )
 
     # ---- backbone, trained weights (common/training.py: LoRA or full, and the KL reference), optimizer, EMA
-    backbone = load_backbone(args.model_path, device, max_sequence_length=args.max_sequence_length,
-                             gradient_checkpointing=args.gradient_checkpointing, precision=args.mixed_precision,
-                             shard=args.parallel == "fsdp")
-    trainable = Trainable(backbone, args.full_finetune, args.lora_rank, args.lora_alpha, LORA_TARGETS[args.lora_target],
-                          need_reference=args.beta > 0)
+    backbone = load_backbone(
+        args.model_path,
+        device,
+        max_sequence_length=args.max_sequence_length,
+        gradient_checkpointing=args.gradient_checkpointing,
+        precision=args.mixed_precision,
+        shard=args.parallel == "fsdp",
+    )
+    trainable = Trainable(
+        backbone,
+        args.full_finetune,
+        args.lora_rank,
+        args.lora_alpha,
+        LORA_TARGETS[args.lora_target],
+        need_reference=args.beta > 0,
+    )
     policy = parallelize(trainable, args.parallel, world_size, args.fsdp_offload)  # DDP or FSDP2: common/parallel.py
     params = trainable.params
-    optimizer = torch.optim.AdamW(params.values(), lr=args.learning_rate, betas=args.adam_betas,
-                                  weight_decay=args.weight_decay, eps=1e-8)
+    optimizer = torch.optim.AdamW(
+        params.values(), lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.weight_decay, eps=1e-8
+    )
     ema = EMA(params, args.ema_decay, args.ema_update_interval, args.ema_warmup) if args.ema_decay > 0 else None
 
     def save_weights(folder):
@@ -548,13 +664,23 @@ if __name__ == "__main__":
             trainable.save_weights(folder)
 
     reward_model = build_reward(args.reward, device, parse_model_paths(args.reward_model_paths))
-    guard_model = build_reward(args.guard_rewards, device, parse_model_paths(args.reward_model_paths)) \
-        if guard_names else None
-    logger = RunLogger(run_dir, is_main, args.track, asdict(args), args.wandb_project_name, args.wandb_entity,
-                       os.path.basename(run_dir))
+    guard_model = (
+        build_reward(args.guard_rewards, device, parse_model_paths(args.reward_model_paths)) if guard_names else None
+    )
+    logger = RunLogger(
+        run_dir,
+        is_main,
+        args.track,
+        asdict(args),
+        args.wandb_project_name,
+        args.wandb_entity,
+        os.path.basename(run_dir),
+    )
     start_iteration, counts = 0, None  # counts: cumulative over all ranks (common/run.py)
     if resume_dir:
-        start_iteration, counts = restore_checkpoint(resume_dir, rank, params, optimizer, ema, policy)  # and this rank's RNG
+        start_iteration, counts = restore_checkpoint(
+            resume_dir, rank, params, optimizer, ema, policy
+        )  # and this rank's RNG
         if is_main:
             truncate_metrics(run_dir, start_iteration)
 
@@ -571,27 +697,51 @@ if __name__ == "__main__":
             raise ConfigError(f"resuming needs the run's psi.json ({psi_file}); pass --psi-file")
         info = load_psi(psi_file, args.num_steps, args.psi_scale, args.sde_type)
     else:
+
         def sample_dR(psi, it):
             """DeltaR [N, T] of N calibration trajectories, each with its own random prompt, split over ranks."""
             g = torch.Generator().manual_seed(2**40 + args.seed * 1_000_003 + it)
             ids = torch.randint(len(train_prompts), (args.calibration_trajectories,), generator=g)
             prompts_c = [train_prompts[i] for i in ids.view(world_size, -1)[rank]]
             gen_c = torch.Generator(device).manual_seed(2**41 + args.seed * 1_000_003 + it * 1009 + rank)
-            out = dense_rollout(backbone, reward_model, prompts_c, backbone.encode(prompts_c), sigmas,
-                                step_noise_levels(psi, sigmas, args.psi_scale), args, gen_c)
+            out = dense_rollout(
+                backbone,
+                reward_model,
+                prompts_c,
+                backbone.encode(prompts_c),
+                sigmas,
+                step_noise_levels(psi, sigmas, args.psi_scale),
+                args,
+                gen_c,
+            )
             dR = dense_step_rewards(reward_model.mix(out["scores"]))
             return all_gather_cat(dR.to(device), world_size).cpu()
 
         t0, c0 = time.perf_counter(), time.process_time()
-        psi, history = calibrate_psi(psi0, sample_dR, args.calibration_iterations, args.calibration_step,
-                                     args.psi_bounds, lambda p, q, n: CALIBRATION_RULES[args.balance_test](
-                                         p, q, n, args.balance_threshold), args.calibration_average, unit)
-        calib_metrics.update({"time/calibration_s": time.perf_counter() - t0,
-                              "time/calibration_cpu_s": time.process_time() - c0})  # this rank's CPU, all threads
-        info = {"psi": psi.tolist(), "psi_scale": args.psi_scale, "sde_type": args.sde_type,
-                "model_path": args.model_path, "reward": args.reward, "balance_test": args.balance_test,
-                "balance_threshold": args.balance_threshold,
-                "calibration_step": args.calibration_step, "history": history}
+        psi, history = calibrate_psi(
+            psi0,
+            sample_dR,
+            args.calibration_iterations,
+            args.calibration_step,
+            args.psi_bounds,
+            lambda p, q, n: CALIBRATION_RULES[args.balance_test](p, q, n, args.balance_threshold),
+            args.calibration_average,
+            unit,
+        )
+        calib_metrics.update(
+            {"time/calibration_s": time.perf_counter() - t0, "time/calibration_cpu_s": time.process_time() - c0}
+        )  # this rank's CPU, all threads
+        info = {
+            "psi": psi.tolist(),
+            "psi_scale": args.psi_scale,
+            "sde_type": args.sde_type,
+            "model_path": args.model_path,
+            "reward": args.reward,
+            "balance_test": args.balance_test,
+            "balance_threshold": args.balance_threshold,
+            "calibration_step": args.calibration_step,
+            "history": history,
+        }
     psi = torch.tensor(info["psi"], dtype=torch.float32)
     noise_levels = step_noise_levels(psi, sigmas, args.psi_scale)  # the sampler's noise_level of each step
     calib_metrics.update({f"psi/t{args.num_steps - j}": float(psi[j]) for j in range(args.num_steps)})
@@ -599,8 +749,12 @@ if __name__ == "__main__":
         os.makedirs(run_dir, exist_ok=True)
         save_psi(run_dir, info, psi0, args.calibration_average)
         took = [calib_metrics[k] for k in ("time/calibration_s", "time/calibration_cpu_s") if k in calib_metrics]
-        print("psi(t), t = T..1: " + " ".join(f"{p:.3f}" for p in psi.tolist())
-              + (" (calibration: {:.0f} s, {:.0f} CPU s)".format(*took) if took else ""), flush=True)
+        print(
+            "psi(t), t = T..1: "
+            + " ".join(f"{p:.3f}" for p in psi.tolist())
+            + (" (calibration: {:.0f} s, {:.0f} CPU s)".format(*took) if took else ""),
+            flush=True,
+        )
 
     run = Run(args, run_dir, rank, world_size, device, logger, counts, start_iteration, __file__)
     for iteration in range(start_iteration, args.num_iterations + 1):
@@ -627,53 +781,75 @@ if __name__ == "__main__":
             emb = backbone.encode(my_prompts)
             gen = torch.Generator(device).manual_seed(args.seed * 1_000_003 + iteration * 1009 + rank)
             # SDE trajectories with psi(t), T ODE completions each (staircase-batched), T+1 rewards each (Eq. 8-9)
-            out = dense_rollout(backbone, reward_model, my_prompts, emb, sigmas, noise_levels, args, gen,
-                                upto=args.trained_steps)  # R of latents 0..L (+ the SDE image's)
-            rollout_counts = {"trajectories": len(my_prompts),  # every needed latent of a trajectory is scored:
-                              "scored_images": len(my_prompts) * out["scores"].shape[1],
-                              "nfe/rollout": out["nfe"]["rollout"], "nfe/completion": out["nfe"]["completion"]}
+            out = dense_rollout(
+                backbone, reward_model, my_prompts, emb, sigmas, noise_levels, args, gen, upto=args.trained_steps
+            )  # R of latents 0..L (+ the SDE image's)
+            rollout_counts = {
+                "trajectories": len(my_prompts),  # every needed latent of a trajectory is scored:
+                "scored_images": len(my_prompts) * out["scores"].shape[1],
+                "nfe/rollout": out["nfe"]["rollout"],
+                "nfe/completion": out["nfe"]["completion"],
+            }
         with run.timer("reward"):
             all_scores = all_gather_cat(out["scores"].to(device), world_size).cpu()  # [N, L+2 or T+1, K], global
             if not torch.isfinite(all_scores).all():
-                raise SystemExit(f"error: non-finite reward at iteration {iteration}; stopping before any update "
-                                 f"(the last checkpoint-N in {run_dir} is intact: --resume {run_dir})")
+                raise SystemExit(
+                    f"error: non-finite reward at iteration {iteration}; stopping before any update "
+                    f"(the last checkpoint-N in {run_dir} is intact: --resume {run_dir})"
+                )
             mixed = reward_model.mix(all_scores)  # column 0: the ODE image, last: the SDE image
             L = args.trained_steps
-            dR = dense_step_rewards(mixed[:, :L + 1])  # [N, L], Eq. 7: the trained steps
+            dR = dense_step_rewards(mixed[:, : L + 1])  # [N, L], Eq. 7: the trained steps
             if args.reward_mix == "score":
                 advantages = per_step_advantages(dR, group, args.global_std, args.std_eps)  # Eq. 10
             else:  # normalise each reward's DeltaR within its groups per timestep, then mix the advantages
-                dR_k = dense_step_rewards(all_scores[:, :L + 1])  # [N, L, K]
-                per_reward = torch.stack([per_step_advantages(dR_k[..., k], group, args.global_std, args.std_eps)
-                                          for k in range(all_scores.shape[2])], 2)
+                dR_k = dense_step_rewards(all_scores[:, : L + 1])  # [N, L, K]
+                per_reward = torch.stack(
+                    [
+                        per_step_advantages(dR_k[..., k], group, args.global_std, args.std_eps)
+                        for k in range(all_scores.shape[2])
+                    ],
+                    2,
+                )
                 advantages = advantage_mix(per_reward.flatten(0, 1), reward_model.weights).view(dR.shape)
             advantages = advantages.clamp(-args.adv_clip_max, args.adv_clip_max)
             advantages[:, noise_levels[:L] == 0] = 0  # a noise-free step is no action (log-prob 0 whatever theta)
             sde_reward = mixed[:, -1]  # R of the SDE image, the trajectory's own
-            group_std = torch.stack([sde_reward[group == k].std(unbiased=False) for k in range(args.groups_per_iteration)])
+            group_std = torch.stack(
+                [sde_reward[group == k].std(unbiased=False) for k in range(args.groups_per_iteration)]
+            )
             # Transitions: every trained step of every trajectory, each with its own timestep's advantage. Samples
             # whose advantages are all 0 have only zero-advantage transitions, which the training section drops.
             n_traj = args.images_per_rank
             step_index, trajectory = torch.arange(L).repeat_interleave(n_traj), torch.arange(n_traj).repeat(L)
             transitions = {  # step-major: row j * n + i is step j of trajectory i
                 "latents": out["latents"][:L].flatten(0, 1),
-                "next_latents": out["latents"][1:L + 1].flatten(0, 1),
-                "log_prob": out["log_probs"][:L].flatten(), "mean": out["means"][:L].flatten(0, 1),
-                "sigma": sigmas[step_index], "sigma_next": sigmas[step_index + 1],
+                "next_latents": out["latents"][1 : L + 1].flatten(0, 1),
+                "log_prob": out["log_probs"][:L].flatten(),
+                "mean": out["means"][:L].flatten(0, 1),
+                "sigma": sigmas[step_index],
+                "sigma_next": sigmas[step_index + 1],
                 "noise_level": noise_levels[step_index],
                 "advantage": advantages[mine][trajectory, step_index],
-                "prompt_index": trajectory, "step_index": step_index, "trajectory": trajectory,
+                "prompt_index": trajectory,
+                "step_index": step_index,
+                "trajectory": trajectory,
             }
-            metrics.update({"train/reward_mean": sde_reward.mean().item(), "train/reward_std": sde_reward.std().item(),
-                            "train/group_std_mean": group_std.mean().item(),
-                            "train/zero_std_frac": (group_std == 0).float().mean().item(),
-                            "train/reward_ode_mean": mixed[:, 0].mean().item(),  # R_T: the ODE image, same noise
-                            "train/dR_abs_mean": dR.abs().mean().item(),
-                            "train/dR_zero_frac": (dR == 0).float().mean().item(),
-                            "train/zero_adv_sample_frac": (advantages[:, :L] == 0).all(1).float().mean().item(),
-                            "rollout/completion_nfe": out["nfe"]["completion"],
-                            "rollout/completion_calls": out["calls"]["completion"],
-                            "rollout/transformer_calls": sum(out["calls"].values())})
+            metrics.update(
+                {
+                    "train/reward_mean": sde_reward.mean().item(),
+                    "train/reward_std": sde_reward.std().item(),
+                    "train/group_std_mean": group_std.mean().item(),
+                    "train/zero_std_frac": (group_std == 0).float().mean().item(),
+                    "train/reward_ode_mean": mixed[:, 0].mean().item(),  # R_T: the ODE image, same noise
+                    "train/dR_abs_mean": dR.abs().mean().item(),
+                    "train/dR_zero_frac": (dR == 0).float().mean().item(),
+                    "train/zero_adv_sample_frac": (advantages[:, :L] == 0).all(1).float().mean().item(),
+                    "rollout/completion_nfe": out["nfe"]["completion"],
+                    "rollout/completion_calls": out["calls"]["completion"],
+                    "rollout/transformer_calls": sum(out["calls"].values()),
+                }
+            )
             for j in range(L):  # the dense reward each trained step earns: its size and how often it is 0
                 metrics[f"steps/dR_abs/{j}"] = dR[:, j].abs().mean().item()
                 metrics[f"steps/dR_zero/{j}"] = (dR[:, j] == 0).float().mean().item()
@@ -696,8 +872,15 @@ if __name__ == "__main__":
             keep = tr["advantage"] != 0 if args.drop_zero_advantage else torch.ones_like(tr["advantage"], dtype=bool)
             stats = Stats(num_slots=args.num_steps)
             stats.add(torch.ones_like(tr["advantage"]), tr["step_index"], kept=keep.float())  # share kept, per step
-            plan = plan_updates(keep, args.train_batch_size, args.optimizer_steps_per_iteration, world_size,
-                                tr.get("state_index"), tr.get("update_block"), epochs=args.num_inner_epochs)
+            plan = plan_updates(
+                keep,
+                args.train_batch_size,
+                args.optimizer_steps_per_iteration,
+                world_size,
+                tr.get("state_index"),
+                tr.get("update_block"),
+                epochs=args.num_inner_epochs,
+            )
             measured = args.grad_share_every > 0 and iteration % args.grad_share_every == 0  # the diagnostic, if asked
             grad_share = GradShare(params, args.num_steps, active=measured)
             for mb in plan:  # micro-batches in order; the last one of each optimizer step has mb.sync
@@ -706,8 +889,9 @@ if __name__ == "__main__":
                 log_prob, mean, std_dev_t = step_log_prob(backbone, policy, tr, mb, emb, sigmas, args)
                 log_ratio = log_prob - tr["log_prob"][r]  # new over rollout policy, one step
                 if args.ratio_norm != "off":  # GRPO-Guard: re-centred, noise-independent log-ratio (E7)
-                    log_ratio = ratio_norm(log_ratio, mean, tr["mean"][r], std_dev_t, tr["sigma"][r],
-                                           tr["sigma_next"][r])
+                    log_ratio = ratio_norm(
+                        log_ratio, mean, tr["mean"][r], std_dev_t, tr["sigma"][r], tr["sigma_next"][r]
+                    )
                 ratio = torch.exp(log_ratio)
                 adv = tr["advantage"][r]
                 clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
@@ -715,19 +899,36 @@ if __name__ == "__main__":
                 if args.ratio_norm == "guard":  # and its gradient re-weighting: every step's loss / |dt|
                     policy_loss = policy_loss / (tr["sigma"][r] - tr["sigma_next"][r])
                 # KL to the reference policy on the step's Gaussian means (sampler E5); beta = 0: no reference forward
-                kl = (gaussian_kl(mean, step_log_prob(backbone, trainable.reference, tr, mb, emb, sigmas, args)[1],
-                                  std_dev_t) if args.beta > 0 else torch.zeros_like(policy_loss))
+                kl = (
+                    gaussian_kl(
+                        mean, step_log_prob(backbone, trainable.reference, tr, mb, emb, sigmas, args)[1], std_dev_t
+                    )
+                    if args.beta > 0
+                    else torch.zeros_like(policy_loss)
+                )
                 loss = ((policy_loss + args.beta * kl) * mb.weight).sum() / mb.divisor
                 # --grad-share-every: each trained step's part of this gradient (on the measured iterations only)
                 grad_share.add((policy_loss + args.beta * kl) * mb.weight / mb.divisor, tr["step_index"][r])
                 loss.backward()
                 stats.keep_first(ratio_dev=(ratio.detach() - 1).abs().max())  # on-policy: ratio == 1 before any update
-                stats.add(mb.weight, tr["step_index"][r], ratio=ratio, ratio_sq=ratio**2, kl=kl, abs_adv=adv.abs(),
-                          clipfrac=((ratio - 1).abs() > args.clip_range).float(), policy_loss=policy_loss,
-                          approx_kl_k2=0.5 * (log_prob - tr["log_prob"][r]) ** 2)
+                stats.add(
+                    mb.weight,
+                    tr["step_index"][r],
+                    ratio=ratio,
+                    ratio_sq=ratio**2,
+                    kl=kl,
+                    abs_adv=adv.abs(),
+                    clipfrac=((ratio - 1).abs() > args.clip_range).float(),
+                    policy_loss=policy_loss,
+                    approx_kl_k2=0.5 * (log_prob - tr["log_prob"][r]) ** 2,
+                )
                 stats.add_extremes(mb.weight, ratio=ratio)
-                stats.count(**{"nfe/train_forward": len(mb.states) * (2 if args.beta > 0 else 1),
-                               "nfe/train_backward": len(mb.states)})
+                stats.count(
+                    **{
+                        "nfe/train_forward": len(mb.states) * (2 if args.beta > 0 else 1),
+                        "nfe/train_backward": len(mb.states),
+                    }
+                )
                 if mb.sync:  # its gradient is complete: clip, step (a non-finite one stops the run in one line)
                     grad_norm = optimizer_step(params, optimizer, args.max_grad_norm, ema, iteration, run_dir)
                     stats.count(grad_norm=grad_norm, optimizer_steps=1)

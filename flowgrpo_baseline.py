@@ -25,10 +25,17 @@ from common.parallel import check_parallel, parallelize, set_grad_sync
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
 from common.run import Run
 from common.sampler import gaussian_kl, ratio_norm, sde_step_with_logprob
-from common.training import (EMA, GradShare, Stats, Trainable, check_transitions, ema_weights, optimizer_step,
-                             plan_updates)
-from common.utils import (RunLogger, all_gather_cat, seed_everything, setup_distributed,
-                          truncate_metrics)
+from common.training import (
+    EMA,
+    GradShare,
+    Stats,
+    Trainable,
+    check_transitions,
+    ema_weights,
+    optimizer_step,
+    plan_updates,
+)
+from common.utils import RunLogger, all_gather_cat, seed_everything, setup_distributed, truncate_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOY_MODEL = os.path.join(HERE, "common", "toyworld", "model")
@@ -230,34 +237,46 @@ def check_args(args: Args, world_size: int) -> None:
     # (A_i - mean) / (std + eps) is 0 / 0 for a group of equal rewards without eps (the shared table allows 0 for G²RPO)
     check_flag(args, "std_eps", Rule(0, lo_open=True, why="a group of equal rewards has std 0"))
     if args.images_per_iteration % world_size:
-        raise ConfigError(f"groups_per_iteration * group_size = {args.images_per_iteration} images cannot be "
-                          f"split evenly over {world_size} ranks; make it a multiple of {world_size}")
+        raise ConfigError(
+            f"groups_per_iteration * group_size = {args.images_per_iteration} images cannot be "
+            f"split evenly over {world_size} ranks; make it a multiple of {world_size}"
+        )
     args.images_per_rank = args.images_per_iteration // world_size
     if args.images_per_rank % args.rollout_batch_size:
-        raise ConfigError(f"each rank samples {args.images_per_rank} images, not a multiple of --rollout-batch-size "
-                          f"{args.rollout_batch_size}; pick a divisor of {args.images_per_rank}")
+        raise ConfigError(
+            f"each rank samples {args.images_per_rank} images, not a multiple of --rollout-batch-size "
+            f"{args.rollout_batch_size}; pick a divisor of {args.images_per_rank}"
+        )
     check_flag(args, "sde_window_size", Rule(0, integer=True, why="steps in the SDE window; 0 = no window"))
     if args.sde_window_size:  # Flow-GRPO-Fast: the window replaces --timestep-fraction (the released code ignores it)
         if args.timestep_fraction is not None:
-            raise ConfigError(f"--timestep-fraction {args.timestep_fraction} and --sde-window-size "
-                              f"{args.sde_window_size} both choose the trained steps; pass one (the window trains its "
-                              "own steps)")
+            raise ConfigError(
+                f"--timestep-fraction {args.timestep_fraction} and --sde-window-size "
+                f"{args.sde_window_size} both choose the trained steps; pass one (the window trains its "
+                "own steps)"
+            )
         lo, hi = args.sde_window_range = args.sde_window_range or (0, args.num_steps // 2)
         if not (0 <= lo and lo + args.sde_window_size <= hi <= args.num_steps):
-            raise ConfigError(f"--sde-window-range {lo} {hi} with --sde-window-size {args.sde_window_size}: need 0 <= "
-                              f"START, START + size <= END <= --num-steps {args.num_steps} (the window's steps lie in "
-                              f"START..END - 1); the default is 0 {args.num_steps // 2}")
+            raise ConfigError(
+                f"--sde-window-range {lo} {hi} with --sde-window-size {args.sde_window_size}: need 0 <= "
+                f"START, START + size <= END <= --num-steps {args.num_steps} (the window's steps lie in "
+                f"START..END - 1); the default is 0 {args.num_steps // 2}"
+            )
         args.trained_steps = args.sde_window_size
         check_sde_type(args, hi == args.num_steps, f"--sde-window-range {lo} {hi}")
         return
     if args.sde_window_range is not None:
-        raise ConfigError(f"--sde-window-range {' '.join(map(str, args.sde_window_range))} needs --sde-window-size > 0 "
-                          "(the default 0 puts noise at every step)")
+        raise ConfigError(
+            f"--sde-window-range {' '.join(map(str, args.sde_window_range))} needs --sde-window-size > 0 "
+            "(the default 0 puts noise at every step)"
+        )
     args.timestep_fraction = 0.5 if args.timestep_fraction is None else args.timestep_fraction
     args.trained_steps = int(args.num_steps * args.timestep_fraction)
     if not 1 <= args.trained_steps <= args.num_steps:
-        raise ConfigError(f"--timestep-fraction {args.timestep_fraction} trains {args.trained_steps} of "
-                          f"{args.num_steps} steps; it must train at least one")
+        raise ConfigError(
+            f"--timestep-fraction {args.timestep_fraction} trains {args.trained_steps} of "
+            f"{args.num_steps} steps; it must train at least one"
+        )
     check_sde_type(args, args.trained_steps == args.num_steps, f"--timestep-fraction {args.timestep_fraction}")
 
 
@@ -289,12 +308,27 @@ def step_log_prob(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args
     that starts from that state (`mb.rows`; G²RPO's G branches share one), and the stored action scored, not drawn."""
     s, r = mb.states, mb.rows
     # CFG inside the training forward; --detach-uncond stops the gradient of the unconditional branch
-    v = backbone.velocity(tr["latents"][s], tr["sigma"][s], emb[tr["prompt_index"][s]], args.guidance_scale,
-                          model=model, detach_uncond=args.detach_uncond)[mb.expand]
-    _, log_prob, mean, std_dev_t = sde_step_with_logprob(v, tr["latents"][r], tr["sigma"][r], tr["sigma_next"][r],
-                                                         tr["noise_level"][r], prev_sample=tr["next_latents"][r],
-                                                         sigma_max=sigmas[1], sde_type=args.sde_type)
+    v = backbone.velocity(
+        tr["latents"][s],
+        tr["sigma"][s],
+        emb[tr["prompt_index"][s]],
+        args.guidance_scale,
+        model=model,
+        detach_uncond=args.detach_uncond,
+    )[mb.expand]
+    _, log_prob, mean, std_dev_t = sde_step_with_logprob(
+        v,
+        tr["latents"][r],
+        tr["sigma"][r],
+        tr["sigma_next"][r],
+        tr["noise_level"][r],
+        prev_sample=tr["next_latents"][r],
+        sigma_max=sigmas[1],
+        sde_type=args.sde_type,
+    )
     return log_prob, mean, std_dev_t
+
+
 # ================================================= END OF SHARED =================================================
 
 
@@ -305,7 +339,7 @@ if __name__ == "__main__":
         parse_reward_spec(args.reward)
         guard_names = [n for n, _ in parse_reward_spec(args.guard_rewards)] if args.guard_rewards else []
     except ValueError as e:
-        raise ConfigError(str(e))
+        raise ConfigError(str(e)) from None
     train_prompts = read_prompt_file(args.prompts_file, "--prompts-file")
     eval_prompts = read_prompt_file(args.eval_prompts, "--eval-prompts")
     check_resolution(args.model_path, check_model_path(args.model_path), args.resolution, args.resolution)
@@ -315,20 +349,46 @@ if __name__ == "__main__":
     seed_everything(args.seed, args.torch_deterministic)
     run_dir, resume_dir = resolve_run_dir(args, __file__, is_main)  # --resume: checkpoint verified, flags compared
     if is_main:
-        print("batch arithmetic: " + ", ".join(f"{k}={getattr(args, k)}" for k in (
-            "world_size", "groups_per_iteration", "group_size", "images_per_iteration", "images_per_rank",
-            "rollout_batch_size", "train_batch_size", "trained_steps", "optimizer_steps_per_iteration")))
+        print(
+            "batch arithmetic: "
+            + ", ".join(
+                f"{k}={getattr(args, k)}"
+                for k in (
+                    "world_size",
+                    "groups_per_iteration",
+                    "group_size",
+                    "images_per_iteration",
+                    "images_per_rank",
+                    "rollout_batch_size",
+                    "train_batch_size",
+                    "trained_steps",
+                    "optimizer_steps_per_iteration",
+                )
+            )
+        )
 
     # ---- backbone, trained weights (common/training.py: LoRA or full, and the KL reference), optimizer, EMA
-    backbone = load_backbone(args.model_path, device, max_sequence_length=args.max_sequence_length,
-                             gradient_checkpointing=args.gradient_checkpointing, precision=args.mixed_precision,
-                             shard=args.parallel == "fsdp")
-    trainable = Trainable(backbone, args.full_finetune, args.lora_rank, args.lora_alpha, LORA_TARGETS[args.lora_target],
-                          need_reference=args.beta > 0)
+    backbone = load_backbone(
+        args.model_path,
+        device,
+        max_sequence_length=args.max_sequence_length,
+        gradient_checkpointing=args.gradient_checkpointing,
+        precision=args.mixed_precision,
+        shard=args.parallel == "fsdp",
+    )
+    trainable = Trainable(
+        backbone,
+        args.full_finetune,
+        args.lora_rank,
+        args.lora_alpha,
+        LORA_TARGETS[args.lora_target],
+        need_reference=args.beta > 0,
+    )
     policy = parallelize(trainable, args.parallel, world_size, args.fsdp_offload)  # DDP or FSDP2: common/parallel.py
     params = trainable.params
-    optimizer = torch.optim.AdamW(params.values(), lr=args.learning_rate, betas=args.adam_betas,
-                                  weight_decay=args.weight_decay, eps=1e-8)
+    optimizer = torch.optim.AdamW(
+        params.values(), lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.weight_decay, eps=1e-8
+    )
     ema = EMA(params, args.ema_decay, args.ema_update_interval, args.ema_warmup) if args.ema_decay > 0 else None
 
     def save_weights(folder):
@@ -336,13 +396,23 @@ if __name__ == "__main__":
             trainable.save_weights(folder)
 
     reward_model = build_reward(args.reward, device, parse_model_paths(args.reward_model_paths))
-    guard_model = build_reward(args.guard_rewards, device, parse_model_paths(args.reward_model_paths)) \
-        if guard_names else None
-    logger = RunLogger(run_dir, is_main, args.track, asdict(args), args.wandb_project_name, args.wandb_entity,
-                       os.path.basename(run_dir))
+    guard_model = (
+        build_reward(args.guard_rewards, device, parse_model_paths(args.reward_model_paths)) if guard_names else None
+    )
+    logger = RunLogger(
+        run_dir,
+        is_main,
+        args.track,
+        asdict(args),
+        args.wandb_project_name,
+        args.wandb_entity,
+        os.path.basename(run_dir),
+    )
     start_iteration, counts = 0, None  # counts: cumulative over all ranks (common/run.py)
     if resume_dir:
-        start_iteration, counts = restore_checkpoint(resume_dir, rank, params, optimizer, ema, policy)  # and this rank's RNG
+        start_iteration, counts = restore_checkpoint(
+            resume_dir, rank, params, optimizer, ema, policy
+        )  # and this rank's RNG
         if is_main:
             truncate_metrics(run_dir, start_iteration)
 
@@ -376,7 +446,10 @@ if __name__ == "__main__":
             my_prompts = [train_prompts[prompt_ids[k]] for k in group[mine]]
             emb = backbone.encode(my_prompts)
             gen = torch.Generator(device).manual_seed(args.seed * 1_000_003 + iteration * 1009 + rank)
-            chains, images = [], []  # per rollout batch: (latents, next_latents, log_prob, mean), [trained steps, B, ..]
+            chains, images = (
+                [],
+                [],
+            )  # per rollout batch: (latents, next_latents, log_prob, mean), [trained steps, B, ..]
             with torch.no_grad():
                 for b in range(0, args.images_per_rank, args.rollout_batch_size):
                     idx = slice(b, b + args.rollout_batch_size)
@@ -386,11 +459,19 @@ if __name__ == "__main__":
                         v = backbone.velocity(x, sigmas[j], emb[idx], args.guidance_scale)
                         # outside a window noise 0: the sampler's exact Euler step (E1), deterministic
                         a = args.noise_level if j in trained or not args.sde_window_size else 0.0
-                        x_next, log_prob, mean, _ = sde_step_with_logprob(v, x, sigmas[j], sigmas[j + 1], a, generator=gen,
-                                                                          sigma_max=sigmas[1], sde_type=args.sde_type)
+                        x_next, log_prob, mean, _ = sde_step_with_logprob(
+                            v,
+                            x,
+                            sigmas[j],
+                            sigmas[j + 1],
+                            a,
+                            generator=gen,
+                            sigma_max=sigmas[1],
+                            sde_type=args.sde_type,
+                        )
                         traj.append((x, x_next, log_prob, mean))
                         x = x_next
-                    chains.append([torch.stack(t) for t in zip(*traj[trained.start:trained.stop])])
+                    chains.append([torch.stack(t) for t in zip(*traj[trained.start : trained.stop])])
                     images.append(backbone.decode(x, args.resolution, args.resolution))
             n = args.images_per_rank  # one trajectory per image, each image scored once
             rollout_counts = {"trajectories": n, "scored_images": n, "nfe/rollout": n * args.num_steps}
@@ -399,13 +480,20 @@ if __name__ == "__main__":
             scores = reward_model(images, my_prompts)  # [n, K] raw scores, one column per reward
             all_scores = all_gather_cat(scores.to(device), world_size).cpu()  # rank-major = global order
             if not torch.isfinite(all_scores).all():
-                raise SystemExit(f"error: non-finite reward at iteration {iteration}; stopping before any update "
-                                 f"(the last checkpoint-N in {run_dir} is intact: --resume {run_dir})")
+                raise SystemExit(
+                    f"error: non-finite reward at iteration {iteration}; stopping before any update "
+                    f"(the last checkpoint-N in {run_dir} is intact: --resume {run_dir})"
+                )
             if args.reward_mix == "score":
                 advantages = group_advantages(reward_model.mix(all_scores), group, args.global_std, args.std_eps)
             else:  # normalise each reward within its groups, then mix the advantages (G2RPO's multi-reward rule)
-                per_reward = torch.stack([group_advantages(all_scores[:, k], group, args.global_std, args.std_eps)
-                                          for k in range(all_scores.shape[1])], 1)
+                per_reward = torch.stack(
+                    [
+                        group_advantages(all_scores[:, k], group, args.global_std, args.std_eps)
+                        for k in range(all_scores.shape[1])
+                    ],
+                    1,
+                )
                 advantages = advantage_mix(per_reward, reward_model.weights)
             advantages = advantages.clamp(-args.adv_clip_max, args.adv_clip_max)
             mixed = reward_model.mix(all_scores).double()  # float64: a tied group has std exactly 0
@@ -416,15 +504,27 @@ if __name__ == "__main__":
             step_index, trajectory = torch.arange(w0, w0 + T).repeat_interleave(n), torch.arange(n).repeat(T)
             latents, next_latents, log_probs, means = (torch.cat(f, 1).flatten(0, 1) for f in zip(*chains))
             transitions = {
-                "latents": latents, "next_latents": next_latents, "log_prob": log_probs, "mean": means,
-                "sigma": sigmas[step_index], "sigma_next": sigmas[step_index + 1],
-                "noise_level": torch.full((T * n,), args.noise_level), "advantage": advantages[mine][trajectory],
-                "prompt_index": trajectory, "step_index": step_index, "trajectory": trajectory,
+                "latents": latents,
+                "next_latents": next_latents,
+                "log_prob": log_probs,
+                "mean": means,
+                "sigma": sigmas[step_index],
+                "sigma_next": sigmas[step_index + 1],
+                "noise_level": torch.full((T * n,), args.noise_level),
+                "advantage": advantages[mine][trajectory],
+                "prompt_index": trajectory,
+                "step_index": step_index,
+                "trajectory": trajectory,
             }
-            metrics.update({"train/reward_mean": mixed.mean().item(), "train/reward_std": mixed.std().item(),
-                            "train/group_std_mean": group_std.mean().item(),
-                            "train/zero_std_frac": (group_std == 0).float().mean().item(),
-                            **({"train/sde_window_start": w0} if args.sde_window_size else {})})
+            metrics.update(
+                {
+                    "train/reward_mean": mixed.mean().item(),
+                    "train/reward_std": mixed.std().item(),
+                    "train/group_std_mean": group_std.mean().item(),
+                    "train/zero_std_frac": (group_std == 0).float().mean().item(),
+                    **({"train/sde_window_start": w0} if args.sde_window_size else {}),
+                }
+            )
         del chains, images
         # ============================== END OF ROLLOUT (the scripts differ only above) ==============================
 
@@ -438,8 +538,15 @@ if __name__ == "__main__":
             keep = tr["advantage"] != 0 if args.drop_zero_advantage else torch.ones_like(tr["advantage"], dtype=bool)
             stats = Stats(num_slots=args.num_steps)
             stats.add(torch.ones_like(tr["advantage"]), tr["step_index"], kept=keep.float())  # share kept, per step
-            plan = plan_updates(keep, args.train_batch_size, args.optimizer_steps_per_iteration, world_size,
-                                tr.get("state_index"), tr.get("update_block"), epochs=args.num_inner_epochs)
+            plan = plan_updates(
+                keep,
+                args.train_batch_size,
+                args.optimizer_steps_per_iteration,
+                world_size,
+                tr.get("state_index"),
+                tr.get("update_block"),
+                epochs=args.num_inner_epochs,
+            )
             measured = args.grad_share_every > 0 and iteration % args.grad_share_every == 0  # the diagnostic, if asked
             grad_share = GradShare(params, args.num_steps, active=measured)
             for mb in plan:  # micro-batches in order; the last one of each optimizer step has mb.sync
@@ -448,8 +555,9 @@ if __name__ == "__main__":
                 log_prob, mean, std_dev_t = step_log_prob(backbone, policy, tr, mb, emb, sigmas, args)
                 log_ratio = log_prob - tr["log_prob"][r]  # new over rollout policy, one step
                 if args.ratio_norm != "off":  # GRPO-Guard: re-centred, noise-independent log-ratio (E7)
-                    log_ratio = ratio_norm(log_ratio, mean, tr["mean"][r], std_dev_t, tr["sigma"][r],
-                                           tr["sigma_next"][r])
+                    log_ratio = ratio_norm(
+                        log_ratio, mean, tr["mean"][r], std_dev_t, tr["sigma"][r], tr["sigma_next"][r]
+                    )
                 ratio = torch.exp(log_ratio)
                 adv = tr["advantage"][r]
                 clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
@@ -457,19 +565,36 @@ if __name__ == "__main__":
                 if args.ratio_norm == "guard":  # and its gradient re-weighting: every step's loss / |dt|
                     policy_loss = policy_loss / (tr["sigma"][r] - tr["sigma_next"][r])
                 # KL to the reference policy on the step's Gaussian means (sampler E5); beta = 0: no reference forward
-                kl = (gaussian_kl(mean, step_log_prob(backbone, trainable.reference, tr, mb, emb, sigmas, args)[1],
-                                  std_dev_t) if args.beta > 0 else torch.zeros_like(policy_loss))
+                kl = (
+                    gaussian_kl(
+                        mean, step_log_prob(backbone, trainable.reference, tr, mb, emb, sigmas, args)[1], std_dev_t
+                    )
+                    if args.beta > 0
+                    else torch.zeros_like(policy_loss)
+                )
                 loss = ((policy_loss + args.beta * kl) * mb.weight).sum() / mb.divisor
                 # --grad-share-every: each trained step's part of this gradient (on the measured iterations only)
                 grad_share.add((policy_loss + args.beta * kl) * mb.weight / mb.divisor, tr["step_index"][r])
                 loss.backward()
                 stats.keep_first(ratio_dev=(ratio.detach() - 1).abs().max())  # on-policy: ratio == 1 before any update
-                stats.add(mb.weight, tr["step_index"][r], ratio=ratio, ratio_sq=ratio**2, kl=kl, abs_adv=adv.abs(),
-                          clipfrac=((ratio - 1).abs() > args.clip_range).float(), policy_loss=policy_loss,
-                          approx_kl_k2=0.5 * (log_prob - tr["log_prob"][r]) ** 2)
+                stats.add(
+                    mb.weight,
+                    tr["step_index"][r],
+                    ratio=ratio,
+                    ratio_sq=ratio**2,
+                    kl=kl,
+                    abs_adv=adv.abs(),
+                    clipfrac=((ratio - 1).abs() > args.clip_range).float(),
+                    policy_loss=policy_loss,
+                    approx_kl_k2=0.5 * (log_prob - tr["log_prob"][r]) ** 2,
+                )
                 stats.add_extremes(mb.weight, ratio=ratio)
-                stats.count(**{"nfe/train_forward": len(mb.states) * (2 if args.beta > 0 else 1),
-                               "nfe/train_backward": len(mb.states)})
+                stats.count(
+                    **{
+                        "nfe/train_forward": len(mb.states) * (2 if args.beta > 0 else 1),
+                        "nfe/train_backward": len(mb.states),
+                    }
+                )
                 if mb.sync:  # its gradient is complete: clip, step (a non-finite one stops the run in one line)
                     grad_norm = optimizer_step(params, optimizer, args.max_grad_norm, ema, iteration, run_dir)
                     stats.count(grad_norm=grad_norm, optimizer_steps=1)

@@ -28,10 +28,17 @@ from common.parallel import check_parallel, parallelize, set_grad_sync
 from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
 from common.run import Run
 from common.sampler import gaussian_kl, ode_along_paths, ode_step, ratio_norm, sde_step_with_logprob
-from common.training import (EMA, GradShare, Stats, Trainable, check_transitions, ema_weights, optimizer_step,
-                             plan_updates)
-from common.utils import (RunLogger, all_gather_cat, seed_everything, setup_distributed,
-                          truncate_metrics)
+from common.training import (
+    EMA,
+    GradShare,
+    Stats,
+    Trainable,
+    check_transitions,
+    ema_weights,
+    optimizer_step,
+    plan_updates,
+)
+from common.utils import RunLogger, all_gather_cat, seed_everything, setup_distributed, truncate_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOY_MODEL = os.path.join(HERE, "common", "toyworld", "model")
@@ -244,15 +251,21 @@ def check_args(args: Args, world_size: int) -> None:
     args.granularities = tuple(sorted(set(args.granularities)))
     args.trained_steps = len(args.branch_steps)
     if args.groups_per_iteration % world_size:
-        raise ConfigError(f"--groups-per-iteration {args.groups_per_iteration} cannot be split over {world_size} "
-                          f"ranks (each rank samples whole groups); make it a multiple of {world_size}")
+        raise ConfigError(
+            f"--groups-per-iteration {args.groups_per_iteration} cannot be split over {world_size} "
+            f"ranks (each rank samples whole groups); make it a multiple of {world_size}"
+        )
     if not args.branch_steps or not all(0 <= k < args.num_steps for k in args.branch_steps):
-        raise ConfigError(f"--branch-steps {' '.join(map(str, args.branch_steps))}: give at least one step index in "
-                          f"0..{args.num_steps - 1} (0 is the noisiest step); the default is 0 1 2 (toy), and the paper "
-                          f"branches the first half (0 1 2 3 4 5 6 7 of its 16 steps)")
+        raise ConfigError(
+            f"--branch-steps {' '.join(map(str, args.branch_steps))}: give at least one step index in "
+            f"0..{args.num_steps - 1} (0 is the noisiest step); the default is 0 1 2 (toy), and the paper "
+            f"branches the first half (0 1 2 3 4 5 6 7 of its 16 steps)"
+        )
     if not args.granularities or min(args.granularities) < 1:
-        raise ConfigError(f"--granularities {' '.join(map(str, args.granularities))}: give positive step strides "
-                          "λ >= 1; the default is 1 2 3 (paper)")
+        raise ConfigError(
+            f"--granularities {' '.join(map(str, args.granularities))}: give positive step strides "
+            "λ >= 1; the default is 1 2 3 (paper)"
+        )
     # the branch step is one sde_step_with_logprob call, either type; CPS cannot branch the last step (its std is 0)
     check_sde_type(args, args.num_steps - 1 in args.branch_steps, f"--branch-steps ending at {max(args.branch_steps)}")
     if args.shift is not None and args.shift <= 0:
@@ -301,7 +314,7 @@ def anchor_trajectory(velocity, x, sigmas, last: int, batch: int):
     """
     states, vels, rows = [], [], torch.arange(len(x))
     for j in range(last + 1):
-        v = torch.cat([velocity(x[b:b + batch], sigmas[j], rows[b:b + batch]) for b in range(0, len(x), batch)])
+        v = torch.cat([velocity(x[b : b + batch], sigmas[j], rows[b : b + batch]) for b in range(0, len(x), batch)])
         states.append(x)
         vels.append(v)
         x = ode_step(v, x, sigmas[j], sigmas[j + 1])
@@ -309,9 +322,19 @@ def anchor_trajectory(velocity, x, sigmas, last: int, batch: int):
 
 
 @torch.no_grad()
-def singular_stochastic_rollout(velocity, x_T, sigmas, branch_steps, granularities, group_size: int,
-                                noise_level: float, generator=None, batch: int = 64, official: bool = False,
-                                sde_type: str = "sde") -> dict:
+def singular_stochastic_rollout(
+    velocity,
+    x_T,
+    sigmas,
+    branch_steps,
+    granularities,
+    group_size: int,
+    noise_level: float,
+    generator=None,
+    batch: int = 64,
+    official: bool = False,
+    sde_type: str = "sde",
+) -> dict:
     """Singular Stochastic Sampling + MGAI completions for P prompts (rows of x_T, each group's shared noise).
 
     For each k in M: G SDE steps (E3; --sde-type cps: E6) from the anchor state x_k, with the anchor's velocity at
@@ -331,8 +354,9 @@ def singular_stochastic_rollout(velocity, x_T, sigmas, branch_steps, granulariti
     latents, next_latents, log_prob, means = [], [], [], []
     for k in branch_steps:  # every k branches from the same anchor (not from another k's branch)
         x, v = states[k].repeat_interleave(n, 0), vels[k].repeat_interleave(n, 0)
-        y, lp, mu, _ = sde_step_with_logprob(v, x, sigmas[k], sigmas[k + 1], noise_level, generator=generator,
-                                             sigma_max=sigmas[1], sde_type=sde_type)
+        y, lp, mu, _ = sde_step_with_logprob(
+            v, x, sigmas[k], sigmas[k + 1], noise_level, generator=generator, sigma_max=sigmas[1], sde_type=sde_type
+        )
         latents.append(states[k])
         next_latents.append(y.view(P, n, *y.shape[1:]))
         log_prob.append(lp.view(P, n))
@@ -345,14 +369,21 @@ def singular_stochastic_rollout(velocity, x_T, sigmas, branch_steps, granulariti
     paths = [p for _ in range(P) for p in paths for _ in range(n)]
     prompt_index = torch.arange(P).repeat_interleave(K * L * n)
     # Euler ODE (E1) of every row along its own path, staircase-batched (common/sampler.py)
-    final, nfe_ode, _ = ode_along_paths(lambda x, s, rows: velocity(x, s, prompt_index[rows]),
-                                        start.reshape(P * K * L * n, *start.shape[4:]), paths, batch)
+    final, nfe_ode, _ = ode_along_paths(
+        lambda x, s, rows: velocity(x, s, prompt_index[rows]),
+        start.reshape(P * K * L * n, *start.shape[4:]),
+        paths,
+        batch,
+    )
     final = final.view(P, K, L, n, *final.shape[1:])
-    return {"latents": torch.stack(latents), "next_latents": next_latents.expand(K, P, G, *next_latents.shape[3:]),
-            "log_prob": torch.stack(log_prob).expand(K, P, G),
-            "mean": torch.stack(means).expand(K, P, G, *next_latents.shape[3:]),
-            "final": final.expand(P, K, L, G, *final.shape[4:]),
-            "nfe": nfe + nfe_ode}
+    return {
+        "latents": torch.stack(latents),
+        "next_latents": next_latents.expand(K, P, G, *next_latents.shape[3:]),
+        "log_prob": torch.stack(log_prob).expand(K, P, G),
+        "mean": torch.stack(means).expand(K, P, G, *next_latents.shape[3:]),
+        "final": final.expand(P, K, L, G, *final.shape[4:]),
+        "nfe": nfe + nfe_ode,
+    }
 
 
 # ALGO LOGIC: MGAI (paper Eqs. 10-12), the advantage of each branch step from its rewards at every granularity.
@@ -378,12 +409,27 @@ def step_log_prob(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args
     that starts from that state (`mb.rows`; G²RPO's G branches share one), and the stored action scored, not drawn."""
     s, r = mb.states, mb.rows
     # CFG inside the training forward; --detach-uncond stops the gradient of the unconditional branch
-    v = backbone.velocity(tr["latents"][s], tr["sigma"][s], emb[tr["prompt_index"][s]], args.guidance_scale,
-                          model=model, detach_uncond=args.detach_uncond)[mb.expand]
-    _, log_prob, mean, std_dev_t = sde_step_with_logprob(v, tr["latents"][r], tr["sigma"][r], tr["sigma_next"][r],
-                                                         tr["noise_level"][r], prev_sample=tr["next_latents"][r],
-                                                         sigma_max=sigmas[1], sde_type=args.sde_type)
+    v = backbone.velocity(
+        tr["latents"][s],
+        tr["sigma"][s],
+        emb[tr["prompt_index"][s]],
+        args.guidance_scale,
+        model=model,
+        detach_uncond=args.detach_uncond,
+    )[mb.expand]
+    _, log_prob, mean, std_dev_t = sde_step_with_logprob(
+        v,
+        tr["latents"][r],
+        tr["sigma"][r],
+        tr["sigma_next"][r],
+        tr["noise_level"][r],
+        prev_sample=tr["next_latents"][r],
+        sigma_max=sigmas[1],
+        sde_type=args.sde_type,
+    )
     return log_prob, mean, std_dev_t
+
+
 # ================================================= END OF SHARED =================================================
 
 
@@ -394,7 +440,7 @@ if __name__ == "__main__":
         parse_reward_spec(args.reward)
         guard_names = [n for n, _ in parse_reward_spec(args.guard_rewards)] if args.guard_rewards else []
     except ValueError as e:
-        raise ConfigError(str(e))
+        raise ConfigError(str(e)) from None
     train_prompts = read_prompt_file(args.prompts_file, "--prompts-file")
     eval_prompts = read_prompt_file(args.eval_prompts, "--eval-prompts")
     check_resolution(args.model_path, check_model_path(args.model_path), args.resolution, args.resolution)
@@ -404,20 +450,46 @@ if __name__ == "__main__":
     seed_everything(args.seed, args.torch_deterministic)
     run_dir, resume_dir = resolve_run_dir(args, __file__, is_main)  # --resume: checkpoint verified, flags compared
     if is_main:
-        print("batch arithmetic: " + ", ".join(f"{k}={getattr(args, k)}" for k in (
-            "world_size", "groups_per_iteration", "group_size", "images_per_iteration", "images_per_rank",
-            "rollout_batch_size", "train_batch_size", "trained_steps", "optimizer_steps_per_iteration")))
+        print(
+            "batch arithmetic: "
+            + ", ".join(
+                f"{k}={getattr(args, k)}"
+                for k in (
+                    "world_size",
+                    "groups_per_iteration",
+                    "group_size",
+                    "images_per_iteration",
+                    "images_per_rank",
+                    "rollout_batch_size",
+                    "train_batch_size",
+                    "trained_steps",
+                    "optimizer_steps_per_iteration",
+                )
+            )
+        )
 
     # ---- backbone, trained weights (common/training.py: LoRA or full, and the KL reference), optimizer, EMA
-    backbone = load_backbone(args.model_path, device, max_sequence_length=args.max_sequence_length,
-                             gradient_checkpointing=args.gradient_checkpointing, precision=args.mixed_precision,
-                             shard=args.parallel == "fsdp")
-    trainable = Trainable(backbone, args.full_finetune, args.lora_rank, args.lora_alpha, LORA_TARGETS[args.lora_target],
-                          need_reference=args.beta > 0)
+    backbone = load_backbone(
+        args.model_path,
+        device,
+        max_sequence_length=args.max_sequence_length,
+        gradient_checkpointing=args.gradient_checkpointing,
+        precision=args.mixed_precision,
+        shard=args.parallel == "fsdp",
+    )
+    trainable = Trainable(
+        backbone,
+        args.full_finetune,
+        args.lora_rank,
+        args.lora_alpha,
+        LORA_TARGETS[args.lora_target],
+        need_reference=args.beta > 0,
+    )
     policy = parallelize(trainable, args.parallel, world_size, args.fsdp_offload)  # DDP or FSDP2: common/parallel.py
     params = trainable.params
-    optimizer = torch.optim.AdamW(params.values(), lr=args.learning_rate, betas=args.adam_betas,
-                                  weight_decay=args.weight_decay, eps=1e-8)
+    optimizer = torch.optim.AdamW(
+        params.values(), lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.weight_decay, eps=1e-8
+    )
     ema = EMA(params, args.ema_decay, args.ema_update_interval, args.ema_warmup) if args.ema_decay > 0 else None
 
     def save_weights(folder):
@@ -425,13 +497,23 @@ if __name__ == "__main__":
             trainable.save_weights(folder)
 
     reward_model = build_reward(args.reward, device, parse_model_paths(args.reward_model_paths))
-    guard_model = build_reward(args.guard_rewards, device, parse_model_paths(args.reward_model_paths)) \
-        if guard_names else None
-    logger = RunLogger(run_dir, is_main, args.track, asdict(args), args.wandb_project_name, args.wandb_entity,
-                       os.path.basename(run_dir))
+    guard_model = (
+        build_reward(args.guard_rewards, device, parse_model_paths(args.reward_model_paths)) if guard_names else None
+    )
+    logger = RunLogger(
+        run_dir,
+        is_main,
+        args.track,
+        asdict(args),
+        args.wandb_project_name,
+        args.wandb_entity,
+        os.path.basename(run_dir),
+    )
     start_iteration, counts = 0, None  # counts: cumulative over all ranks (common/run.py)
     if resume_dir:
-        start_iteration, counts = restore_checkpoint(resume_dir, rank, params, optimizer, ema, policy)  # and this rank's RNG
+        start_iteration, counts = restore_checkpoint(
+            resume_dir, rank, params, optimizer, ema, policy
+        )  # and this rank's RNG
         if is_main:
             truncate_metrics(run_dir, start_iteration)
 
@@ -461,23 +543,43 @@ if __name__ == "__main__":
             M, Lam, G = args.branch_steps, args.granularities, args.group_size
             x_T = backbone.initial_noise(len(my_prompts), args.resolution, args.resolution, generator=gen)  # 1/group
             roll = singular_stochastic_rollout(
-                lambda x, s, p: backbone.velocity(x, s, emb[p], args.guidance_scale), x_T, sigmas, M, Lam, G,
-                args.noise_level, generator=gen, batch=args.rollout_batch_size, official=args.official_coarse_schedule,
-                sde_type=args.sde_type)
+                lambda x, s, p: backbone.velocity(x, s, emb[p], args.guidance_scale),  # noqa: B023 (called right here)
+                x_T,
+                sigmas,
+                M,
+                Lam,
+                G,
+                args.noise_level,
+                generator=gen,
+                batch=args.rollout_batch_size,
+                official=args.official_coarse_schedule,
+                sde_type=args.sde_type,
+            )
             anchor_nfe = len(my_prompts) * (max(M) + 1)  # the anchor's calls; the rest are completions
-            rollout_counts = {"trajectories": len(my_prompts) * G,  # a group: G branches at each k, scored at each λ
-                              "scored_images": args.images_per_rank, "nfe/rollout": anchor_nfe,
-                              "nfe/completion": roll["nfe"] - anchor_nfe}  # = prompts_per_rank * rollout_nfe(...)
+            rollout_counts = {
+                "trajectories": len(my_prompts) * G,  # a group: G branches at each k, scored at each λ
+                "scored_images": args.images_per_rank,
+                "nfe/rollout": anchor_nfe,
+                "nfe/completion": roll["nfe"] - anchor_nfe,
+            }  # = prompts_per_rank * rollout_nfe(...)
         with run.timer("reward"):
             clean = roll.pop("final").flatten(0, 3)  # clean latents, one image per (prompt, k, λ, member)
             job_prompts = [p for p in my_prompts for _ in range(len(M) * len(Lam) * G)]
             bs = args.rollout_batch_size
-            scores = torch.cat([reward_model(backbone.decode(clean[b:b + bs], args.resolution, args.resolution),
-                                             job_prompts[b:b + bs]) for b in range(0, len(clean), bs)])  # [n, R] raw
+            scores = torch.cat(
+                [
+                    reward_model(
+                        backbone.decode(clean[b : b + bs], args.resolution, args.resolution), job_prompts[b : b + bs]
+                    )
+                    for b in range(0, len(clean), bs)
+                ]
+            )  # [n, R] raw
             all_scores = all_gather_cat(scores.to(device), world_size).cpu()  # rank-major = global prompt order
             if not torch.isfinite(all_scores).all():
-                raise SystemExit(f"error: non-finite reward at iteration {iteration}; stopping before any update "
-                                 f"(the last checkpoint-N in {run_dir} is intact: --resume {run_dir})")
+                raise SystemExit(
+                    f"error: non-finite reward at iteration {iteration}; stopping before any update "
+                    f"(the last checkpoint-N in {run_dir} is intact: --resume {run_dir})"
+                )
             table = all_scores.view(args.groups_per_iteration, len(M), len(Lam), G, -1)  # [prompt, k, λ, member, R]
             mixed = reward_model.mix(all_scores).view(table.shape[:-1])
             if args.reward_mix == "score":  # mix the raw scores, then MGAI on the mix
@@ -493,12 +595,15 @@ if __name__ == "__main__":
             transitions = {
                 "latents": roll["latents"].repeat_interleave(G, 1).flatten(0, 1),  # the shared state x_k
                 "next_latents": roll["next_latents"].flatten(0, 2),
-                "log_prob": roll["log_prob"].flatten(), "mean": roll["mean"].flatten(0, 2),
-                "sigma": sigmas[step_index], "sigma_next": sigmas[step_index + 1],
+                "log_prob": roll["log_prob"].flatten(),
+                "mean": roll["mean"].flatten(0, 2),
+                "sigma": sigmas[step_index],
+                "sigma_next": sigmas[step_index + 1],
                 "noise_level": torch.full((n_trans,), args.noise_level),
                 "advantage": advantages[mine].transpose(0, 1).flatten(),
                 "prompt_index": torch.arange(n_prompts).repeat_interleave(G).repeat(len(M)),
-                "step_index": step_index, "state_index": torch.arange(len(M) * n_prompts).repeat_interleave(G),
+                "step_index": step_index,
+                "state_index": torch.arange(len(M) * n_prompts).repeat_interleave(G),
             }
             if args.update_schedule == "per-k":  # one optimizer step per branch step, k in order (released hps script)
                 transitions["update_block"] = torch.arange(len(M)).repeat_interleave(n_prompts * G)
@@ -506,9 +611,14 @@ if __name__ == "__main__":
             # the group std per k shows the diversity one SDE step buys (it collapses at low-noise k).
             fine = mixed[:, :, 0]  # [prompt, k, member]
             group_std = fine.double().std(-1, unbiased=False)  # [prompt, k]; float64: ties give exactly 0
-            metrics.update({"train/reward_mean": fine.mean().item(), "train/reward_std": fine.std().item(),
-                            "train/group_std_mean": group_std.mean().item(),  # groups tied at every λ teach nothing:
-                            "train/zero_std_frac": (advantages == 0).all(-1).float().mean().item()})
+            metrics.update(
+                {
+                    "train/reward_mean": fine.mean().item(),
+                    "train/reward_std": fine.std().item(),
+                    "train/group_std_mean": group_std.mean().item(),  # groups tied at every λ teach nothing:
+                    "train/zero_std_frac": (advantages == 0).all(-1).float().mean().item(),
+                }
+            )
             metrics.update({f"train/group_std_k{k}": group_std[:, j].mean().item() for j, k in enumerate(M)})
             metrics.update({f"train/reward_mean_lam{lam}": mixed[:, :, j].mean().item() for j, lam in enumerate(Lam)})
         del roll, clean
@@ -524,8 +634,15 @@ if __name__ == "__main__":
             keep = tr["advantage"] != 0 if args.drop_zero_advantage else torch.ones_like(tr["advantage"], dtype=bool)
             stats = Stats(num_slots=args.num_steps)
             stats.add(torch.ones_like(tr["advantage"]), tr["step_index"], kept=keep.float())  # share kept, per step
-            plan = plan_updates(keep, args.train_batch_size, args.optimizer_steps_per_iteration, world_size,
-                                tr.get("state_index"), tr.get("update_block"), epochs=args.num_inner_epochs)
+            plan = plan_updates(
+                keep,
+                args.train_batch_size,
+                args.optimizer_steps_per_iteration,
+                world_size,
+                tr.get("state_index"),
+                tr.get("update_block"),
+                epochs=args.num_inner_epochs,
+            )
             measured = args.grad_share_every > 0 and iteration % args.grad_share_every == 0  # the diagnostic, if asked
             grad_share = GradShare(params, args.num_steps, active=measured)
             for mb in plan:  # micro-batches in order; the last one of each optimizer step has mb.sync
@@ -534,8 +651,9 @@ if __name__ == "__main__":
                 log_prob, mean, std_dev_t = step_log_prob(backbone, policy, tr, mb, emb, sigmas, args)
                 log_ratio = log_prob - tr["log_prob"][r]  # new over rollout policy, one step
                 if args.ratio_norm != "off":  # GRPO-Guard: re-centred, noise-independent log-ratio (E7)
-                    log_ratio = ratio_norm(log_ratio, mean, tr["mean"][r], std_dev_t, tr["sigma"][r],
-                                           tr["sigma_next"][r])
+                    log_ratio = ratio_norm(
+                        log_ratio, mean, tr["mean"][r], std_dev_t, tr["sigma"][r], tr["sigma_next"][r]
+                    )
                 ratio = torch.exp(log_ratio)
                 adv = tr["advantage"][r]
                 clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
@@ -543,19 +661,36 @@ if __name__ == "__main__":
                 if args.ratio_norm == "guard":  # and its gradient re-weighting: every step's loss / |dt|
                     policy_loss = policy_loss / (tr["sigma"][r] - tr["sigma_next"][r])
                 # KL to the reference policy on the step's Gaussian means (sampler E5); beta = 0: no reference forward
-                kl = (gaussian_kl(mean, step_log_prob(backbone, trainable.reference, tr, mb, emb, sigmas, args)[1],
-                                  std_dev_t) if args.beta > 0 else torch.zeros_like(policy_loss))
+                kl = (
+                    gaussian_kl(
+                        mean, step_log_prob(backbone, trainable.reference, tr, mb, emb, sigmas, args)[1], std_dev_t
+                    )
+                    if args.beta > 0
+                    else torch.zeros_like(policy_loss)
+                )
                 loss = ((policy_loss + args.beta * kl) * mb.weight).sum() / mb.divisor
                 # --grad-share-every: each trained step's part of this gradient (on the measured iterations only)
                 grad_share.add((policy_loss + args.beta * kl) * mb.weight / mb.divisor, tr["step_index"][r])
                 loss.backward()
                 stats.keep_first(ratio_dev=(ratio.detach() - 1).abs().max())  # on-policy: ratio == 1 before any update
-                stats.add(mb.weight, tr["step_index"][r], ratio=ratio, ratio_sq=ratio**2, kl=kl, abs_adv=adv.abs(),
-                          clipfrac=((ratio - 1).abs() > args.clip_range).float(), policy_loss=policy_loss,
-                          approx_kl_k2=0.5 * (log_prob - tr["log_prob"][r]) ** 2)
+                stats.add(
+                    mb.weight,
+                    tr["step_index"][r],
+                    ratio=ratio,
+                    ratio_sq=ratio**2,
+                    kl=kl,
+                    abs_adv=adv.abs(),
+                    clipfrac=((ratio - 1).abs() > args.clip_range).float(),
+                    policy_loss=policy_loss,
+                    approx_kl_k2=0.5 * (log_prob - tr["log_prob"][r]) ** 2,
+                )
                 stats.add_extremes(mb.weight, ratio=ratio)
-                stats.count(**{"nfe/train_forward": len(mb.states) * (2 if args.beta > 0 else 1),
-                               "nfe/train_backward": len(mb.states)})
+                stats.count(
+                    **{
+                        "nfe/train_forward": len(mb.states) * (2 if args.beta > 0 else 1),
+                        "nfe/train_backward": len(mb.states),
+                    }
+                )
                 if mb.sync:  # its gradient is complete: clip, step (a non-finite one stops the run in one line)
                     grad_norm = optimizer_step(params, optimizer, args.max_grad_norm, ema, iteration, run_dir)
                     stats.count(grad_norm=grad_norm, optimizer_steps=1)

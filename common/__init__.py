@@ -1,4 +1,5 @@
 """Shared, unit-tested building blocks of the RL-for-flow-matching scripts."""
+
 import logging
 
 

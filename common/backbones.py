@@ -22,8 +22,10 @@ import torch
 from common.sampler import ode_step, sigma_schedule, static_shift_schedule
 
 PIPELINES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
-HUB_HINT = ("e.g. `huggingface-cli download stabilityai/stable-diffusion-3.5-medium --local-dir DIR` or "
-            "black-forest-labs/FLUX.1-dev, or the shipped toy model common/toyworld/model")
+HUB_HINT = (
+    "e.g. `huggingface-cli download stabilityai/stable-diffusion-3.5-medium --local-dir DIR` or "
+    "black-forest-labs/FLUX.1-dev, or the shipped toy model common/toyworld/model"
+)
 
 # LoRA targets. peft matches a name in the list when a module's full name equals it or ends in "." + it, so
 # "attn.to_q" matches "transformer_blocks.0.attn.to_q" but NOT SD3.5's second attention "transformer_blocks.0.attn2.to_q"
@@ -32,8 +34,16 @@ HUB_HINT = ("e.g. `huggingface-cli download stabilityai/stable-diffusion-3.5-med
 # attn.to_q/k/v (and no to_out: their proj_out is not matched). "attention-ff" is Flow-GRPO's FLUX set (train_flux.py,
 # r 64 / alpha 128): the attention list plus the double blocks' feed-forward layers. tests/test_backbones.py checks
 # which modules each set reaches on tiny SD3.5 and FLUX models.
-ATTENTION = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-             "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
+ATTENTION = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+]
 LORA_TARGETS = {
     "attention": ATTENTION,
     "attention-ff": ATTENTION + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"],
@@ -53,11 +63,11 @@ class ConfigError(SystemExit):
 class PromptEmbeds:
     """Text conditioning for a batch of prompts (rows align with the prompts)."""
 
-    embeds: torch.Tensor                       # [B, L, D]
-    pooled: torch.Tensor                       # [B, P]
-    neg_embeds: torch.Tensor | None = None     # [1, L, D]: the "" prompt, SD3 classifier-free guidance
-    neg_pooled: torch.Tensor | None = None     # [1, P]
-    text_ids: torch.Tensor | None = None       # [L, 3]: FLUX text position ids
+    embeds: torch.Tensor  # [B, L, D]
+    pooled: torch.Tensor  # [B, P]
+    neg_embeds: torch.Tensor | None = None  # [1, L, D]: the "" prompt, SD3 classifier-free guidance
+    neg_pooled: torch.Tensor | None = None  # [1, P]
+    text_ids: torch.Tensor | None = None  # [L, 3]: FLUX text position ids
 
     def __getitem__(self, idx) -> "PromptEmbeds":
         return replace(self, embeds=self.embeds[idx], pooled=self.pooled[idx])
@@ -67,16 +77,21 @@ def read_model_index(path: str) -> dict:
     """model_index.json of a diffusers SD3/FLUX folder; fails fast, in one line, when `path` is not one."""
     index = os.path.join(path, "model_index.json")
     if not os.path.isdir(path):
-        raise ConfigError(f"--model-path '{path}' is not a folder: expected a diffusers SD3/SD3.5/FLUX.1 "
-                          f"folder with model_index.json ({HUB_HINT})")
+        raise ConfigError(
+            f"--model-path '{path}' is not a folder: expected a diffusers SD3/SD3.5/FLUX.1 "
+            f"folder with model_index.json ({HUB_HINT})"
+        )
     if not os.path.isfile(index):
-        raise ConfigError(f"--model-path '{path}' has no model_index.json: expected a diffusers-layout "
-                          f"pipeline folder ({HUB_HINT})")
+        raise ConfigError(
+            f"--model-path '{path}' has no model_index.json: expected a diffusers-layout pipeline folder ({HUB_HINT})"
+        )
     try:
         with open(index) as f:
             info = json.load(f)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--model-path '{path}': model_index.json is unreadable ({e}); re-download it ({HUB_HINT})")
+        raise ConfigError(
+            f"--model-path '{path}': model_index.json is unreadable ({e}); re-download it ({HUB_HINT})"
+        ) from None
     name = info.get("_class_name")
     if name not in PIPELINES:
         raise ConfigError(f"--model-path '{path}' holds a {name}; expected one of {sorted(PIPELINES)} ({HUB_HINT})")
@@ -96,8 +111,10 @@ def check_resolution(path: str, kind: str, height: int, width: int) -> None:
         patch = json.load(f).get("patch_size", 1) * (2 if kind == "flux" else 1)  # FLUX packs 2x2 latents
     unit = vae_factor * patch
     if height % unit or width % unit:
-        raise ConfigError(f"resolution {height}x{width} is not a multiple of {unit} (VAE factor {vae_factor} x "
-                          f"patch {patch}); pick e.g. {max(unit, height // unit * unit)}")
+        raise ConfigError(
+            f"resolution {height}x{width} is not a multiple of {unit} (VAE factor {vae_factor} x "
+            f"patch {patch}); pick e.g. {max(unit, height // unit * unit)}"
+        )
 
 
 class Backbone:
@@ -111,8 +128,12 @@ class Backbone:
         self.autocast = False
         self.transformer = pipe.transformer
         self.vae_scale_factor = pipe.vae_scale_factor
-        for module in (pipe.vae, pipe.text_encoder, getattr(pipe, "text_encoder_2", None),
-                       getattr(pipe, "text_encoder_3", None)):
+        for module in (
+            pipe.vae,
+            pipe.text_encoder,
+            getattr(pipe, "text_encoder_2", None),
+            getattr(pipe, "text_encoder_3", None),
+        ):
             if module is not None:
                 module.requires_grad_(False)  # frozen: only the transformer (or its LoRA) is trained
 
@@ -120,8 +141,9 @@ class Backbone:
     def latent_hw(self, height: int, width: int) -> tuple[int, int]:
         return height // self.vae_scale_factor, width // self.vae_scale_factor
 
-    def schedule(self, num_steps: int, height: int, width: int, shift: float | None = None,
-                 grid: str = "pipeline") -> torch.Tensor:
+    def schedule(
+        self, num_steps: int, height: int, width: int, shift: float | None = None, grid: str = "pipeline"
+    ) -> torch.Tensor:
         """σ_0=1 > ... > σ_T=0. grid "pipeline": exactly as the stock pipeline would use (FLUX: dynamic shift from the
         image length, `shift` unused). grid "official": the static shift on linspace(1, 0, T+1) of the DanceGRPO /
         G²RPO code, for both backbones (`static_shift_schedule`); `shift` None = the scheduler config's (3 for SD3.5
@@ -143,17 +165,29 @@ class Backbone:
         """Prompt embeddings without a graph (a graph here breaks multi-timestep backward passes)."""
         p = self.pipe
         if self.kind == "sd3":
-            emb, _, pooled, _ = p.encode_prompt(prompts, None, None, device=self.device,
-                                                do_classifier_free_guidance=False,
-                                                max_sequence_length=self.max_sequence_length)
+            emb, _, pooled, _ = p.encode_prompt(
+                prompts,
+                None,
+                None,
+                device=self.device,
+                do_classifier_free_guidance=False,
+                max_sequence_length=self.max_sequence_length,
+            )
             # Flow-GRPO's negative prompt is the empty string, encoded once and broadcast.
-            neg, _, neg_pooled, _ = p.encode_prompt([""], None, None, device=self.device,
-                                                    do_classifier_free_guidance=False,
-                                                    max_sequence_length=self.max_sequence_length)
-            return PromptEmbeds(emb.to(self.dtype), pooled.to(self.dtype), neg.to(self.dtype),
-                                neg_pooled.to(self.dtype))
-        emb, pooled, text_ids = p.encode_prompt(prompts, None, device=self.device,
-                                                max_sequence_length=self.max_sequence_length)
+            neg, _, neg_pooled, _ = p.encode_prompt(
+                [""],
+                None,
+                None,
+                device=self.device,
+                do_classifier_free_guidance=False,
+                max_sequence_length=self.max_sequence_length,
+            )
+            return PromptEmbeds(
+                emb.to(self.dtype), pooled.to(self.dtype), neg.to(self.dtype), neg_pooled.to(self.dtype)
+            )
+        emb, pooled, text_ids = p.encode_prompt(
+            prompts, None, device=self.device, max_sequence_length=self.max_sequence_length
+        )
         return PromptEmbeds(emb.to(self.dtype), pooled.to(self.dtype), text_ids=text_ids)
 
     # ---- latents ------------------------------------------------------------------------------------
@@ -179,8 +213,9 @@ class Backbone:
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
     # ---- the policy network -------------------------------------------------------------------------
-    def velocity(self, latents, sigma, emb: PromptEmbeds, guidance_scale: float = 1.0, model=None,
-                 detach_uncond: bool = False) -> torch.Tensor:
+    def velocity(
+        self, latents, sigma, emb: PromptEmbeds, guidance_scale: float = 1.0, model=None, detach_uncond: bool = False
+    ) -> torch.Tensor:
         """v_θ(x_σ, σ, c) in float32. `sigma` is a float or a per-sample tensor [B].
 
         SD3: classifier-free guidance v = v_u + w (v_c - v_u) with the "" prompt, both branches in one batch
@@ -202,17 +237,34 @@ class Backbone:
                 guidance = torch.full((b,), float(guidance_scale), device=self.device, dtype=torch.float32)
             gh, gw = self._packed_grid(latents.shape[1])
             img_ids = self.pipe._prepare_latent_image_ids(b, gh, gw, self.device, self.dtype)
-            v = model(hidden_states=x, timestep=(sigma * 1000).to(self.dtype) / 1000, guidance=guidance,
-                      pooled_projections=emb.pooled, encoder_hidden_states=emb.embeds, txt_ids=emb.text_ids,
-                      img_ids=img_ids, return_dict=False)[0]
+            v = model(
+                hidden_states=x,
+                timestep=(sigma * 1000).to(self.dtype) / 1000,
+                guidance=guidance,
+                pooled_projections=emb.pooled,
+                encoder_hidden_states=emb.embeds,
+                txt_ids=emb.text_ids,
+                img_ids=img_ids,
+                return_dict=False,
+            )[0]
             return v.float()
         if guidance_scale <= 1.0:
-            return model(hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=emb.embeds,
-                         pooled_projections=emb.pooled, return_dict=False)[0].float()
+            return model(
+                hidden_states=x,
+                timestep=sigma * 1000,
+                encoder_hidden_states=emb.embeds,
+                pooled_projections=emb.pooled,
+                return_dict=False,
+            )[0].float()
         embeds = torch.cat([emb.neg_embeds.expand(b, -1, -1), emb.embeds])
         pooled = torch.cat([emb.neg_pooled.expand(b, -1), emb.pooled])
-        v = model(hidden_states=torch.cat([x, x]), timestep=torch.cat([sigma, sigma]) * 1000,
-                  encoder_hidden_states=embeds, pooled_projections=pooled, return_dict=False)[0].float()
+        v = model(
+            hidden_states=torch.cat([x, x]),
+            timestep=torch.cat([sigma, sigma]) * 1000,
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            return_dict=False,
+        )[0].float()
         v_u, v_c = v.chunk(2)
         if detach_uncond:
             v_u = v_u.detach()
@@ -227,14 +279,20 @@ class Backbone:
         grid = getattr(self, "_flux_grid", None)
         if grid and grid[0] * grid[1] == seq_len:
             return grid
-        side = int(round(seq_len ** 0.5))
+        side = int(round(seq_len**0.5))
         assert side * side == seq_len, "non-square FLUX latents: call backbone.set_image_size(height, width)"
         return side, side
 
 
-def load_backbone(path: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                  max_sequence_length: int | None = None, gradient_checkpointing: bool = False,
-                  precision: str = "bf16", shard: bool = False) -> Backbone:
+def load_backbone(
+    path: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    max_sequence_length: int | None = None,
+    gradient_checkpointing: bool = False,
+    precision: str = "bf16",
+    shard: bool = False,
+) -> Backbone:
     """Load an SD3/SD3.5/FLUX.1 diffusers folder. Bad paths stop with one clear line before any heavy work.
 
     precision ("bf16" or "fp16") is the dtype of the weights on CUDA; the VAE is kept in fp32 there, as Flow-GRPO's
@@ -253,11 +311,14 @@ def load_backbone(path: str, device: torch.device | str = "cpu", dtype: torch.dt
     absent = {k: None for k in ("text_encoder_3", "tokenizer_3") if kind == "sd3" and index.get(k, [None])[0] is None}
     try:
         # the VAE decodes in fp32 whatever the model dtype (a no-op on CPU)
-        pipe = cls.from_pretrained(path, dtype={"default": dtype, "vae": torch.float32}, local_files_only=True,
-                                   **absent)
+        pipe = cls.from_pretrained(
+            path, dtype={"default": dtype, "vae": torch.float32}, local_files_only=True, **absent
+        )
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"--model-path '{path}' could not be loaded as a {cls.__name__}: {first} ({HUB_HINT})")
+        raise ConfigError(
+            f"--model-path '{path}' could not be loaded as a {cls.__name__}: {first} ({HUB_HINT})"
+        ) from None
     if shard:
         for name, module in pipe.components.items():
             if isinstance(module, torch.nn.Module) and name != "transformer":
@@ -282,8 +343,16 @@ def load_backbone(path: str, device: torch.device | str = "cpu", dtype: torch.dt
 
 
 @torch.no_grad()
-def sample_ode(backbone: Backbone, prompts: list[str], seeds: list[int], steps: int, height: int, width: int,
-               guidance_scale: float = 1.0, shift: float | None = None) -> torch.Tensor:
+def sample_ode(
+    backbone: Backbone,
+    prompts: list[str],
+    seeds: list[int],
+    steps: int,
+    height: int,
+    width: int,
+    guidance_scale: float = 1.0,
+    shift: float | None = None,
+) -> torch.Tensor:
     """The sampler of every evaluation (scripts through common/evaluation.py, pretraining, benchmarks):
     deterministic Euler ODE from one fixed seed per image -> images in [0, 1]."""
     sigmas = backbone.schedule(steps, height, width, shift)

@@ -81,8 +81,12 @@ SHAPE_FLAGS = ("lora_rank", "lora_target", "full_finetune")
 
 # ---------------------------------------------------------------------------------------- RNG
 def rng_state() -> dict:
-    return dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
-                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    return dict(
+        python=random.getstate(),
+        numpy=np.random.get_state(),
+        torch=torch.get_rng_state(),
+        cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    )
 
 
 def set_rng_state(s: dict) -> None:
@@ -151,8 +155,11 @@ def _tidy(run_dir: str) -> None:
     (killed before or between its renames) is renamed into place; every other hidden leftover is deleted."""
     if not os.path.isdir(run_dir):
         return
-    left = [(int(m.group(1)), m.group(2) != ".tmp", n) for n in os.listdir(run_dir)
-            if (m := re.match(rf"^\.{PREFIX}(\d+)(\.tmp|\.old)?(\.del)?$", n)) and (m.group(2) or m.group(3))]
+    left = [
+        (int(m.group(1)), m.group(2) != ".tmp", n)
+        for n in os.listdir(run_dir)
+        if (m := re.match(rf"^\.{PREFIX}(\d+)(\.tmp|\.old)?(\.del)?$", n)) and (m.group(2) or m.group(3))
+    ]
     for i, _, name in sorted(left):  # for one N, the new copy (.tmp) before the old one
         path, final = os.path.join(run_dir, name), checkpoint_dir(run_dir, i)
         if not name.endswith(".del") and not os.path.exists(final) and verify_checkpoint(path, quick=True) is None:
@@ -169,13 +176,18 @@ def trainer_state(params: dict, optimizer, ema, model=None) -> dict:
     from common.parallel import is_sharded
 
     if not is_sharded(params):
-        return {"params": {k: p.detach().cpu() for k, p in params.items()}, "optimizer": optimizer.state_dict(),
-                "ema": ema.state_dict() if ema is not None else None}
+        return {
+            "params": {k: p.detach().cpu() for k, p in params.items()},
+            "optimizer": optimizer.state_dict(),
+            "ema": ema.state_dict() if ema is not None else None,
+        }
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-    return {"sharded": {"model": model_sd, "optimizer": optim_sd, "ema": dict(ema.shadow) if ema is not None else {}},
-            "ema": {"steps": ema.steps} if ema is not None else None}
+    return {
+        "sharded": {"model": model_sd, "optimizer": optim_sd, "ema": dict(ema.shadow) if ema is not None else {}},
+        "ema": {"steps": ema.steps} if ema is not None else None,
+    }
 
 
 def _on_every_rank(fn, sharded: bool) -> None:
@@ -245,8 +257,13 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
             path = os.path.join(tmp, rel)
             _fsync(path)
             files[rel] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
-        marker = {"iteration": iteration, "script": state.get("script"), "saved_at": time.time(),
-                  "args": json.loads(json.dumps(state.get("args", {}), default=str)), "files": files}
+        marker = {
+            "iteration": iteration,
+            "script": state.get("script"),
+            "saved_at": time.time(),
+            "args": json.loads(json.dumps(state.get("args", {}), default=str)),
+            "files": files,
+        }
         with open(os.path.join(tmp, MARKER), "w") as f:  # LAST: its presence means every file above is complete
             json.dump(marker, f, indent=1)
             f.flush()
@@ -269,8 +286,10 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
             shutil.rmtree(tmp, ignore_errors=True)
         done = [c for _, c in list_checkpoints(run_dir) if verify_checkpoint(c) is None]
         last = f"the last complete checkpoint, {done[-1]}, is intact" if done else "no complete checkpoint exists yet"
-        raise SystemExit(f"error: could not write {final} ({e.__class__.__name__}: {e.strerror or e}); {last}: free "
-                         f"space or fix the folder's permissions, then --resume {run_dir}") from None
+        raise SystemExit(
+            f"error: could not write {final} ({e.__class__.__name__}: {e.strerror or e}); {last}: free "
+            f"space or fix the folder's permissions, then --resume {run_dir}"
+        ) from None
     if keep > 0 and main:  # rotation only after the new checkpoint is complete and in place
         found = list_checkpoints(run_dir)
         kept = [i for i, c in found if verify_checkpoint(c, quick=True) is None][-keep:]
@@ -291,8 +310,10 @@ def verify_checkpoint(folder: str, quick: bool = False) -> str | None:
     if not os.path.isdir(folder):
         return f"{folder} does not exist"
     if not os.path.isfile(os.path.join(folder, MARKER)):
-        return (f"{folder} has no {MARKER}: its save never finished (the process stopped while writing it, or it was "
-                "written before checkpoints were checksummed)")
+        return (
+            f"{folder} has no {MARKER}: its save never finished (the process stopped while writing it, or it was "
+            "written before checkpoints were checksummed)"
+        )
     try:
         files = read_marker(folder)["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -321,25 +342,35 @@ def find_resume_checkpoint(path: str, log=print) -> str:
     """
     p = os.path.abspath(path.rstrip("/") or "/")
     if not os.path.exists(p):
-        raise ConfigError(f"--resume '{path}' does not exist: pass a run folder ({{output_dir}}/{{run_name}}) or one "
-                          "of its checkpoint-N folders")
+        raise ConfigError(
+            f"--resume '{path}' does not exist: pass a run folder ({{output_dir}}/{{run_name}}) or one "
+            "of its checkpoint-N folders"
+        )
     if not os.path.isdir(p):
         raise ConfigError(f"--resume '{path}' is a file: pass a run folder or one of its checkpoint-N folders")
     is_ckpt = bool(_CKPT_RE.match(os.path.basename(p))) or any(
-        os.path.exists(os.path.join(p, f)) for f in (MARKER, STATE_FILE))
+        os.path.exists(os.path.join(p, f)) for f in (MARKER, STATE_FILE)
+    )
     if is_ckpt:
         problem = verify_checkpoint(p)
         if problem is None:
             return p
         run = os.path.dirname(p)
-        older = [c for _, c in reversed(list_checkpoints(run, interrupted=True)) if c != p and verify_checkpoint(c) is None]
-        hint = (f"pass the older complete checkpoint instead: --resume {older[0]} (or the run folder {run})" if older
-                else "this run has no other complete checkpoint: start a new run without --resume")
+        older = [
+            c for _, c in reversed(list_checkpoints(run, interrupted=True)) if c != p and verify_checkpoint(c) is None
+        ]
+        hint = (
+            f"pass the older complete checkpoint instead: --resume {older[0]} (or the run folder {run})"
+            if older
+            else "this run has no other complete checkpoint: start a new run without --resume"
+        )
         raise ConfigError(f"--resume: {problem}; {hint}")
     found = list_checkpoints(p, interrupted=True)
     if not found:
-        raise ConfigError(f"--resume '{path}' holds no checkpoint-N folder: pass a run folder a training script wrote "
-                          "(with at least one saved checkpoint) or one of its checkpoint-N folders")
+        raise ConfigError(
+            f"--resume '{path}' holds no checkpoint-N folder: pass a run folder a training script wrote "
+            "(with at least one saved checkpoint) or one of its checkpoint-N folders"
+        )
     problems = []
     for _, c in reversed(found):
         problem = verify_checkpoint(c)
@@ -349,8 +380,9 @@ def find_resume_checkpoint(path: str, log=print) -> str:
             return c
         problems.append(problem)
     more = f" (and {len(problems) - 1} older checkpoint(s) are unusable too)" if len(problems) > 1 else ""
-    raise ConfigError(f"--resume: {problems[0]}{more}; this run has no complete checkpoint: start a new run without "
-                      "--resume")
+    raise ConfigError(
+        f"--resume: {problems[0]}{more}; this run has no complete checkpoint: start a new run without --resume"
+    )
 
 
 def _json(d: dict) -> dict:
@@ -361,13 +393,20 @@ def changed_flags(saved: dict, now: dict) -> list[tuple[str, object, object]]:
     """(flag, value in the checkpoint, value now) for every experiment-defining argument that differs."""
     saved, now, missing = _json(saved), _json(now), "(absent)"
     keys = sorted((set(saved) | set(now)) - set(MAY_CHANGE_ON_RESUME) - DERIVED)
-    return [(k, saved.get(k, missing), now.get(k, missing)) for k in keys if saved.get(k, missing) != now.get(k, missing)]
+    return [
+        (k, saved.get(k, missing), now.get(k, missing)) for k in keys if saved.get(k, missing) != now.get(k, missing)
+    ]
 
 
 def _describe(changes) -> str:
     def show(v):
-        return repr(v) if isinstance(v, str) and v != "(absent)" else " ".join(map(str, v)) if isinstance(v, list) \
+        return (
+            repr(v)
+            if isinstance(v, str) and v != "(absent)"
+            else " ".join(map(str, v))
+            if isinstance(v, list)
             else str(v)
+        )
 
     return ", ".join(f"--{k.replace('_', '-')} {show(a)} -> {show(b)}" for k, a, b in changes)
 
@@ -396,8 +435,10 @@ def check_writable(folder: str, flag: str = "--output-dir") -> None:
             f.write("ok")
         os.remove(probe)
     except OSError as e:
-        raise ConfigError(f"{flag}: cannot write the run folder {folder} ({e.__class__.__name__}: {e.strerror or e}): "
-                          "choose a folder you can write to, or free space") from None
+        raise ConfigError(
+            f"{flag}: cannot write the run folder {folder} ({e.__class__.__name__}: {e.strerror or e}): "
+            "choose a folder you can write to, or free space"
+        ) from None
 
 
 def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, str | None]:
@@ -417,36 +458,48 @@ def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, 
     changes = changed_flags(marker.get("args", {}), dataclasses.asdict(args))
     script, saved_script = os.path.basename(script_file), marker.get("script")
     if saved_script and saved_script != script:
-        raise ConfigError(f"--resume {ckpt} was written by {saved_script}, not {script}: resume it with "
-                          f"`python {saved_script} --resume ...`")
+        raise ConfigError(
+            f"--resume {ckpt} was written by {saved_script}, not {script}: resume it with "
+            f"`python {saved_script} --resume ...`"
+        )
     shape = [c for c in changes if c[0] in SHAPE_FLAGS]
     if shape:
-        raise ConfigError(f"--resume {ckpt}: {_describe(shape)} changes the shape of the trained weights, which "
-                          "cannot be loaded into it (not even with --resume-override): pass the checkpoint's value, "
-                          "or start a new run without --resume")
+        raise ConfigError(
+            f"--resume {ckpt}: {_describe(shape)} changes the shape of the trained weights, which "
+            "cannot be loaded into it (not even with --resume-override): pass the checkpoint's value, "
+            "or start a new run without --resume"
+        )
     source_run = os.path.dirname(ckpt)
     if changes and not args.resume_override:
-        raise ConfigError(f"--resume {ckpt} was trained with other experiment-defining flags: {_describe(changes)}; "
-                          "pass the checkpoint's values to continue that run, or add --resume-override to start a new "
-                          "run folder from its weights")
+        raise ConfigError(
+            f"--resume {ckpt} was trained with other experiment-defining flags: {_describe(changes)}; "
+            "pass the checkpoint's values to continue that run, or add --resume-override to start a new "
+            "run folder from its weights"
+        )
     args.resumed_from = ckpt
     if not args.resume_override:
         return source_run, ckpt
     run_dir = os.path.join(args.output_dir, _same_on_all_ranks(args.run_name or default_run_name(args)))
     if os.path.abspath(run_dir) == source_run:
-        raise ConfigError(f"--resume-override starts a new run folder, but {run_dir} is the run being resumed: pass "
-                          "another --run-name")
+        raise ConfigError(
+            f"--resume-override starts a new run folder, but {run_dir} is the run being resumed: pass "
+            "another --run-name"
+        )
     if is_main:
         if os.path.isdir(run_dir) and os.listdir(run_dir):
-            raise ConfigError(f"--resume-override: the new run folder {run_dir} already exists and is not empty: pass "
-                              "another --run-name")
+            raise ConfigError(
+                f"--resume-override: the new run folder {run_dir} already exists and is not empty: pass "
+                "another --run-name"
+            )
         check_writable(run_dir)
         for name in RUN_FILES:
             if os.path.isfile(os.path.join(source_run, name)):
                 shutil.copy2(os.path.join(source_run, name), os.path.join(run_dir, name))
         what = _describe(changes) if changes else "no flag changed"
-        print(f"resuming {ckpt} (iteration {marker['iteration']}) as a NEW run in {run_dir} ({what}); {source_run} "
-              "is left as it is")
+        print(
+            f"resuming {ckpt} (iteration {marker['iteration']}) as a NEW run in {run_dir} ({what}); {source_run} "
+            "is left as it is"
+        )
     return run_dir, ckpt
 
 
@@ -455,8 +508,10 @@ def load_checkpoint(folder: str) -> dict:
     try:
         return torch.load(os.path.join(folder, STATE_FILE), weights_only=False, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - any unreadable pickle/zip is the same fault for the user
-        raise ConfigError(f"--resume: {os.path.join(folder, STATE_FILE)} is unreadable ({e.__class__.__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); resume from an older checkpoint-N folder") from None
+        raise ConfigError(
+            f"--resume: {os.path.join(folder, STATE_FILE)} is unreadable ({e.__class__.__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); resume from an older checkpoint-N folder"
+        ) from None
 
 
 def restore_checkpoint(folder: str, rank: int, params: dict, optimizer, ema, model=None) -> tuple[int, dict]:
@@ -469,8 +524,10 @@ def restore_checkpoint(folder: str, rank: int, params: dict, optimizer, ema, mod
     state = load_checkpoint(folder)
     saved_as, now = ("fsdp" if "sharded_state" in state else "ddp"), ("fsdp" if is_sharded(params) else "ddp")
     if saved_as != now:
-        raise ConfigError(f"--resume {folder} was saved with --parallel {saved_as} and this run has --parallel {now}; "
-                          f"their trainer states are laid out differently: resume it with --parallel {saved_as}")
+        raise ConfigError(
+            f"--resume {folder} was saved with --parallel {saved_as} and this run has --parallel {now}; "
+            f"their trainer states are laid out differently: resume it with --parallel {saved_as}"
+        )
     if now == "fsdp":
         _restore_sharded(folder, state, params, optimizer, ema, model)
     else:
@@ -485,8 +542,10 @@ def _restore_whole(folder: str, state: dict, params: dict, optimizer, ema) -> No
     for n, p in params.items():
         if n not in saved or saved[n].shape != p.shape:
             got = "missing" if n not in saved else f"of shape {tuple(saved[n].shape)}"
-            raise ConfigError(f"--resume {folder}: trained weight {n} is {got} in the checkpoint, the model has "
-                              f"{tuple(p.shape)}: resume with the model and LoRA flags it was trained with")
+            raise ConfigError(
+                f"--resume {folder}: trained weight {n} is {got} in the checkpoint, the model has "
+                f"{tuple(p.shape)}: resume with the model and LoRA flags it was trained with"
+            )
         p.data.copy_(saved[n])
     optimizer.load_state_dict(state["optimizer"])
     if ema is not None:
@@ -511,10 +570,17 @@ def _restore_sharded(folder: str, state: dict, params: dict, optimizer, ema, mod
         dcp.load(box, checkpoint_id=os.path.join(folder, SHARDED_DIR))
     except Exception as e:  # noqa: BLE001 - a missing key or shape is the same fault for the user
         first = (str(e).strip().splitlines() or [e.__class__.__name__])[0][:200]
-        raise ConfigError(f"--resume {folder}: its sharded trainer state does not fit this model ({first}): resume "
-                          "with the model and LoRA flags it was trained with") from None
-    set_state_dict(model, optimizer, model_state_dict=box["model"], optim_state_dict=box["optimizer"],
-                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+        raise ConfigError(
+            f"--resume {folder}: its sharded trainer state does not fit this model ({first}): resume "
+            "with the model and LoRA flags it was trained with"
+        ) from None
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=box["model"],
+        optim_state_dict=box["optimizer"],
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
+    )
     if ema is not None:
         if had_ema:
             ema.steps = state["ema"]["steps"]

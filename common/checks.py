@@ -94,8 +94,9 @@ RANGES: dict[str, Rule] = {
     "max_grad_norm": Rule(0, lo_open=True, allow_inf=True, why="gradient-norm clip; inf = no clip"),
     "ema_decay": Rule(0, 1, hi_open=True, why="weight of the old average; 0 = no EMA"),
     "ema_update_interval": _int(1, "blend the EMA every N optimizer steps"),
-    "final_eval_seeds_per_prompt": _int(1, "images per prompt at the final evaluation; unset = --eval-seeds-per-prompt",
-                                        optional=True),
+    "final_eval_seeds_per_prompt": _int(
+        1, "images per prompt at the final evaluation; unset = --eval-seeds-per-prompt", optional=True
+    ),
     "cpu_budget_s": Rule(0, why="CPU seconds before the run stops and evaluates; 0 = no budget"),
     # LoRA
     "lora_rank": _int(1, "LoRA rank r"),
@@ -136,19 +137,25 @@ def check_sde_type(args, trains_last_step: bool, which: str) -> None:
     """--sde-type cps (common/sampler.py, E6) and its two limits, for the three scripts' check_args. `which` names the
     flags that decide the trained steps, for the message."""
     if getattr(args, "ratio_norm", "off") != "off" and args.sde_type != "sde":
-        raise ConfigError(f"--ratio-norm {args.ratio_norm} with --sde-type {args.sde_type}: GRPO-Guard's RatioNorm (E7) "
-                          "is defined for the SDE step, whose log-prob has the 1 / (2 s^2) and the sqrt|dt| it "
-                          "undoes; use --sde-type sde, or --ratio-norm off")
+        raise ConfigError(
+            f"--ratio-norm {args.ratio_norm} with --sde-type {args.sde_type}: GRPO-Guard's RatioNorm (E7) "
+            "is defined for the SDE step, whose log-prob has the 1 / (2 s^2) and the sqrt|dt| it "
+            "undoes; use --sde-type sde, or --ratio-norm off"
+        )
     if args.sde_type != "cps":
         return
     if args.noise_level > 1:
-        raise ConfigError(f"--noise-level {args.noise_level} with --sde-type cps: must be in [0, 1] (the CPS std "
-                          "sigma_next sin(a pi / 2) is largest at a = 1 and falls again above it); the released CPS "
-                          "configs use 0.8")
+        raise ConfigError(
+            f"--noise-level {args.noise_level} with --sde-type cps: must be in [0, 1] (the CPS std "
+            "sigma_next sin(a pi / 2) is largest at a = 1 and falls again above it); the released CPS "
+            "configs use 0.8"
+        )
     if trains_last_step:
-        raise ConfigError(f"--sde-type cps with {which}: the last step is trained, but it lands on sigma = 0, where "
-                          "the CPS std sigma_next sin(a pi / 2) is 0 (no action to learn, and the KL divides by 0); "
-                          "train fewer steps")
+        raise ConfigError(
+            f"--sde-type cps with {which}: the last step is trained, but it lands on sigma = 0, where "
+            "the CPS std sigma_next sin(a pi / 2) is 0 (no action to learn, and the KL divides by 0); "
+            "train fewer steps"
+        )
 
 
 def read_prompt_file(path: str, flag: str) -> list[str]:
@@ -160,7 +167,8 @@ def read_prompt_file(path: str, flag: str) -> list[str]:
     except FileNotFoundError:
         raise ConfigError(f"{flag} '{path}' does not exist: give a text file with one prompt per line") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{flag} '{path}' cannot be read ({e.__class__.__name__}: {e}): give a text file with one "
-                          "prompt per line") from None
+        raise ConfigError(
+            f"{flag} '{path}' cannot be read ({e.__class__.__name__}: {e}): give a text file with one prompt per line"
+        ) from None
     except ValueError as e:
         raise ConfigError(f"{flag}: {e}") from None

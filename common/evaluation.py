@@ -28,6 +28,7 @@ from common.plots import accuracy_line, captioned_grid
 class Panel:
     """The fixed subset of one evaluation that its grid shows: uint8 images [N, H, W, 3], their prompts, seeds,
     rewards and strict verdicts (None outside the toy grammar), and the evaluation's metrics."""
+
     images: np.ndarray
     prompts: list[str]
     seeds: list[int]
@@ -39,8 +40,9 @@ class Panel:
     def grid(self) -> "object":
         """PIL image: one row per category (toy world), prompt and reward under every image, green/red frames."""
         when = "" if self.iteration is None else f"iteration {self.iteration}: "
-        return captioned_grid(self.images, self.prompts, self.verdicts, self.rewards, ncol=4,
-                              header=when + accuracy_line(self.metrics))
+        return captioned_grid(
+            self.images, self.prompts, self.verdicts, self.rewards, ncol=4, header=when + accuracy_line(self.metrics)
+        )
 
     def captioned(self) -> list[tuple[object, str]]:
         """(PIL image, caption) per image, for wandb (`RunLogger.log(..., {"eval/panel": panel.captioned()})`)."""
@@ -51,17 +53,32 @@ class Panel:
             verdict = "" if self.verdicts is None else (", correct" if self.verdicts[k] else ", wrong")
             im = Image.fromarray(self.images[k])
             side = im.width * max(1, 128 // im.width)  # toy images: 32 -> 128 px, pixels repeated
-            out.append((im.resize((side, side), Image.NEAREST), f"{p} (seed {self.seeds[k]}): reward "
-                        f"{self.rewards[k]:.2f}{verdict}"))
+            out.append(
+                (
+                    im.resize((side, side), Image.NEAREST),
+                    f"{p} (seed {self.seeds[k]}): reward {self.rewards[k]:.2f}{verdict}",
+                )
+            )
         return out
 
     def save(self, path: str) -> None:
         """As .npz (the images are small: 16 toy images are 50 KB), so a resumed run still has its first panel."""
         import json
 
-        np.savez_compressed(path, images=self.images, meta=json.dumps(dict(
-            prompts=self.prompts, seeds=self.seeds, rewards=self.rewards, verdicts=self.verdicts,
-            metrics=self.metrics, iteration=self.iteration)))
+        np.savez_compressed(
+            path,
+            images=self.images,
+            meta=json.dumps(
+                dict(
+                    prompts=self.prompts,
+                    seeds=self.seeds,
+                    rewards=self.rewards,
+                    verdicts=self.verdicts,
+                    metrics=self.metrics,
+                    iteration=self.iteration,
+                )
+            ),
+        )
 
     @classmethod
     def load(cls, path: str) -> "Panel":
@@ -91,9 +108,22 @@ def accuracy_se(per_category: dict[str, list[float]]) -> float:
 
 
 @torch.no_grad()
-def evaluate(backbone, reward_model, guard_model, prompts: list[str], num_steps: int, shift: float | None,
-             guidance_scale: float, seeds_per_prompt: int, batch_size: int, resolution: int, rank: int = 0,
-             world_size: int = 1, return_panel: bool = False, iteration: int | None = None):
+def evaluate(
+    backbone,
+    reward_model,
+    guard_model,
+    prompts: list[str],
+    num_steps: int,
+    shift: float | None,
+    guidance_scale: float,
+    seeds_per_prompt: int,
+    batch_size: int,
+    resolution: int,
+    rank: int = 0,
+    world_size: int = 1,
+    return_panel: bool = False,
+    iteration: int | None = None,
+):
     """-> (metrics, PIL grid of the fixed subset `panel_jobs`), and with return_panel=True also that subset as a
     `Panel` (for `common.plots.before_after`). Under DDP every rank must call it (it gathers); every rank returns
     the same metrics, grid and panel (the panel's images travel with the gathered results)."""
@@ -104,9 +134,10 @@ def evaluate(backbone, reward_model, guard_model, prompts: list[str], num_steps:
     out, panel_part = [], []
     # Under FSDP every transformer call is a collective (it gathers the weights): every rank runs as many batches as
     # the rank with the most jobs, a rank short of jobs sampling a throwaway image in its last one.
-    rounds = -(-(-(-len(jobs) // world_size)) // batch_size)
+    per_rank = -(-len(jobs) // world_size)  # ceil division
+    rounds = -(-per_rank // batch_size)
     for b in range(0, rounds * batch_size, batch_size):
-        ids = mine[b:b + batch_size]
+        ids = mine[b : b + batch_size]
         if not ids:
             sample_ode(backbone, [jobs[0][0]], [jobs[0][1]], num_steps, resolution, resolution, guidance_scale, shift)
             continue
@@ -147,8 +178,14 @@ def evaluate(backbone, reward_model, guard_model, prompts: list[str], num_steps:
         metrics["eval/accuracy_se"] = accuracy_se(per_cat)
     shown_rows = sorted((p for pp in parts for p in pp), key=lambda t: t[0])
     order = sorted(shown, key=shown.get)
-    panel = Panel(images=np.stack([t[1] for t in shown_rows]), prompts=[jobs[j][0] for j in order],
-                  seeds=[jobs[j][1] for j in order], rewards=[float(t[2]) for t in shown_rows],
-                  verdicts=[t[3] for t in shown_rows] if toy else None, metrics=dict(metrics), iteration=iteration)
+    panel = Panel(
+        images=np.stack([t[1] for t in shown_rows]),
+        prompts=[jobs[j][0] for j in order],
+        seeds=[jobs[j][1] for j in order],
+        rewards=[float(t[2]) for t in shown_rows],
+        verdicts=[t[3] for t in shown_rows] if toy else None,
+        metrics=dict(metrics),
+        iteration=iteration,
+    )
     grid = panel.grid()
     return (metrics, grid, panel) if return_panel else (metrics, grid)

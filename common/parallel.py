@@ -37,15 +37,21 @@ def check_parallel(args, world_size: int) -> None:
     if args.parallel not in PARALLEL:
         raise ConfigError(f"--parallel {args.parallel}: expected one of {', '.join(PARALLEL)}")
     if args.parallel == "fsdp" and world_size == 1 and "RANK" not in os.environ:
-        raise ConfigError("--parallel fsdp shards the model over the ranks of a process group, and `python script.py` "
-                          "starts none: launch it with `torchrun --nproc-per-node N script.py --parallel fsdp ...` (N = 1 "
-                          "works: FSDP over one rank, with --fsdp-offload to hold the model in host memory)")
+        raise ConfigError(
+            "--parallel fsdp shards the model over the ranks of a process group, and `python script.py` "
+            "starts none: launch it with `torchrun --nproc-per-node N script.py --parallel fsdp ...` (N = 1 "
+            "works: FSDP over one rank, with --fsdp-offload to hold the model in host memory)"
+        )
     if getattr(args, "grad_share_every", 0) and world_size > 1:
-        raise ConfigError(f"--grad-share-every {args.grad_share_every} is a diagnostic for one process (it splits this "
-                          "rank's gradient by step): run it without torchrun, or pass --grad-share-every 0")
+        raise ConfigError(
+            f"--grad-share-every {args.grad_share_every} is a diagnostic for one process (it splits this "
+            "rank's gradient by step): run it without torchrun, or pass --grad-share-every 0"
+        )
     if args.fsdp_offload and args.parallel != "fsdp":
-        raise ConfigError(f"--fsdp-offload keeps FSDP's shards in host memory: it needs --parallel fsdp (got --parallel "
-                          f"{args.parallel}, which has no shards to offload)")
+        raise ConfigError(
+            f"--fsdp-offload keeps FSDP's shards in host memory: it needs --parallel fsdp (got --parallel "
+            f"{args.parallel}, which has no shards to offload)"
+        )
 
 
 def is_sharded(params: dict) -> bool:
@@ -78,8 +84,9 @@ def gather_state_dict(module: torch.nn.Module, trained_only: bool) -> dict | Non
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                  ignore_frozen_params=trained_only))
+    state = get_model_state_dict(
+        module, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trained_only)
+    )
     return state if dist.get_rank() == 0 else None
 
 
@@ -97,8 +104,9 @@ def save_pretrained_gathered(model: torch.nn.Module, state: dict, folder: str) -
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_torch_state_dict(state, folder, max_shard_size="10GB",
-                          filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
+    save_torch_state_dict(
+        state, folder, max_shard_size="10GB", filename_pattern="diffusion_pytorch_model{suffix}.safetensors"
+    )
 
 
 def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -108,8 +116,9 @@ def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in module.modules() if m is not module and type(m).__name__ in names]
 
 
-def shard(module: torch.nn.Module, world_size: int, device: torch.device, param_dtype: torch.dtype | None,
-          offload: bool) -> torch.nn.Module:
+def shard(
+    module: torch.nn.Module, world_size: int, device: torch.device, param_dtype: torch.dtype | None, offload: bool
+) -> torch.nn.Module:
     """fully_shard every block of `module`, then the module itself (its embedders, final norm and projection),
     over a 1-D mesh of all ranks. Returns the module (fully_shard turns it into an FSDPModule in place).
 
@@ -128,9 +137,11 @@ def shard(module: torch.nn.Module, world_size: int, device: torch.device, param_
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (world_size,))
-    kw = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
-                                                        cast_forward_inputs=False),
-              offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy())
+    kw = dict(
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False),
+        offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy(),
+    )
     for block in _blocks(module):
         fully_shard(block, **kw)
     fully_shard(module, reshard_after_forward=True, **kw)

@@ -17,12 +17,30 @@ DPI = 100
 GREEN, RED, NEUTRAL, BACKGROUND = (0, 170, 60), (215, 25, 30), (150, 150, 150), (255, 255, 255)
 # Per-step metrics as logged (steps/<metric>/<step>), in step_heatmap's panel order: first where the update comes
 # from (--grad-share-every), then what the algorithm hands each step (DenseGRPO's dense reward), then the PPO ratio.
-STEP_METRICS = ("grad_share", "grad_norm", "abs_adv", "kept", "dR_abs", "dR_zero", "ratio", "ratio_std", "clipfrac",
-                "kl")
-STEP_LABELS = {"grad_share": "share of the gradient, g_j . g / |g|^2", "grad_norm": "gradient norm |g_j|",
-               "abs_adv": "mean |advantage|", "kept": "share of transitions kept", "dR_abs": "mean |ΔR_t|",
-               "dR_zero": "share of ΔR_t = 0", "ratio": "mean ratio", "ratio_std": "std of the ratio",
-               "clipfrac": "clip fraction", "kl": "KL to the reference"}
+STEP_METRICS = (
+    "grad_share",
+    "grad_norm",
+    "abs_adv",
+    "kept",
+    "dR_abs",
+    "dR_zero",
+    "ratio",
+    "ratio_std",
+    "clipfrac",
+    "kl",
+)
+STEP_LABELS = {
+    "grad_share": "share of the gradient, g_j . g / |g|^2",
+    "grad_norm": "gradient norm |g_j|",
+    "abs_adv": "mean |advantage|",
+    "kept": "share of transitions kept",
+    "dR_abs": "mean |ΔR_t|",
+    "dR_zero": "share of ΔR_t = 0",
+    "ratio": "mean ratio",
+    "ratio_std": "std of the ratio",
+    "clipfrac": "clip fraction",
+    "kl": "KL to the reference",
+}
 
 
 def _figure(width_px: int, height_px: int, **kwargs):
@@ -38,8 +56,9 @@ def _points(xs, ys) -> tuple[list, list]:
 
 
 # ---------------------------------------------------------------------------------------- charts (matplotlib)
-def line_plot(series: dict[str, tuple[list, list]], path: str, xlabel: str, ylabel: str, title: str = "",
-              size=(640, 400)) -> None:
+def line_plot(
+    series: dict[str, tuple[list, list]], path: str, xlabel: str, ylabel: str, title: str = "", size=(640, 400)
+) -> None:
     """One line per series ({name: (xs, ys)}; None/NaN values skipped), with a legend, saved as a PNG of `size` px."""
     fig = _figure(*size, layout="constrained")
     ax = fig.add_subplot()
@@ -71,12 +90,24 @@ def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) 
     tr_x, tr_y = _points([h.get("iteration") for h in history], [h.get("train/reward_mean") for h in history])
     if tr_x:
         # one iteration's reward jumps by +-0.1 (a few prompts per iteration): the raw points faint, the trend bold
-        handles += ax.plot(tr_x, tr_y, color="tab:blue", linewidth=0.8, alpha=0.35, marker=".",
-                           label="training reward (mean of the rollouts)")
+        handles += ax.plot(
+            tr_x,
+            tr_y,
+            color="tab:blue",
+            linewidth=0.8,
+            alpha=0.35,
+            marker=".",
+            label="training reward (mean of the rollouts)",
+        )
         w = running_window(len(tr_y))
         if w > 1:
-            handles += ax.plot(tr_x, running_mean(tr_y, w), color="tab:blue", linewidth=2.2,
-                               label=f"training reward, running mean of {w} iterations")
+            handles += ax.plot(
+                tr_x,
+                running_mean(tr_y, w),
+                color="tab:blue",
+                linewidth=2.2,
+                label=f"training reward, running mean of {w} iterations",
+            )
         ax.set_ylabel("training reward", color="tab:blue")
         ax.tick_params(axis="y", colors="tab:blue")
     else:
@@ -89,15 +120,30 @@ def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) 
         se = [h.get("eval/accuracy_se") for h in evals] if ev_key == "eval/accuracy" else []
         if se and all(s is not None for s in se):
             lo, hi = np.array(y) - np.array(se, float), np.array(y) + np.array(se, float)
-            handles.append(ev.fill_between(x, lo, hi, color="tab:red", alpha=0.15, linewidth=0,
-                                           label="+-1 standard error"))
-        cats = sorted({k[len("eval/accuracy_"):] for h in evals for k in h
-                       if k.startswith("eval/accuracy_") and k != "eval/accuracy_se"})
+            handles.append(
+                ev.fill_between(x, lo, hi, color="tab:red", alpha=0.15, linewidth=0, label="+-1 standard error")
+            )
+        cats = sorted(
+            {
+                k[len("eval/accuracy_") :]
+                for h in evals
+                for k in h
+                if k.startswith("eval/accuracy_") and k != "eval/accuracy_se"
+            }
+        )
         palette = ["tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"]
         for i, c in enumerate(cats):
             cx, cy = _points([h["iteration"] for h in evals], [h.get(f"eval/accuracy_{c}") for h in evals])
-            handles += ev.plot(cx, cy, color=palette[i % len(palette)], linewidth=1.0, linestyle="--",
-                               marker=".", markersize=3, label=f"accuracy: {c.replace('_', ' ')}")
+            handles += ev.plot(
+                cx,
+                cy,
+                color=palette[i % len(palette)],
+                linewidth=1.0,
+                linestyle="--",
+                marker=".",
+                markersize=3,
+                label=f"accuracy: {c.replace('_', ' ')}",
+            )
         name = "held-out accuracy (mean of the categories)" if ev_key == "eval/accuracy" else "held-out reward"
         handles += ev.plot(x, y, color="tab:red", linewidth=2.2, marker="o", markersize=4, label=name)
         ev.set_ylabel(name.split(" (")[0], color="tab:red")
@@ -148,7 +194,7 @@ def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, pa
         for k, v in h.items():
             if not k.startswith(prefix) or v is None:
                 continue
-            metric, _, j = k[len(prefix):].rpartition("/")
+            metric, _, j = k[len(prefix) :].rpartition("/")
             if metric and j.isdigit():
                 cells.setdefault(metric, {})[(int(j), int(h["iteration"]))] = float(v)
     present = [m for m in STEP_METRICS if m in cells] + sorted(set(cells) - set(STEP_METRICS))
@@ -179,8 +225,15 @@ def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, pa
         if centre is not None and finite.size and finite.min() < centre < finite.max():
             norm = TwoSlopeNorm(vcenter=centre, vmin=finite.min(), vmax=finite.max())
         cmap = "coolwarm" if norm is not None else "viridis"
-        im = ax.imshow(grid, aspect="auto", origin="lower", interpolation="nearest", cmap=cmap, norm=norm,
-                       extent=(its[0] - 0.5, its[-1] + 0.5, -0.5, steps - 0.5))
+        im = ax.imshow(
+            grid,
+            aspect="auto",
+            origin="lower",
+            interpolation="nearest",
+            cmap=cmap,
+            norm=norm,
+            extent=(its[0] - 0.5, its[-1] + 0.5, -0.5, steps - 0.5),
+        )
         im.cmap.set_bad("0.85")
         label = STEP_LABELS.get(metric, metric)
         titles.append(label)
@@ -237,8 +290,14 @@ def _caption_lines(prompt: str, reward: float | None, verdict: bool | None, fnt,
     return lines + ([", ".join(extra)] if extra else [])
 
 
-def captioned_grid(images, prompts: list[str], verdicts: list | None = None, rewards: list | None = None,
-                   ncol: int = 4, header: str = "") -> Image.Image:
+def captioned_grid(
+    images,
+    prompts: list[str],
+    verdicts: list | None = None,
+    rewards: list | None = None,
+    ncol: int = 4,
+    header: str = "",
+) -> Image.Image:
     """A grid of images, each with its prompt (wrapped) and reward printed underneath and, where a verdict is
     given (the toy world's strict scorer), a green frame for correct or a red frame for wrong.
 
@@ -253,8 +312,12 @@ def captioned_grid(images, prompts: list[str], verdicts: list | None = None, rew
     frame, pad = max(3, side // 32), 6
     fnt = font(max(12, side // 10))
     line_h = int(fnt.size * 1.25)
-    captions = [_caption_lines(p, None if rewards is None else rewards[i], None if verdicts is None else verdicts[i],
-                               fnt, side + 2 * frame) for i, p in enumerate(prompts)]
+    captions = [
+        _caption_lines(
+            p, None if rewards is None else rewards[i], None if verdicts is None else verdicts[i], fnt, side + 2 * frame
+        )
+        for i, p in enumerate(prompts)
+    ]
     cap_h = line_h * max((len(c) for c in captions), default=1) + pad
     cell_w, cell_h = side + 2 * frame + 2 * pad, side + 2 * frame + cap_h + 2 * pad
     ncol = max(1, min(ncol, n))
@@ -275,8 +338,12 @@ def captioned_grid(images, prompts: list[str], verdicts: list | None = None, rew
         grid.paste(_to_cell(x[i], side), (x0 + frame, y0 + frame))
         for k, line in enumerate(captions[i]):
             last = k == len(captions[i]) - 1 and (rewards is not None or v is not None)
-            d.text((x0, y0 + side + 2 * frame + pad // 2 + k * line_h), line, font=fnt,
-                   fill=(color if last and v is not None else (0, 0, 0)))
+            d.text(
+                (x0, y0 + side + 2 * frame + pad // 2 + k * line_h),
+                line,
+                font=fnt,
+                fill=(color if last and v is not None else (0, 0, 0)),
+            )
     return grid
 
 
@@ -285,7 +352,7 @@ def accuracy_line(metrics: dict) -> str:
     cats = [k for k in metrics if k.startswith("eval/accuracy_") and k != "eval/accuracy_se"]
     if "eval/accuracy" not in metrics:
         return f"reward {metrics.get('eval/reward_mean', float('nan')):.3f}"
-    parts = [f"{k[len('eval/accuracy_'):].replace('_', ' ')} {metrics[k]:.2f}" for k in cats]
+    parts = [f"{k[len('eval/accuracy_') :].replace('_', ' ')} {metrics[k]:.2f}" for k in cats]
     se = metrics.get("eval/accuracy_se")
     overall = f"overall {metrics['eval/accuracy']:.3f}" + (f" +- {se:.3f}" if se is not None else "")
     return ", ".join(parts) + " | " + overall
@@ -296,13 +363,17 @@ def before_after(before, after, path: str, title: str = "", ncol: int = 2) -> Im
     evaluation's per-category accuracy before and after in the title. before / after: `common.evaluation.Panel`s
     (the fixed subset an evaluation draws; they must hold the same prompts and seeds). Saves to `path`."""
     if list(before.prompts) != list(after.prompts) or list(before.seeds) != list(after.seeds):
-        raise ValueError("before_after: the two panels hold different prompts or seeds (were they made from the "
-                         "same evaluation prompts and seeds_per_prompt?)")
+        raise ValueError(
+            "before_after: the two panels hold different prompts or seeds (were they made from the "
+            "same evaluation prompts and seeds_per_prompt?)"
+        )
     cells = list(zip(before.images, after.images))  # one cell per prompt: both images, one caption
     head = [title] if title else []
-    head += [f"before (iteration {before.iteration}): {accuracy_line(before.metrics)}",
-             f"after (iteration {after.iteration}):  {accuracy_line(after.metrics)}",
-             "each pair: left = starting model, right = final model; same prompt and seed"]
+    head += [
+        f"before (iteration {before.iteration}): {accuracy_line(before.metrics)}",
+        f"after (iteration {after.iteration}):  {accuracy_line(after.metrics)}",
+        "each pair: left = starting model, right = final model; same prompt and seed",
+    ]
     side = _cell_size(before.images.shape[1])
     frame, pad, gap = max(3, side // 32), 6, max(4, side // 16)
     fnt = font(max(12, side // 10))
@@ -316,8 +387,10 @@ def before_after(before, after, path: str, title: str = "", ncol: int = 2) -> Im
     for k, p in enumerate(before.prompts):
         vb = None if before.verdicts is None else before.verdicts[k]
         va = None if after.verdicts is None else after.verdicts[k]
-        captions.append(_wrap(p, fnt, pair_w) + [f"{before.rewards[k]:.2f}{verdict_word(vb)} -> "
-                                                 f"{after.rewards[k]:.2f}{verdict_word(va)}"])
+        captions.append(
+            _wrap(p, fnt, pair_w)
+            + [f"{before.rewards[k]:.2f}{verdict_word(vb)} -> {after.rewards[k]:.2f}{verdict_word(va)}"]
+        )
     cap_h = line_h * max(len(c) for c in captions) + pad
     cell_w, cell_h = pair_w + 4 * pad, side + 2 * frame + cap_h + 2 * pad
     n = len(cells)

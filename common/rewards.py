@@ -63,8 +63,15 @@ from PIL import Image
 from torch import nn
 
 REWARD_NAMES: tuple[str, ...] = (
-    "toyworld", "toyworld_coverage", "jpeg_compressibility", "jpeg_incompressibility",
-    "aesthetic", "pickscore", "clipscore", "hpsv2", "imagereward",
+    "toyworld",
+    "toyworld_coverage",
+    "jpeg_compressibility",
+    "jpeg_incompressibility",
+    "aesthetic",
+    "pickscore",
+    "clipscore",
+    "hpsv2",
+    "imagereward",
 )
 DEFAULT_PATHS = {
     "pickscore": "yuvalkirstain/PickScore_v1",
@@ -74,8 +81,17 @@ DEFAULT_PATHS = {
 }
 DEFAULT_PROCESSORS = {"pickscore": "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"}
 AESTHETIC_CLIP = "openai/clip-vit-large-patch14"  # used when neither aesthetic_clip nor the aesthetic folder has one
-PATH_KEYS = ("aesthetic", "aesthetic_clip", "pickscore", "pickscore_processor",
-             "clipscore", "clipscore_processor", "hpsv2", "imagereward", "imagereward_tokenizer")
+PATH_KEYS = (
+    "aesthetic",
+    "aesthetic_clip",
+    "pickscore",
+    "pickscore_processor",
+    "clipscore",
+    "clipscore_processor",
+    "hpsv2",
+    "imagereward",
+    "imagereward_tokenizer",
+)
 PICKSCORE_DIVISOR = 26.0  # Flow-GRPO pickscore_scorer.py: reward = logit_scale * cos / 26
 AESTHETIC_MLP_FILE = "sac+logos+ava1-l14-linearMSE.pth"
 HPSV2_FILE, HPSV2_ARCH = "HPS_v2.1_compressed.pt", "ViT-H-14"
@@ -96,8 +112,7 @@ class MissingRewardPackage(ImportError):
 # ----------------------------------------------------------------------------- parsing
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     """'pickscore:1.0,clipscore:0.5' or 'pickscore' (weight 1) -> [(name, weight), ...]. No imports."""
-    choices = (f"choose from {', '.join(REWARD_NAMES)}; "
-               "or a weighted mix like 'pickscore:1.0,clipscore:0.5'")
+    choices = f"choose from {', '.join(REWARD_NAMES)}; or a weighted mix like 'pickscore:1.0,clipscore:0.5'"
     items = [s.strip() for s in spec.split(",") if s.strip()]
     if not items:
         raise ValueError(f"empty reward spec {spec!r}: {choices}")
@@ -113,8 +128,9 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
         except ValueError:
             w = float("nan")
         if not np.isfinite(w):
-            raise ValueError(f"bad weight '{weight}' for reward '{name}' in {spec!r}: "
-                             "expected a finite number, e.g. 'pickscore:1.0'")
+            raise ValueError(
+                f"bad weight '{weight}' for reward '{name}' in {spec!r}: expected a finite number, e.g. 'pickscore:1.0'"
+            )
         out.append((name, w))
     return out
 
@@ -147,8 +163,10 @@ def _require(name: str):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise MissingRewardPackage(f"{name}: needs the optional package '{package}' ({_first_line(e)}); install it "
-                                   f"with `{command}` (see requirements-optional.txt){note}") from None
+        raise MissingRewardPackage(
+            f"{name}: needs the optional package '{package}' ({_first_line(e)}); install it "
+            f"with `{command}` (see requirements-optional.txt){note}"
+        ) from None
 
 
 def _find_file(name: str, path: str, filename: str, hint: str) -> str:
@@ -163,10 +181,12 @@ def _find_file(name: str, path: str, filename: str, hint: str) -> str:
         raise RewardLoadError(f"{name}: '{path}' does not exist: expected {hint}")
     try:
         from huggingface_hub import hf_hub_download
+
         return hf_hub_download(path, filename)
     except Exception as e:  # offline, unknown repo, missing file: all end here
-        raise RewardLoadError(f"{name}: could not get {filename} from hub repo '{path}' ({_first_line(e)}): "
-                              f"expected {hint}") from None
+        raise RewardLoadError(
+            f"{name}: could not get {filename} from hub repo '{path}' ({_first_line(e)}): expected {hint}"
+        ) from None
 
 
 def _from_pretrained(name: str, cls, path: str, hint: str):
@@ -188,8 +208,10 @@ def _torch_load(path: str):
 
 
 def _hub_hint(what: str, hub_id: str, key: str, files: str = "") -> str:
-    return (f"{what} (e.g. the hub id {hub_id} downloaded with `hf download {hub_id}{files}`; "
-            f"set with --reward-model-paths {key}=PATH)")
+    return (
+        f"{what} (e.g. the hub id {hub_id} downloaded with `hf download {hub_id}{files}`; "
+        f"set with --reward-model-paths {key}=PATH)"
+    )
 
 
 # ----------------------------------------------------------------------------- shared preprocessing
@@ -202,7 +224,7 @@ def clip_preprocess(images: torch.Tensor, shortest_edge: int, crop: tuple[int, i
     if size != (h, w):
         images = F.interpolate(images, size=size, mode="bicubic", align_corners=False, antialias=True)
     top, left = (size[0] - crop[0]) // 2, (size[1] - crop[1]) // 2
-    images = images[..., top:top + crop[0], left:left + crop[1]].clamp(0, 1)
+    images = images[..., top : top + crop[0], left : left + crop[1]].clamp(0, 1)
     mean = torch.tensor(mean, device=images.device, dtype=images.dtype).view(1, 3, 1, 1)
     std = torch.tensor(std, device=images.device, dtype=images.dtype).view(1, 3, 1, 1)
     return (images - mean) / std
@@ -252,18 +274,27 @@ class CLIPReward:
         model_key = model_key or name
         model_path = paths[model_key]
         proc_path = paths.get(f"{name}_processor") or (
-            model_path if os.path.isfile(os.path.join(model_path, "preprocessor_config.json"))
-            else DEFAULT_PROCESSORS.get(name, model_path))
+            model_path
+            if os.path.isfile(os.path.join(model_path, "preprocessor_config.json"))
+            else DEFAULT_PROCESSORS.get(name, model_path)
+        )
         default = DEFAULT_PATHS.get(model_key, AESTHETIC_CLIP if model_key == "aesthetic_clip" else model_path)
         self.device = device
         model = _from_pretrained(name, CLIPModel, model_path, _hub_hint("a CLIP checkpoint folder", default, model_key))
         self.model = model.to(device=device, dtype=torch.float32).eval()  # fp16 checkpoints too: pixels are fp32
-        proc_hint = _hub_hint("a processor folder with the tokenizer and preprocessor_config.json",
-                              DEFAULT_PROCESSORS.get(name, default), f"{name}_processor", " --include '*.json' '*.txt'")
+        proc_hint = _hub_hint(
+            "a processor folder with the tokenizer and preprocessor_config.json",
+            DEFAULT_PROCESSORS.get(name, default),
+            f"{name}_processor",
+            " --include '*.json' '*.txt'",
+        )
         proc = _from_pretrained(name, AutoImageProcessor, proc_path, proc_hint)
-        self.geometry = (_size(proc.size, "shortest_edge") or _size(proc.crop_size, "height"),
-                         (_size(proc.crop_size, "height"), _size(proc.crop_size, "width")),
-                         proc.image_mean, proc.image_std)
+        self.geometry = (
+            _size(proc.size, "shortest_edge") or _size(proc.crop_size, "height"),
+            (_size(proc.crop_size, "height"), _size(proc.crop_size, "width")),
+            proc.image_mean,
+            proc.image_std,
+        )
         self.tokenizer = _from_pretrained(name, AutoTokenizer, proc_path, proc_hint) if text else None
 
     def image_embeds(self, images: torch.Tensor) -> torch.Tensor:
@@ -273,8 +304,11 @@ class CLIPReward:
     def cosine(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         max_len = min(self.tokenizer.model_max_length, self.model.config.text_config.max_position_embeddings)
         tok = self.tokenizer(prompts, padding="max_length", truncation=True, max_length=max_len, return_tensors="pt")
-        text = _features(self.model.get_text_features(input_ids=tok.input_ids.to(self.device),
-                                                      attention_mask=tok.attention_mask.to(self.device)))
+        text = _features(
+            self.model.get_text_features(
+                input_ids=tok.input_ids.to(self.device), attention_mask=tok.attention_mask.to(self.device)
+            )
+        )
         return (self.image_embeds(images) * text).sum(-1)
 
     __call__ = cosine
@@ -293,8 +327,16 @@ class AestheticMLP(nn.Module):
 
     def __init__(self, dim: int = 768):
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(dim, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-                                    nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
+        self.layers = nn.Sequential(
+            nn.Linear(dim, 1024),
+            nn.Dropout(0.2),
+            nn.Linear(1024, 128),
+            nn.Dropout(0.2),
+            nn.Linear(128, 64),
+            nn.Dropout(0.1),
+            nn.Linear(64, 16),
+            nn.Linear(16, 1),
+        )
 
     def forward(self, x):
         return self.layers(x)
@@ -306,8 +348,10 @@ class Aesthetic:
 
     def __init__(self, paths: dict, device):
         folder = paths.get("aesthetic")
-        hint = (f"{AESTHETIC_MLP_FILE} (from github.com/christophschuhmann/improved-aesthetic-predictor), "
-                "or a folder holding it and optionally the CLIP ViT-L/14 checkpoint: --reward-model-paths aesthetic=PATH")
+        hint = (
+            f"{AESTHETIC_MLP_FILE} (from github.com/christophschuhmann/improved-aesthetic-predictor), "
+            "or a folder holding it and optionally the CLIP ViT-L/14 checkpoint: --reward-model-paths aesthetic=PATH"
+        )
         if not folder:
             raise RewardLoadError(f"aesthetic: no weights given: expected {hint}")
         state = _torch_load(_find_file("aesthetic", folder, AESTHETIC_MLP_FILE, hint))
@@ -321,8 +365,10 @@ class Aesthetic:
             paths = {**paths, "aesthetic_clip": folder if has_clip else AESTHETIC_CLIP}
         self.clip = CLIPReward("aesthetic", paths, device, model_key="aesthetic_clip", text=False)
         if self.clip.model.config.projection_dim != self.mlp.layers[0].in_features:
-            raise RewardLoadError(f"aesthetic: the MLP expects {self.mlp.layers[0].in_features}-d embeddings but "
-                                  f"the CLIP gives {self.clip.model.config.projection_dim}-d: use CLIP ViT-L/14")
+            raise RewardLoadError(
+                f"aesthetic: the MLP expects {self.mlp.layers[0].in_features}-d embeddings but "
+                f"the CLIP gives {self.clip.model.config.projection_dim}-d: use CLIP ViT-L/14"
+            )
 
     def __call__(self, images, prompts):
         return self.mlp(self.clip.image_embeds(images)).squeeze(-1)
@@ -398,17 +444,30 @@ def _blip_configs(vit: dict, med: dict):
 
     width, patch = vit["embeddings.class_embedding"].shape[-1], vit["embeddings.patch_embedding.weight"].shape[-1]
     vision = BlipVisionConfig(
-        hidden_size=width, intermediate_size=vit["encoder.layers.0.mlp.fc1.weight"].shape[0],
+        hidden_size=width,
+        intermediate_size=vit["encoder.layers.0.mlp.fc1.weight"].shape[0],
         num_hidden_layers=len({k.split(".")[2] for k in vit if k.startswith("encoder.layers.")}),
-        num_attention_heads=max(1, width // 64), patch_size=patch, layer_norm_eps=1e-6,
-        image_size=math.isqrt(vit["embeddings.position_embedding"].shape[1] - 1) * patch)
+        num_attention_heads=max(1, width // 64),
+        patch_size=patch,
+        layer_norm_eps=1e-6,
+        image_size=math.isqrt(vit["embeddings.position_embedding"].shape[1] - 1) * patch,
+    )
     text = BlipTextConfig(
-        vocab_size=med["vocab_size"], hidden_size=med["hidden_size"], intermediate_size=med["intermediate_size"],
-        num_hidden_layers=med["num_hidden_layers"], num_attention_heads=med["num_attention_heads"],
-        max_position_embeddings=med["max_position_embeddings"], hidden_act=med.get("hidden_act", "gelu"),
-        layer_norm_eps=med.get("layer_norm_eps", 1e-12), pad_token_id=med.get("pad_token_id", 0),
-        bos_token_id=None, eos_token_id=None, sep_token_id=None,  # unused here; BLIP's defaults overflow tiny vocabs
-        encoder_hidden_size=width, is_decoder=True)  # is_decoder: build the cross-attention layers
+        vocab_size=med["vocab_size"],
+        hidden_size=med["hidden_size"],
+        intermediate_size=med["intermediate_size"],
+        num_hidden_layers=med["num_hidden_layers"],
+        num_attention_heads=med["num_attention_heads"],
+        max_position_embeddings=med["max_position_embeddings"],
+        hidden_act=med.get("hidden_act", "gelu"),
+        layer_norm_eps=med.get("layer_norm_eps", 1e-12),
+        pad_token_id=med.get("pad_token_id", 0),
+        bos_token_id=None,
+        eos_token_id=None,
+        sep_token_id=None,  # unused here; BLIP's defaults overflow tiny vocabs
+        encoder_hidden_size=width,
+        is_decoder=True,
+    )  # is_decoder: build the cross-attention layers
     return vision, text
 
 
@@ -430,9 +489,14 @@ class ImageRewardScore:
         folder = os.path.dirname(ckpt) if os.path.isfile(path) else path
         med_path = _find_file("imagereward", folder, "med_config.json", hint)
         tok_path = paths.get("imagereward_tokenizer") or (
-            folder if os.path.isfile(os.path.join(folder, "vocab.txt")) else IMAGEREWARD_TOKENIZER)
-        tok_hint = _hub_hint("a BERT tokenizer folder (vocab.txt)", IMAGEREWARD_TOKENIZER, "imagereward_tokenizer",
-                             " --include '*.txt' '*.json'")
+            folder if os.path.isfile(os.path.join(folder, "vocab.txt")) else IMAGEREWARD_TOKENIZER
+        )
+        tok_hint = _hub_hint(
+            "a BERT tokenizer folder (vocab.txt)",
+            IMAGEREWARD_TOKENIZER,
+            "imagereward_tokenizer",
+            " --include '*.txt' '*.json'",
+        )
         # vocab.txt first: transformers 5's BertTokenizer.from_pretrained turns a missing hub id into an empty vocab
         vocab = _find_file("imagereward", tok_path, "vocab.txt", tok_hint)
         self.tokenizer = _from_pretrained("imagereward", BertTokenizer, os.path.dirname(vocab), tok_hint)
@@ -454,23 +518,29 @@ class ImageRewardScore:
                     raise KeyError(f"{part} weights: missing {missing[:3]}, unexpected {unexpected[:3]}")
         except (OSError, ValueError, KeyError, RuntimeError) as e:  # RuntimeError: a shape mismatch
             detail = " ".join(str(e).split())[:300]
-            raise RewardLoadError(f"imagereward: '{ckpt}' with '{med_path}' is not an ImageReward checkpoint "
-                                  f"({type(e).__name__}: {detail}): expected {hint}") from None
+            raise RewardLoadError(
+                f"imagereward: '{ckpt}' with '{med_path}' is not an ImageReward checkpoint "
+                f"({type(e).__name__}: {detail}): expected {hint}"
+            ) from None
         for module in (self.vision, self.text, self.mlp):
             module.to(device=device, dtype=torch.float32).eval()
         if len(self.tokenizer) != text_config.vocab_size:
-            raise RewardLoadError(f"imagereward: the tokenizer in '{os.path.dirname(vocab)}' has {len(self.tokenizer)}"
-                                  f" tokens with [DEC] and [ENC], its text encoder {text_config.vocab_size}: "
-                                  f"expected {tok_hint}")
+            raise RewardLoadError(
+                f"imagereward: the tokenizer in '{os.path.dirname(vocab)}' has {len(self.tokenizer)}"
+                f" tokens with [DEC] and [ENC], its text encoder {text_config.vocab_size}: "
+                f"expected {tok_hint}"
+            )
         self.size, self.device = vision_config.image_size, device
 
     def __call__(self, images, prompts):
-        tok = self.tokenizer(prompts, padding="max_length", truncation=True, max_length=IMAGEREWARD_MAX_TOKENS,
-                             return_tensors="pt").to(self.device)
+        tok = self.tokenizer(
+            prompts, padding="max_length", truncation=True, max_length=IMAGEREWARD_MAX_TOKENS, return_tensors="pt"
+        ).to(self.device)
         pixels = clip_preprocess(images, self.size, (self.size, self.size), CLIP_MEAN, CLIP_STD)  # BLIP's = CLIP's
         image_tokens = self.vision(pixel_values=pixels).last_hidden_state
-        text = self.text(input_ids=tok.input_ids, attention_mask=tok.attention_mask,
-                         encoder_hidden_states=image_tokens).last_hidden_state  # no image mask: all tokens count
+        text = self.text(
+            input_ids=tok.input_ids, attention_mask=tok.attention_mask, encoder_hidden_states=image_tokens
+        ).last_hidden_state  # no image mask: all tokens count
         return ((self.mlp(text[:, 0]) - IMAGEREWARD_MEAN) / IMAGEREWARD_STD).squeeze(-1)
 
 
@@ -512,8 +582,8 @@ class RewardModel:
         prompts, rows = list(prompts), []
         with torch.inference_mode():
             for i in range(0, len(images), self.batch_size):
-                chunk = images[i:i + self.batch_size].to(self.device, torch.float32)
-                chunk_prompts = prompts[i:i + self.batch_size]
+                chunk = images[i : i + self.batch_size].to(self.device, torch.float32)
+                chunk_prompts = prompts[i : i + self.batch_size]
                 rows.append(torch.stack([fn(chunk, chunk_prompts).float().cpu() for fn in self.fns], dim=1))
         return torch.cat(rows).clone()  # clone outside inference mode: a normal tensor, usable in autograd
 
@@ -529,8 +599,9 @@ class RewardModel:
         return f"RewardModel({', '.join(f'{n}:{w:g}' for n, w in zip(self.names, self.weights.tolist()))})"
 
 
-def build_reward(spec: str, device="cpu", model_paths: dict[str, str] | None = None,
-                 batch_size: int = 32) -> RewardModel:
+def build_reward(
+    spec: str, device="cpu", model_paths: dict[str, str] | None = None, batch_size: int = 32
+) -> RewardModel:
     """`spec` as in parse_reward_spec; `model_paths` as parse_model_paths returns (defaults: DEFAULT_PATHS)."""
     pairs = parse_reward_spec(spec)
     if batch_size < 1:
@@ -543,8 +614,9 @@ def build_reward(spec: str, device="cpu", model_paths: dict[str, str] | None = N
     for name in (n for n, _ in pairs if n in OPTIONAL):
         _require(name)  # a missing optional package fails before any model is loaded
     fns = [_load(name, device, paths) for name, _ in pairs]
-    return RewardModel([n for n, _ in pairs], torch.tensor([w for _, w in pairs], dtype=torch.float32),
-                       fns, device, batch_size)
+    return RewardModel(
+        [n for n, _ in pairs], torch.tensor([w for _, w in pairs], dtype=torch.float32), fns, device, batch_size
+    )
 
 
 def advantage_mix(advantages_per_reward: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

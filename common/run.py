@@ -41,8 +41,15 @@ from common.parallel import is_sharded, weights_digest
 from common.training import ema_weights
 from common.utils import Timer, all_reduce
 
-COUNTERS = ("trajectories", "scored_images", "nfe/rollout", "nfe/completion", "nfe/train_forward",
-            "nfe/train_backward", "nfe/eval")
+COUNTERS = (
+    "trajectories",
+    "scored_images",
+    "nfe/rollout",
+    "nfe/completion",
+    "nfe/train_forward",
+    "nfe/train_backward",
+    "nfe/eval",
+)
 PHASES = ("rollout", "reward", "train", "eval")
 # per-step metrics of the training section (Stats names) that become steps/{name}/{step} columns
 PER_STEP = ("ratio", "clipfrac", "kl", "abs_adv", "kept")
@@ -69,8 +76,18 @@ def restored_counts(saved: dict | None) -> dict:
 class Run:
     """The state the loop carries besides the model: counters, clocks, phase timers, the logger and progress bar."""
 
-    def __init__(self, args, run_dir: str, rank: int, world_size: int, device, logger, counts: dict | None,
-                 start_iteration: int, script: str):
+    def __init__(
+        self,
+        args,
+        run_dir: str,
+        rank: int,
+        world_size: int,
+        device,
+        logger,
+        counts: dict | None,
+        start_iteration: int,
+        script: str,
+    ):
         self.args, self.dir, self.rank, self.world_size, self.device = args, run_dir, rank, world_size, device
         self.is_main, self.logger, self.script = rank == 0, logger, os.path.basename(script)
         self.counts = restored_counts(counts)
@@ -78,8 +95,9 @@ class Run:
         self.wall_start, self.cpu_start = time.time(), time.process_time()
         self.pictures = None  # this iteration's evaluation grid and panel, for wandb
         self.last_eval = ""
-        self.bar = tqdm(disable=not self.is_main, initial=start_iteration, total=args.num_iterations + 1,
-                        desc=args.exp_name)
+        self.bar = tqdm(
+            disable=not self.is_main, initial=start_iteration, total=args.num_iterations + 1, desc=args.exp_name
+        )
 
     def cpu_seconds(self) -> float:
         """Process CPU seconds (all threads) since the loop began: the budget's clock (--cpu-budget-s)."""
@@ -89,18 +107,35 @@ class Run:
         """True at --num-iterations, or once the CPU budget is spent on any rank (all ranks agree: one all-reduce)."""
         over = self.args.cpu_budget_s > 0 and self.cpu_seconds() > self.args.cpu_budget_s
         op = dist.ReduceOp.MAX if self.world_size > 1 else None
-        return iteration == self.args.num_iterations or bool(all_reduce(torch.tensor([float(over)]), self.world_size, op))
+        return iteration == self.args.num_iterations or bool(
+            all_reduce(torch.tensor([float(over)]), self.world_size, op)
+        )
 
-    def evaluate(self, iteration: int, last: bool, backbone, reward_model, guard_model, prompts: list[str], ema) -> dict:
+    def evaluate(
+        self, iteration: int, last: bool, backbone, reward_model, guard_model, prompts: list[str], ema
+    ) -> dict:
         """Held-out evaluation (common/evaluation.py: ODE samples from fixed seeds) with the EMA weights if any; the
         sample grid and panel are saved as samples/eval_{iteration}.png / .npz. Returns the eval/ metrics."""
         a = self.args
         seeds = a.final_eval_seeds_per_prompt if last and a.final_eval_seeds_per_prompt else a.eval_seeds_per_prompt
         guidance = a.guidance_scale if a.eval_guidance_scale is None else a.eval_guidance_scale
         with self.timer("eval"), ema_weights(ema):
-            metrics, grid, panel = evaluate(backbone, reward_model, guard_model, prompts, a.eval_num_steps, a.shift,
-                                            guidance, seeds, a.eval_batch_size, a.resolution, self.rank,
-                                            self.world_size, return_panel=True, iteration=iteration)
+            metrics, grid, panel = evaluate(
+                backbone,
+                reward_model,
+                guard_model,
+                prompts,
+                a.eval_num_steps,
+                a.shift,
+                guidance,
+                seeds,
+                a.eval_batch_size,
+                a.resolution,
+                self.rank,
+                self.world_size,
+                return_panel=True,
+                iteration=iteration,
+            )
         self.counts["nfe/eval"] += len(prompts) * seeds * a.eval_num_steps
         self.last_eval = f"{metrics.get('eval/accuracy', metrics['eval/reward_mean']):.3f}@{iteration}"
         self.pictures = {"eval/samples": grid, "eval/panel": panel.captioned()}
@@ -139,14 +174,16 @@ class Run:
             metrics.update({f"steps/{name}/{j}": v for j, v in red.get(f"{name}/per_step", {}).items()})
         for j, m in red.get("ratio/per_step", {}).items():  # std from the mean of squares
             metrics[f"steps/ratio_std/{j}"] = max(red["ratio_sq/per_step"][j] - m**2, 0.0) ** 0.5
-        metrics.update({
-            "ratio/first_minibatch_max_dev": stats.first.get("ratio_dev", 0.0),
-            "train/optimizer_steps": n_opt,
-            "train/kept_transitions": int(red.get("ratio/weight", 0)),
-            "grad_norm": red["grad_norm"] / n_opt if n_opt else 0.0,
-            **{f"time/{k}_s": self.timer.times.get(k, 0.0) for k in PHASES},
-            **self._clocks(),
-        })
+        metrics.update(
+            {
+                "ratio/first_minibatch_max_dev": stats.first.get("ratio_dev", 0.0),
+                "train/optimizer_steps": n_opt,
+                "train/kept_transitions": int(red.get("ratio/weight", 0)),
+                "grad_norm": red["grad_norm"] / n_opt if n_opt else 0.0,
+                **{f"time/{k}_s": self.timer.times.get(k, 0.0) for k in PHASES},
+                **self._clocks(),
+            }
+        )
         if grad_share is not None:  # empty unless the iteration measured them
             metrics.update({f"steps/grad_share/{j}": v for j, v in grad_share.shares().items()})
             metrics.update({f"steps/grad_norm/{j}": v for j, v in grad_share.norms().items()})
@@ -166,8 +203,14 @@ class Run:
         else:
             rngs = [rng_state()]
         if self.is_main or is_sharded(params):
-            state = {**trainer_state(params, optimizer, ema, policy), "iteration": iteration, "counts": self.counts,
-                     "rng": rngs, "args": dataclasses.asdict(self.args), "script": self.script}
+            state = {
+                **trainer_state(params, optimizer, ema, policy),
+                "iteration": iteration,
+                "counts": self.counts,
+                "rng": rngs,
+                "args": dataclasses.asdict(self.args),
+                "script": self.script,
+            }
             save_checkpoint(self.dir, state, save_weights, self.args.keep_checkpoints)
         if self.world_size > 1:
             dist.barrier()

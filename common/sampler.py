@@ -26,6 +26,7 @@ scripts/train_sd3_GRPO_Guard.py), for the SDE step (E3) with step std s = std_de
 All math runs in float32 whatever the model dtype: bf16 loses too much precision in the
 mean and in the log-density (Flow-GRPO casts to fp32 for the same reason).
 """
+
 import math
 
 import numpy as np
@@ -43,9 +44,15 @@ def _mean_non_batch(t: torch.Tensor) -> torch.Tensor:
     return t.mean(dim=tuple(range(1, t.ndim))) if t.ndim > 1 else t
 
 
-def sigma_schedule(num_steps: int, shift: float = 3.0, image_seq_len: int | None = None,
-                   base_shift: float = 0.5, max_shift: float = 1.15,
-                   base_seq_len: int = 256, max_seq_len: int = 4096) -> torch.Tensor:
+def sigma_schedule(
+    num_steps: int,
+    shift: float = 3.0,
+    image_seq_len: int | None = None,
+    base_shift: float = 0.5,
+    max_shift: float = 1.15,
+    base_seq_len: int = 256,
+    max_seq_len: int = 4096,
+) -> torch.Tensor:
     """The sigma grid (num_steps + 1 values, the last one 0) that the diffusers pipelines sample on.
 
     SD3 (image_seq_len None): static shift s' = shift s / (1 + (shift - 1) s), the timestep shift of
@@ -58,6 +65,7 @@ def sigma_schedule(num_steps: int, shift: float = 3.0, image_seq_len: int | None
     s = linspace(1, 1/n, n) (what FluxPipeline passes), with mu linear in the number of image tokens
     (FluxPipeline's calculate_shift): bigger images get noisier schedules. `shift` is unused here.
     """
+
     def static(s):
         return shift * s / (1 + (shift - 1) * s)
 
@@ -100,8 +108,17 @@ def x0_prediction(velocity, sample, sigma) -> torch.Tensor:
     return x - _per_sample(sigma, x) * velocity.float()
 
 
-def sde_step_with_logprob(velocity, sample, sigma, sigma_next, noise_level,
-                          prev_sample=None, generator=None, sigma_max=None, sde_type: str = "sde"):
+def sde_step_with_logprob(
+    velocity,
+    sample,
+    sigma,
+    sigma_next,
+    noise_level,
+    prev_sample=None,
+    generator=None,
+    sigma_max=None,
+    sde_type: str = "sde",
+):
     """One stochastic step and the log-prob of where it lands: the Flow-GRPO SDE (E2-E3) or CPS (E6).
 
     sigma, sigma_next, noise_level: floats, 0-dim tensors or per-sample [B] tensors.
@@ -171,8 +188,11 @@ def sde_step_with_logprob(velocity, sample, sigma, sigma_next, noise_level,
         log_prob = -((prev_sample.detach() - mean) ** 2)
     else:  # log N(prev_sample; mean, step_std^2)
         safe_std = torch.where(step_std > 0, step_std, 1.0)
-        log_prob = (-((prev_sample.detach() - mean) ** 2) / (2 * safe_std**2)
-                    - torch.log(safe_std) - 0.5 * math.log(2 * math.pi))
+        log_prob = (
+            -((prev_sample.detach() - mean) ** 2) / (2 * safe_std**2)
+            - torch.log(safe_std)
+            - 0.5 * math.log(2 * math.pi)
+        )
     log_prob = torch.where(step_std.reshape(-1) > 0, _mean_non_batch(log_prob), 0.0)
     return prev_sample, log_prob, mean, std_dev_t
 
@@ -193,7 +213,7 @@ def ratio_norm(log_ratio, mean, old_mean, std_dev_t, sigma, sigma_next) -> torch
     """
     s = _per_sample(std_dev_t, log_ratio).reshape(-1) * torch.sqrt((sigma - sigma_next).float())
     safe = torch.where(s > 0, s, 1.0)  # a noise-free step (noise_level 0) has no density: it stays at log r_hat = 0
-    bias = _mean_non_batch((mean.float() - old_mean.float()) ** 2) / (2 * safe ** 2)
+    bias = _mean_non_batch((mean.float() - old_mean.float()) ** 2) / (2 * safe**2)
     return (log_ratio + bias) * s
 
 

@@ -100,23 +100,50 @@ def make_t5_tokenizer(words=WORDS, model_max_length: int = 512) -> T5Tokenizer:
 
 def clip_text_config(vocab_size, hidden=32, layers=2, heads=4, max_len=16) -> CLIPTextConfig:
     return CLIPTextConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, projection_dim=hidden,
-        num_hidden_layers=layers, num_attention_heads=heads, max_position_embeddings=max_len,
-        layer_norm_eps=1e-5, hidden_act="gelu", bos_token_id=0, eos_token_id=1, pad_token_id=1,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        projection_dim=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        max_position_embeddings=max_len,
+        layer_norm_eps=1e-5,
+        hidden_act="gelu",
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
     )
 
 
 def t5_config(vocab_size, d_model=64, layers=1, heads=4) -> T5Config:
     return T5Config(
-        vocab_size=vocab_size, d_model=d_model, d_kv=8, d_ff=2 * min(d_model, 64), num_layers=layers,
-        num_heads=heads, relative_attention_num_buckets=8, relative_attention_max_distance=32,
-        dropout_rate=0.0, feed_forward_proj="relu", is_encoder_decoder=False, use_cache=False,
-        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+        vocab_size=vocab_size,
+        d_model=d_model,
+        d_kv=8,
+        d_ff=2 * min(d_model, 64),
+        num_layers=layers,
+        num_heads=heads,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        dropout_rate=0.0,
+        feed_forward_proj="relu",
+        is_encoder_decoder=False,
+        use_cache=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
     )
 
 
-def tiny_vae(latent_channels=4, block_out_channels=(8, 16), layers_per_block=1, norm_groups=4,
-             scaling_factor=1.5035, shift_factor=0.0609, mid_attention=False):
+def tiny_vae(
+    latent_channels=4,
+    block_out_channels=(8, 16),
+    layers_per_block=1,
+    norm_groups=4,
+    scaling_factor=1.5035,
+    shift_factor=0.0609,
+    mid_attention=False,
+):
     """AutoencoderKL with vae_scale_factor = 2 ** (len(block_out_channels) - 1). With latent_channels=16,
     block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_groups=32, mid_attention=True it is the
     SD3 / FLUX autoencoder's architecture."""
@@ -124,18 +151,39 @@ def tiny_vae(latent_channels=4, block_out_channels=(8, 16), layers_per_block=1, 
 
     n = len(block_out_channels)
     return AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * n,
-        up_block_types=("UpDecoderBlock2D",) * n, block_out_channels=tuple(block_out_channels),
-        layers_per_block=layers_per_block, latent_channels=latent_channels, norm_num_groups=norm_groups,
-        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=scaling_factor,
-        shift_factor=shift_factor, mid_block_add_attention=mid_attention,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+        block_out_channels=tuple(block_out_channels),
+        layers_per_block=layers_per_block,
+        latent_channels=latent_channels,
+        norm_num_groups=norm_groups,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        mid_block_add_attention=mid_attention,
     )
 
 
-def build_sd3(path: str | None = None, seed: int = 0, sd35: bool = False, latent_channels: int = 4,
-              num_layers: int = 2, heads: int = 4, head_dim: int = 8, patch_size: int = 2,
-              clip_dim: int = 32, clip_layers: int = 2, t5_dim: int | None = 64, max_len: int = 16,
-              vae=None, words=WORDS, transformer_kwargs: dict | None = None):
+def build_sd3(
+    path: str | None = None,
+    seed: int = 0,
+    sd35: bool = False,
+    latent_channels: int = 4,
+    num_layers: int = 2,
+    heads: int = 4,
+    head_dim: int = 8,
+    patch_size: int = 2,
+    clip_dim: int = 32,
+    clip_layers: int = 2,
+    t5_dim: int | None = 64,
+    max_len: int = 16,
+    vae=None,
+    words=WORDS,
+    transformer_kwargs: dict | None = None,
+):
     """A StableDiffusion3Pipeline with random weights; saved to `path` (diffusers layout) if given.
 
     `sd35=True` adds what SD3.5 adds to the block: dual attention in the first layer and RMS qk-norm.
@@ -153,25 +201,54 @@ def build_sd3(path: str | None = None, seed: int = 0, sd35: bool = False, latent
     te3 = T5EncoderModel(t5_config(len(tok3), t5_dim)) if t5_dim is not None else None
     vae = vae if vae is not None else tiny_vae(latent_channels)
     extra = dict(dual_attention_layers=(0,), qk_norm="rms_norm") if sd35 else {}
-    kw = dict(sample_size=32, patch_size=patch_size, in_channels=latent_channels, out_channels=latent_channels,
-              num_layers=num_layers, attention_head_dim=head_dim, num_attention_heads=heads,
-              caption_projection_dim=heads * head_dim, joint_attention_dim=joint, pooled_projection_dim=2 * clip_dim,
-              pos_embed_max_size=64, **extra)
+    kw = dict(
+        sample_size=32,
+        patch_size=patch_size,
+        in_channels=latent_channels,
+        out_channels=latent_channels,
+        num_layers=num_layers,
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
+        caption_projection_dim=heads * head_dim,
+        joint_attention_dim=joint,
+        pooled_projection_dim=2 * clip_dim,
+        pos_embed_max_size=64,
+        **extra,
+    )
     kw.update(transformer_kwargs or {})
     transformer = SD3Transformer2DModel(**kw)
     pipe = StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
-        text_encoder=te, tokenizer=tok, text_encoder_2=te2, tokenizer_2=tok2, text_encoder_3=te3, tokenizer_3=tok3,
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae,
+        text_encoder=te,
+        tokenizer=tok,
+        text_encoder_2=te2,
+        tokenizer_2=tok2,
+        text_encoder_3=te3,
+        tokenizer_3=tok3,
     )
     if path is not None:
         pipe.save_pretrained(path)
     return pipe
 
 
-def build_flux(path: str | None = None, seed: int = 0, guidance_embeds: bool = True, latent_channels: int = 4,
-               num_layers: int = 1, num_single_layers: int = 1, heads: int = 2, head_dim: int = 16,
-               clip_dim: int = 32, t5_dim: int = 32, max_len: int = 16, vae=None, words=WORDS,
-               transformer_kwargs: dict | None = None):
+def build_flux(
+    path: str | None = None,
+    seed: int = 0,
+    guidance_embeds: bool = True,
+    latent_channels: int = 4,
+    num_layers: int = 1,
+    num_single_layers: int = 1,
+    heads: int = 2,
+    head_dim: int = 16,
+    clip_dim: int = 32,
+    t5_dim: int = 32,
+    max_len: int = 16,
+    vae=None,
+    words=WORDS,
+    transformer_kwargs: dict | None = None,
+):
     """A FluxPipeline with random weights (FLUX.1-dev style when `guidance_embeds`), saved to `path` if given."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
@@ -180,19 +257,38 @@ def build_flux(path: str | None = None, seed: int = 0, guidance_embeds: bool = T
     te = CLIPTextModel(clip_text_config(len(tok), clip_dim, 2, max_len=max_len))
     te2 = T5EncoderModel(t5_config(len(tok2), t5_dim))
     rope = (head_dim // 4, head_dim // 4, head_dim // 2)  # the rope axes must sum to the head dim
-    kw = dict(patch_size=1, in_channels=4 * latent_channels, num_layers=num_layers,
-              num_single_layers=num_single_layers, attention_head_dim=head_dim, num_attention_heads=heads,
-              joint_attention_dim=t5_dim, pooled_projection_dim=clip_dim, guidance_embeds=guidance_embeds,
-              axes_dims_rope=rope)
+    kw = dict(
+        patch_size=1,
+        in_channels=4 * latent_channels,
+        num_layers=num_layers,
+        num_single_layers=num_single_layers,
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
+        joint_attention_dim=t5_dim,
+        pooled_projection_dim=clip_dim,
+        guidance_embeds=guidance_embeds,
+        axes_dims_rope=rope,
+    )
     kw.update(transformer_kwargs or {})
     transformer = FluxTransformer2DModel(**kw)
     scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-        base_image_seq_len=256, max_image_seq_len=4096,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
     )
     vae = vae if vae is not None else tiny_vae(latent_channels)
-    pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=te, tokenizer=tok, text_encoder_2=te2,
-                        tokenizer_2=tok2, transformer=transformer)
+    pipe = FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=te,
+        tokenizer=tok,
+        text_encoder_2=te2,
+        tokenizer_2=tok2,
+        transformer=transformer,
+    )
     if path is not None:
         pipe.save_pretrained(path)
     return pipe

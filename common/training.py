@@ -22,11 +22,22 @@ import torch
 import torch.distributed as dist
 
 REQUIRED = {  # field -> (dtype kind, shape after the first dim is [N])
-    "latents": "float", "next_latents": "float", "log_prob": "float", "sigma": "float", "sigma_next": "float",
-    "noise_level": "float", "advantage": "float", "prompt_index": "long", "step_index": "long",
+    "latents": "float",
+    "next_latents": "float",
+    "log_prob": "float",
+    "sigma": "float",
+    "sigma_next": "float",
+    "noise_level": "float",
+    "advantage": "float",
+    "prompt_index": "long",
+    "step_index": "long",
 }
-OPTIONAL = {"trajectory": "long", "state_index": "long", "update_block": "long",
-            "mean": "float"}  # mean: the rollout step's Gaussian mean, [N, ...] like latents (--ratio-norm needs it)
+OPTIONAL = {
+    "trajectory": "long",
+    "state_index": "long",
+    "update_block": "long",
+    "mean": "float",
+}  # mean: the rollout step's Gaussian mean, [N, ...] like latents (--ratio-norm needs it)
 
 
 # ------------------------------------------------------------------------------------------ the contract
@@ -56,12 +67,14 @@ def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int) -> dict:
             assert t.ndim == 1, f"transitions['{k}'] must be [N], got {tuple(t.shape)}"
         if kind == "float":
             assert torch.isfinite(t).all(), f"transitions['{k}'] has non-finite values"
-    assert tr["latents"].shape == tr["next_latents"].shape == tr.get("mean", tr["latents"]).shape, \
+    assert tr["latents"].shape == tr["next_latents"].shape == tr.get("mean", tr["latents"]).shape, (
         "latents, next_latents and mean differ in shape"
+    )
     j, s = tr["step_index"].cpu(), sigmas.cpu()
     assert bool(((j >= 0) & (j < len(s) - 1)).all()), "step_index outside the schedule"
-    assert torch.equal(tr["sigma"].cpu(), s[j]) and torch.equal(tr["sigma_next"].cpu(), s[j + 1]), \
+    assert torch.equal(tr["sigma"].cpu(), s[j]) and torch.equal(tr["sigma_next"].cpu(), s[j + 1]), (
         "sigma / sigma_next are not the schedule's values at step_index (rows out of step order?)"
+    )
     p = tr["prompt_index"].cpu()
     assert bool(((p >= 0) & (p < n_prompts)).all()), f"prompt_index outside 0..{n_prompts - 1}"
     if "trajectory" in tr:
@@ -71,8 +84,9 @@ def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int) -> dict:
             nxt = key.get((a, b + 1))
             if nxt is not None:
                 assert p[i] == p[nxt], f"trajectory {a} changes prompt between steps {b} and {b + 1}"
-                assert torch.equal(tr["next_latents"][i], tr["latents"][nxt]), \
+                assert torch.equal(tr["next_latents"][i], tr["latents"][nxt]), (
                     f"trajectory {a}: next_latents of step {b} is not latents of step {b + 1}"
+                )
     if "state_index" in tr:
         st = tr["state_index"].cpu()
         first = torch.full((int(st.max()) + 1,), -1, dtype=torch.long)
@@ -94,9 +108,16 @@ class MicroBatch:
     divisor: float = 1.0  # kept transitions of its optimizer step over all ranks / world_size (see plan_updates)
 
 
-def plan_updates(keep: torch.Tensor, states_per_batch: int, optimizer_steps: int, world_size: int = 1,
-                 state_index: torch.Tensor | None = None, update_block: torch.Tensor | None = None,
-                 generator: torch.Generator | None = None, epochs: int = 1) -> list[MicroBatch]:
+def plan_updates(
+    keep: torch.Tensor,
+    states_per_batch: int,
+    optimizer_steps: int,
+    world_size: int = 1,
+    state_index: torch.Tensor | None = None,
+    update_block: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    epochs: int = 1,
+) -> list[MicroBatch]:
     """Split `epochs` passes over the transitions into micro-batches, in order, grouped into optimizer steps: the
     last micro-batch of each step has `sync` (each pass shuffled anew).
 
@@ -111,8 +132,13 @@ def plan_updates(keep: torch.Tensor, states_per_batch: int, optimizer_steps: int
     one update per branch step). A step with no kept transition on any rank is left out (its divisor would be 0).
     Collectives: one all_gather of the kept-state counts and one all_reduce of the per-step counts per block.
     """
-    return [step for _ in range(epochs) for step in _plan_pass(keep, states_per_batch, optimizer_steps, world_size,
-                                                               state_index, update_block, generator)]
+    return [
+        step
+        for _ in range(epochs)
+        for step in _plan_pass(
+            keep, states_per_batch, optimizer_steps, world_size, state_index, update_block, generator
+        )
+    ]
 
 
 def _plan_pass(keep, states_per_batch, optimizer_steps, world_size, state_index, update_block, generator):
@@ -131,7 +157,8 @@ def _plan_pass(keep, states_per_batch, optimizer_steps, world_size, state_index,
         in_block = block == b
         st = torch.unique(state[in_block])
         kept_per_state = torch.zeros(int(state.max()) + 1 if n else 0, device=device).index_add_(
-            0, state, (keep & in_block).float())
+            0, state, (keep & in_block).float()
+        )
         kept_states = st[kept_per_state[st] > 0]
         kept_states = kept_states[torch.randperm(len(kept_states), generator=generator).to(device)]
         counts = _gather_counts(len(kept_states), world_size, device)
@@ -183,6 +210,7 @@ class Stats:
     min / max) are kept apart; `keep_first` keeps the first value given for a name (this rank's, not reduced). Every
     rank must add the same names (they are reduced by name, in sorted order).
     """
+
     num_slots: int
     sums: dict = field(default_factory=dict)
     weights: dict = field(default_factory=dict)
@@ -220,16 +248,21 @@ class Stats:
 
     def reduce(self, world_size: int, device) -> dict:
         names, maxes, tots = sorted(self.sums), sorted(self.maxima), sorted(self.totals)
-        flat = torch.cat([torch.stack([self.sums[k], self.weights[k]]).flatten() for k in names]
-                         + [torch.tensor([self.totals[k] for k in tots], dtype=torch.float64)]).to(device) \
-            if names or tots else torch.zeros(0, dtype=torch.float64, device=device)
+        flat = (
+            torch.cat(
+                [torch.stack([self.sums[k], self.weights[k]]).flatten() for k in names]
+                + [torch.tensor([self.totals[k] for k in tots], dtype=torch.float64)]
+            ).to(device)
+            if names or tots
+            else torch.zeros(0, dtype=torch.float64, device=device)
+        )
         ext = torch.cat([self.maxima[k] for k in maxes]).to(device) if maxes else torch.zeros(0, device=device)
         if world_size > 1:
             dist.all_reduce(flat)
             dist.all_reduce(ext, op=dist.ReduceOp.MAX)
         out, S = {}, self.num_slots
         for i, k in enumerate(names):
-            s, w = flat[2 * S * i: 2 * S * i + S], flat[2 * S * i + S: 2 * S * (i + 1)]
+            s, w = flat[2 * S * i : 2 * S * i + S], flat[2 * S * i + S : 2 * S * (i + 1)]
             out[k] = (s.sum() / w.sum()).item() if w.sum() > 0 else 0.0
             out[f"{k}/per_step"] = {j: (s[j] / w[j]).item() for j in range(S) if w[j] > 0}
             out[f"{k}/weight"] = w.sum().item()
@@ -238,7 +271,6 @@ class Stats:
         for i, k in enumerate(maxes):
             out[f"{k}/max"], out[f"{k}/min"] = ext[2 * i].item(), -ext[2 * i + 1].item()
         return out
-
 
 
 class GradShare:
@@ -262,10 +294,12 @@ class GradShare:
         if not self.active:
             return
         for j in step_index.unique().tolist():
-            grads = torch.autograd.grad(row_loss[step_index == j].sum(), self.params, retain_graph=True,
-                                        allow_unused=True)
-            flat = torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().double()
-                              for g, p in zip(grads, self.params)])
+            grads = torch.autograd.grad(
+                row_loss[step_index == j].sum(), self.params, retain_graph=True, allow_unused=True
+            )
+            flat = torch.cat(
+                [(g if g is not None else torch.zeros_like(p)).flatten().double() for g, p in zip(grads, self.params)]
+            )
             self.grads[j] = flat if self.grads[j] is None else self.grads[j] + flat
 
     def shares(self) -> dict[int, float]:
@@ -349,8 +383,9 @@ class NonFiniteUpdate(SystemExit):
     """A non-finite loss or gradient: the run stops before the update, in one line (a SystemExit, no traceback)."""
 
 
-def optimizer_step(params: dict, optimizer, max_grad_norm: float, ema: EMA | None, iteration: int = -1,
-                   run_dir: str = "") -> float:
+def optimizer_step(
+    params: dict, optimizer, max_grad_norm: float, ema: EMA | None, iteration: int = -1, run_dir: str = ""
+) -> float:
     """Clip the gradient norm, step, zero the gradients, update the EMA. Returns the norm before clipping.
 
     A non-finite norm (a NaN or inf loss or gradient) stops the run before the update with one line that says how to
@@ -358,8 +393,10 @@ def optimizer_step(params: dict, optimizer, max_grad_norm: float, ema: EMA | Non
     extra collective)."""
     norm = torch.nn.utils.clip_grad_norm_(params.values(), max_grad_norm)
     if not torch.isfinite(norm):
-        raise NonFiniteUpdate(f"error: non-finite loss or gradient at iteration {iteration}; stopping before the "
-                              f"update (the last checkpoint-N in {run_dir} is intact: --resume {run_dir})")
+        raise NonFiniteUpdate(
+            f"error: non-finite loss or gradient at iteration {iteration}; stopping before the "
+            f"update (the last checkpoint-N in {run_dir} is intact: --resume {run_dir})"
+        )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if ema is not None:
@@ -378,8 +415,15 @@ class Trainable:
     under --parallel fsdp, common/parallel.py re-points it at the shards (DTensors) after fully_shard.
     """
 
-    def __init__(self, backbone, full_finetune: bool, lora_rank: int, lora_alpha: float, lora_targets: list[str],
-                 need_reference: bool):
+    def __init__(
+        self,
+        backbone,
+        full_finetune: bool,
+        lora_rank: int,
+        lora_alpha: float,
+        lora_targets: list[str],
+        need_reference: bool,
+    ):
         self.backbone, self.full_finetune, self.ref_model = backbone, full_finetune, None
         transformer = backbone.transformer
         if full_finetune:
@@ -392,8 +436,11 @@ class Trainable:
             from peft import LoraConfig
 
             transformer.requires_grad_(False)
-            transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha, init_lora_weights="gaussian",
-                                               target_modules=lora_targets))
+            transformer.add_adapter(
+                LoraConfig(
+                    r=lora_rank, lora_alpha=lora_alpha, init_lora_weights="gaussian", target_modules=lora_targets
+                )
+            )
         self.params = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
         for p in self.params.values():
             p.data = p.data.float()
@@ -439,4 +486,5 @@ class Trainable:
             from peft.utils import get_peft_model_state_dict
 
             type(self.backbone.pipe).save_lora_weights(
-                folder, transformer_lora_layers=get_peft_model_state_dict(transformer, state_dict=state))
+                folder, transformer_lora_layers=get_peft_model_state_dict(transformer, state_dict=state)
+            )

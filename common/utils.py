@@ -20,7 +20,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-
 # ---------------------------------------------------------------------------------------- distributed
 TIMEOUT_ENV = "FLOW_RL_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 1800.0  # PyTorch's gloo default and PyTorch Lightning's; a long rank-0 checkpoint save must fit
@@ -35,8 +34,9 @@ def collective_timeout() -> datetime.timedelta:
     except (ValueError, AssertionError):
         from common.backbones import ConfigError
 
-        raise ConfigError(f"{TIMEOUT_ENV}={raw!r}: give the collective timeout in seconds, > 0 (default "
-                          f"{DEFAULT_TIMEOUT_S:g})") from None
+        raise ConfigError(
+            f"{TIMEOUT_ENV}={raw!r}: give the collective timeout in seconds, > 0 (default {DEFAULT_TIMEOUT_S:g})"
+        ) from None
     return datetime.timedelta(seconds=seconds)
 
 
@@ -58,10 +58,13 @@ def _install_collective_failure_hook(rank: int, timeout: datetime.timedelta) -> 
         # gloo: "[.../pair.cc:537] Read error [127.0.0.1]:20902: Connection reset by peer. This is typically ...":
         # keep its first sentence, without the source location
         first = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [kind.__name__])[-1]).split(". ")[0][:160]
-        print(f"error: rank {rank}: a collective operation failed ({first}): another rank died, hung or was stopped "
-              f"(collective timeout {timeout.total_seconds():g} s, set by {TIMEOUT_ENV}); look at the other ranks' "
-              "output, then continue from the run's last complete checkpoint with --resume RUN_FOLDER",
-              file=sys.stderr, flush=True)
+        print(
+            f"error: rank {rank}: a collective operation failed ({first}): another rank died, hung or was stopped "
+            f"(collective timeout {timeout.total_seconds():g} s, set by {TIMEOUT_ENV}); look at the other ranks' "
+            "output, then continue from the run's last complete checkpoint with --resume RUN_FOLDER",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
 
     sys.excepthook = hook
@@ -140,8 +143,10 @@ class RunLogger:
             import wandb
 
             # an image, or a list of (image, caption) pairs (wandb shows them as one captioned gallery)
-            extra = {k: [wandb.Image(im, caption=c) for im, c in v] if isinstance(v, list) else wandb.Image(v)
-                     for k, v in (images or {}).items()}
+            extra = {
+                k: [wandb.Image(im, caption=c) for im, c in v] if isinstance(v, list) else wandb.Image(v)
+                for k, v in (images or {}).items()
+            }
             self.wandb.log({**metrics, **extra}, step=metrics["iteration"])
 
     def history(self) -> list[dict]:
@@ -163,8 +168,6 @@ def truncate_metrics(run_dir: str, iteration: int) -> None:
             keep = [line for line in f if line.strip() and json.loads(line)["iteration"] < iteration]
         with open(path, "w") as f:
             f.writelines(keep)
-
-
 
 
 class Timer:

@@ -61,8 +61,15 @@ def algorithm_lines_of_loop(lines: list[str], first: int, last: int) -> int:
             count += 1
         if "END OF ROLLOUT" in text:
             inside = False
-    loss_start = next((i for i in range(first - 1, last) if "log_prob, mean, std_dev_t = " in lines[i]
-                       or "_, log_prob, mean, std_dev_t = sde_step_with_logprob(" in lines[i]), None)
+    loss_start = next(
+        (
+            i
+            for i in range(first - 1, last)
+            if "log_prob, mean, std_dev_t = " in lines[i]
+            or "_, log_prob, mean, std_dev_t = sde_step_with_logprob(" in lines[i]
+        ),
+        None,
+    )
     loss_end = next((i for i in range(first - 1, last) if "loss.backward()" in lines[i]), None)
     if loss_start is not None and loss_end is not None:
         count += loss_end - loss_start + 1
@@ -83,7 +90,11 @@ def regions(text: str) -> dict[int, str]:
             body = node.body
             for k, stmt in enumerate(body):
                 if isinstance(stmt, ast.AnnAssign):
-                    end = body[k + 1].end_lineno if k + 1 < len(body) and isinstance(body[k + 1], ast.Expr) else stmt.end_lineno
+                    end = (
+                        body[k + 1].end_lineno
+                        if k + 1 < len(body) and isinstance(body[k + 1], ast.Expr)
+                        else stmt.end_lineno
+                    )
                     out.update({i: f"flag:{stmt.target.id}" for i in range(stmt.lineno, end + 1)})
     return out
 
@@ -119,12 +130,20 @@ def measure(root: str) -> dict:
         train_first = next(i for i, line in enumerate(lines, 1) if "TRAINING on transitions" in line)
         train_last = next(i for i, line in enumerate(lines, 1) if "END OF TRAINING" in line)
         deepest = max(d for line, d in depth.items() if train_first <= line <= train_last)
-        own = sum(len(n.names) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("common"))
+        own = sum(
+            len(n.names)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("common")
+        )
         loop_lines = loop.end_lineno - loop.lineno + 1
-        out[s] = {"lines": len(lines), "over_100": sum(len(line) > 100 for line in lines) / len(lines),
-                  "loop_lines": loop_lines,
-                  "loop_algorithm": algorithm_lines_of_loop(lines, loop.lineno, loop.end_lineno) / loop_lines,
-                  "deepest_training_statement": deepest, "own_names_imported": own}
+        out[s] = {
+            "lines": len(lines),
+            "over_100": sum(len(line) > 100 for line in lines) / len(lines),
+            "loop_lines": loop_lines,
+            "loop_algorithm": algorithm_lines_of_loop(lines, loop.lineno, loop.end_lineno) / loop_lines,
+            "deepest_training_statement": deepest,
+            "own_names_imported": own,
+        }
     for s in SCRIPTS[1:]:
         changed, algo = diff_share(texts[SCRIPTS[0]], texts[s])
         out[s]["diff_changed"], out[s]["diff_algorithm"] = changed, algo / changed
@@ -132,17 +151,23 @@ def measure(root: str) -> dict:
 
 
 def table(result: dict) -> str:
-    rows = [("lines (formatted)", lambda m: str(m["lines"])),
-            ("lines > 100 characters", lambda m: f"{100 * m['over_100']:.1f} %"),
-            ("main loop, lines", lambda m: str(m["loop_lines"])),
-            ("share of the main loop that is the algorithm", lambda m: f"{100 * m['loop_algorithm']:.0f} %"),
-            ("deepest statement of the training section", lambda m: str(m["deepest_training_statement"])),
-            ("names imported from common/", lambda m: str(m["own_names_imported"])),
-            ("changed lines of the diff against the baseline", lambda m: str(m.get("diff_changed", "—"))),
-            ("share of the diff that is the algorithm",
-             lambda m: f"{100 * m['diff_algorithm']:.0f} %" if "diff_algorithm" in m else "—")]
+    rows = [
+        ("lines (formatted)", lambda m: str(m["lines"])),
+        ("lines > 100 characters", lambda m: f"{100 * m['over_100']:.1f} %"),
+        ("main loop, lines", lambda m: str(m["loop_lines"])),
+        ("share of the main loop that is the algorithm", lambda m: f"{100 * m['loop_algorithm']:.0f} %"),
+        ("deepest statement of the training section", lambda m: str(m["deepest_training_statement"])),
+        ("names imported from common/", lambda m: str(m["own_names_imported"])),
+        ("changed lines of the diff against the baseline", lambda m: str(m.get("diff_changed", "—"))),
+        (
+            "share of the diff that is the algorithm",
+            lambda m: f"{100 * m['diff_algorithm']:.0f} %" if "diff_algorithm" in m else "—",
+        ),
+    ]
     head = "| | " + " | ".join(SCRIPTS) + " |\n|---|" + "---|" * len(SCRIPTS)
-    return head + "\n" + "\n".join(f"| {name} | " + " | ".join(f(result[s]) for s in SCRIPTS) + " |" for name, f in rows)
+    return (
+        head + "\n" + "\n".join(f"| {name} | " + " | ".join(f(result[s]) for s in SCRIPTS) + " |" for name, f in rows)
+    )
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ rebuilds `{out}/results.md` and the plots `{out}/accuracy_vs_cpu.png`, `{out}/ac
 Before a grid it times the machine (`speed_probe`, 10 toy forwards on one thread, in every harness.json): a CPU
 second is not the same work on every machine, and a table mixing runs from machines of different speed says so.
 """
+
 import argparse
 import datetime
 import json
@@ -39,8 +40,12 @@ sys.path.insert(0, ROOT)
 
 from common.backbones import ConfigError  # noqa: E402
 
-SCRIPTS = {"flowgrpo_baseline": "flowgrpo_baseline.py", "g2rpo": "g2rpo.py", "densegrpo": "densegrpo.py",
-           "yardstick": "tests/yardstick_raft.py"}
+SCRIPTS = {
+    "flowgrpo_baseline": "flowgrpo_baseline.py",
+    "g2rpo": "g2rpo.py",
+    "densegrpo": "densegrpo.py",
+    "yardstick": "tests/yardstick_raft.py",
+}
 ALGOS = tuple(SCRIPTS)
 START = "start"  # the seed slot of the zero-iteration run that evaluates the starting model
 BUDGETS = {"trajectories": "trajectories", "scored_images": "scored images"}  # counter -> column name
@@ -54,8 +59,10 @@ def _betacf(a: float, b: float, x: float) -> float:
     d = 1 / (d if abs(d) > tiny else tiny)
     h = d
     for m in range(1, 300):
-        for num in (m * (b - m) * x / ((qam + 2 * m) * (a + 2 * m)),
-                    -(a + m) * (qab + m) * x / ((a + 2 * m) * (qap + 2 * m))):
+        for num in (
+            m * (b - m) * x / ((qam + 2 * m) * (a + 2 * m)),
+            -(a + m) * (qab + m) * x / ((a + 2 * m) * (qap + 2 * m)),
+        ):
             d = 1 + num * d
             d = 1 / (d if abs(d) > tiny else tiny)
             c = 1 + num / c
@@ -114,7 +121,7 @@ def welch_ci(xs: list[float], ys: list[float], level: float = 0.95) -> tuple[flo
     vx, vy = (sum((v - m) ** 2 for v in vs) / (len(vs) - 1) / len(vs) for vs, m in ((xs, mx), (ys, my)))
     if vx + vy == 0:
         return mx - my, mx - my, mx - my
-    df = (vx + vy) ** 2 / (vx ** 2 / (len(xs) - 1) + vy ** 2 / (len(ys) - 1))
+    df = (vx + vy) ** 2 / (vx**2 / (len(xs) - 1) + vy**2 / (len(ys) - 1))
     half = t_quantile((1 + level) / 2, df) * math.sqrt(vx + vy)
     return mx - my, mx - my - half, mx - my + half
 
@@ -123,7 +130,7 @@ def seeds_for_se(target: float, counts: dict[str, int]) -> int:
     """Fewest seeds per prompt S with SE(eval/accuracy) <= target at p = 0.5 in every category, where
     eval/accuracy = mean over the C categories, so SE^2 = sum_c 0.25 / (n_c S) / C^2 (n_c = prompts of c)."""
     var1 = sum(0.25 / n for n in counts.values()) / len(counts) ** 2
-    return math.ceil(var1 / target ** 2 - 1e-12)
+    return math.ceil(var1 / target**2 - 1e-12)
 
 
 # ------------------------------------------------------------------------------------------------ run folders
@@ -156,14 +163,24 @@ def eval_points(rows: list[dict], trajectories_per_iteration: int = 0) -> list[d
     out, prev = [], {}
     for r in rows:
         if "eval/accuracy" in r:
-            out.append({"iteration": r["iteration"], "acc": r["eval/accuracy"], "se": r.get("eval/accuracy_se"),
-                        "reward": r.get("eval/reward_mean"),
-                        "cats": {k[len("eval/accuracy_"):]: v for k, v in r.items()
-                                 if k.startswith("eval/accuracy_") and k != "eval/accuracy_se"},
-                        "cpu_s": prev.get("time/cpu_s", 0.0),
-                        "trajectories": prev.get("trajectories", r["iteration"] * trajectories_per_iteration),
-                        "scored_images": prev.get("scored_images", prev.get("images", 0)),
-                        "nfe": prev.get("nfe", 0), "final": bool(r.get("final"))})  # nfe: training forwards
+            out.append(
+                {
+                    "iteration": r["iteration"],
+                    "acc": r["eval/accuracy"],
+                    "se": r.get("eval/accuracy_se"),
+                    "reward": r.get("eval/reward_mean"),
+                    "cats": {
+                        k[len("eval/accuracy_") :]: v
+                        for k, v in r.items()
+                        if k.startswith("eval/accuracy_") and k != "eval/accuracy_se"
+                    },
+                    "cpu_s": prev.get("time/cpu_s", 0.0),
+                    "trajectories": prev.get("trajectories", r["iteration"] * trajectories_per_iteration),
+                    "scored_images": prev.get("scored_images", prev.get("images", 0)),
+                    "nfe": prev.get("nfe", 0),
+                    "final": bool(r.get("final")),
+                }
+            )  # nfe: training forwards
         prev = r
     return out
 
@@ -183,8 +200,14 @@ def summarize(run_dir: str) -> dict | None:
         with open(os.path.join(run_dir, "harness.json")) as f:
             meta = json.load(f)
     last = pts[-1]
-    return {"points": pts, "final": last, "best": max(p["acc"] for p in pts), "iterations": last["iteration"],
-            "nfe_train": last["nfe"], "meta": meta}
+    return {
+        "points": pts,
+        "final": last,
+        "best": max(p["acc"] for p in pts),
+        "iterations": last["iteration"],
+        "nfe_train": last["nfe"],
+        "meta": meta,
+    }
 
 
 def collect(out: str, merge: tuple = ()) -> dict:
@@ -200,8 +223,9 @@ def collect(out: str, merge: tuple = ()) -> dict:
             if s is None:
                 continue
             if name in where:
-                raise ConfigError(f"run {name} is in both {where[name]} and {folder}: keep one (--merge reports each "
-                                  "run once)")
+                raise ConfigError(
+                    f"run {name} is in both {where[name]} and {folder}: keep one (--merge reports each run once)"
+                )
             where[name] = folder
             g = groups.setdefault((parts[0], parts[1]), {"start": None, "seeds": {}})
             if parts[2] == START:
@@ -225,7 +249,7 @@ def fmt_ci(m, lo, hi) -> str:
 
 
 def parallel(meta: dict) -> str:
-    """"jobs x threads, OpenMP wait policy" of a run, from its harness.json."""
+    """ "jobs x threads, OpenMP wait policy" of a run, from its harness.json."""
     return f"{meta.get('jobs', '?')} x {meta.get('threads', '?')}, {meta.get('omp_wait_policy', '?').lower()}"
 
 
@@ -267,16 +291,33 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
     for g in groups.values():
         for s in [g["start"], *g["seeds"].values()]:
             cats += [c for c in (s["final"]["cats"] if s else {}) if c not in cats]
-    head = ["algorithm", "variant", "seeds", "start (SE)", "final", "gain [95 % CI]",
-            *[f"gain {c}" for c in cats], "reward gain [95 % CI]",
-            *([f"gain − {':'.join(ref)}'s (Welch 95 % CI)"] if ref else []),
-            *[f"gain at {equal[k]} {BUDGETS[k]} (periodic evals)" for k in BUDGETS], "final-eval SE",
-            "iterations", *BUDGETS.values(), "NFE (training)",
-            "CPU s in loop", "CPU s process", "jobs x threads, OMP wait", "best eval − start (beside the last, biased up)"]
+    head = [
+        "algorithm",
+        "variant",
+        "seeds",
+        "start (SE)",
+        "final",
+        "gain [95 % CI]",
+        *[f"gain {c}" for c in cats],
+        "reward gain [95 % CI]",
+        *([f"gain − {':'.join(ref)}'s (Welch 95 % CI)"] if ref else []),
+        *[f"gain at {equal[k]} {BUDGETS[k]} (periodic evals)" for k in BUDGETS],
+        "final-eval SE",
+        "iterations",
+        *BUDGETS.values(),
+        "NFE (training)",
+        "CPU s in loop",
+        "CPU s process",
+        "jobs x threads, OMP wait",
+        "best eval − start (beside the last, biased up)",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    per_run = ["| algorithm | variant | seed | iterations | start | final | gain | final-eval SE | best | trajectories "
-               "| scored images | NFE (training) | CPU s in loop | CPU s / iteration | CPU s process | jobs x threads, "
-               "OMP wait | load mean (max) | speed probe CPU s |", "|" + "---|" * 18]
+    per_run = [
+        "| algorithm | variant | seed | iterations | start | final | gain | final-eval SE | best | trajectories "
+        "| scored images | NFE (training) | CPU s in loop | CPU s / iteration | CPU s process | jobs x threads, "
+        "OMP wait | load mean (max) | speed probe CPU s |",
+        "|" + "---|" * 18,
+    ]
     commands, notes = set(), []
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
 
@@ -297,11 +338,17 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
             continue
         if start is None:
             notes.append(f"{algo} {variant}: no start run; gains are against each run's first evaluation")
-        vs_ref = [] if ref is None else \
-            ["—" if (algo, variant) == ref else fmt_ci(*welch_ci(gains, gains_of(groups[ref])[3]))]
-        cat_gains = [fmt_ci(*mean_ci([s["final"]["cats"][c] - b["cats"][c] for s, b in zip(runs, st)]))
-                     if all(c in s["final"]["cats"] and c in b["cats"] for s, b in zip(runs, st)) else "—"
-                     for c in cats]
+        vs_ref = (
+            []
+            if ref is None
+            else ["—" if (algo, variant) == ref else fmt_ci(*welch_ci(gains, gains_of(groups[ref])[3]))]
+        )
+        cat_gains = [
+            fmt_ci(*mean_ci([s["final"]["cats"][c] - b["cats"][c] for s, b in zip(runs, st)]))
+            if all(c in s["final"]["cats"] and c in b["cats"] for s, b in zip(runs, st))
+            else "—"
+            for c in cats
+        ]
         # the training reward on the held-out prompts: beside the accuracy it shows a proxy reward that rises while
         # the strict verdict falls, which is reward hacking
         rew = [(s["final"]["reward"], b["reward"]) for s, b in zip(runs, st)]
@@ -309,67 +356,123 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
         at_txt = []
         for k in BUDGETS:
             at = [accuracy_at(s["points"], k, equal[k]) for s in runs]
-            at_txt.append("—" if None in at else fmt_ci(*mean_ci([a - s["points"][0]["acc"] for a, s in zip(at, runs)])))
+            at_txt.append(
+                "—" if None in at else fmt_ci(*mean_ci([a - s["points"][0]["acc"] for a, s in zip(at, runs)]))
+            )
         ses = [s["final"]["se"] for s in runs if s["final"]["se"] is not None]
         par = sorted({parallel(s["meta"]) for s in runs})
         proc = [s["meta"]["process_cpu_s"] for s in runs if s["meta"].get("process_cpu_s") is not None]
-        start_txt = "—" if start is None else f"{start['acc']:.3f} ({start['se']:.3f})" if start["se"] is not None \
+        start_txt = (
+            "—"
+            if start is None
+            else f"{start['acc']:.3f} ({start['se']:.3f})"
+            if start["se"] is not None
             else f"{start['acc']:.3f}"
-        lines.append("| " + " | ".join([
-            algo, variant, str(len(runs)), start_txt, f"{mean([s['final']['acc'] for s in runs]):.3f}",
-            fmt_ci(*mean_ci(gains)), *cat_gains, rew_txt, *vs_ref, *at_txt, f"{mean(ses):.3f}" if ses else "—",
-            f"{mean([s['iterations'] for s in runs]):.0f}", *[f"{mean([s['final'][k] for s in runs]):.0f}" for k in BUDGETS],
-            f"{mean([s['nfe_train'] for s in runs]):.0f}", f"{mean([s['final']['cpu_s'] for s in runs]):.0f}",
-            f"{mean(proc):.0f}" if proc else "—", ", ".join(par),
-            fmt_ci(*mean_ci([s["best"] - b["acc"] for s, b in zip(runs, st)]))]) + " |")
+        )
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    algo,
+                    variant,
+                    str(len(runs)),
+                    start_txt,
+                    f"{mean([s['final']['acc'] for s in runs]):.3f}",
+                    fmt_ci(*mean_ci(gains)),
+                    *cat_gains,
+                    rew_txt,
+                    *vs_ref,
+                    *at_txt,
+                    f"{mean(ses):.3f}" if ses else "—",
+                    f"{mean([s['iterations'] for s in runs]):.0f}",
+                    *[f"{mean([s['final'][k] for s in runs]):.0f}" for k in BUDGETS],
+                    f"{mean([s['nfe_train'] for s in runs]):.0f}",
+                    f"{mean([s['final']['cpu_s'] for s in runs]):.0f}",
+                    f"{mean(proc):.0f}" if proc else "—",
+                    ", ".join(par),
+                    fmt_ci(*mean_ci([s["best"] - b["acc"] for s, b in zip(runs, st)])),
+                ]
+            )
+            + " |"
+        )
         for seed, s, b in zip(sorted(g["seeds"]), runs, st):
             f = s["final"]
-            per_run.append(f"| {algo} | {variant} | {seed} | {s['iterations']} | {b['acc']:.3f} | {f['acc']:.3f} | "
-                           f"{f['acc'] - b['acc']:+.3f} | {'—' if f['se'] is None else format(f['se'], '.3f')} | "
-                           f"{s['best']:.3f} | {f['trajectories']} | {f['scored_images']} | {s['nfe_train']} | "
-                           f"{f['cpu_s']:.0f} | "
-                           f"{f['cpu_s'] / max(s['iterations'], 1):.1f} | "
-                           f"{s['meta'].get('process_cpu_s', float('nan')):.0f} | "
-                           f"{parallel(s['meta'])} | {load_text(s['meta'])} | "
-                           f"{probe_text(s['meta'])} |")
+            per_run.append(
+                f"| {algo} | {variant} | {seed} | {s['iterations']} | {b['acc']:.3f} | {f['acc']:.3f} | "
+                f"{f['acc'] - b['acc']:+.3f} | {'—' if f['se'] is None else format(f['se'], '.3f')} | "
+                f"{s['best']:.3f} | {f['trajectories']} | {f['scored_images']} | {s['nfe_train']} | "
+                f"{f['cpu_s']:.0f} | "
+                f"{f['cpu_s'] / max(s['iterations'], 1):.1f} | "
+                f"{s['meta'].get('process_cpu_s', float('nan')):.0f} | "
+                f"{parallel(s['meta'])} | {load_text(s['meta'])} | "
+                f"{probe_text(s['meta'])} |"
+            )
             if busy(s["meta"]):
                 flags = s["meta"].get("flags", [])  # --cpu-budget-s 0: a fixed number of iterations
                 fixed = "--cpu-budget-s" in flags and flags[flags.index("--cpu-budget-s") + 1] == "0"
-                notes.append(f"{algo} {variant} seed {seed} ran on a busy machine (load {load_text(s['meta'])} for "
-                             f"{s['meta'].get('jobs')} x {s['meta'].get('threads')} threads of its own): " +
-                             ("its iterations were fixed, so only its CPU seconds are inflated" if fixed else
-                              "other work costs CPU seconds per iteration too, so its budget bought fewer iterations"))
+                notes.append(
+                    f"{algo} {variant} seed {seed} ran on a busy machine (load {load_text(s['meta'])} for "
+                    f"{s['meta'].get('jobs')} x {s['meta'].get('threads')} threads of its own): "
+                    + (
+                        "its iterations were fixed, so only its CPU seconds are inflated"
+                        if fixed
+                        else "other work costs CPU seconds per iteration too, so its budget bought fewer iterations"
+                    )
+                )
     spread = speed_spread([s["meta"] for g in groups.values() for s in g["seeds"].values()])
     if spread:
         notes.insert(0, spread)
-    md = [f"# Comparison at an equal budget (report written {datetime.date.today().isoformat()})", "",
-          "Runs made by:", "", *[f"    {c}" for c in sorted(commands)], "",
-          "Budget: CPU seconds per run, or a number of iterations (`--iterations`; see the commands). "
-          "gain = final − start accuracy, mean over seeds with a 95 % t-interval; start = the starting model evaluated "
-          "with the final evaluation's seeds. 'CPU s in loop' = the run's CPU seconds (all threads) when it stopped "
-          "training, what the budget limits; 'CPU s process' = the whole process (imports, model load, setup, final "
-          "evaluation). Trajectories (images the policy sampled to the end), scored images (every image a reward "
-          "scored for training: DenseGRPO's completions and G²RPO's branches included) and NFE are the means at the "
-          "final evaluation; NFE (training) excludes evaluation. "
-          f"'gain at {equal['trajectories']} trajectories' ('... scored images'): where the run with the fewest ended, "
-          "each run's accuracy read off its periodic evaluations (2 seeds per prompt, SE ~0.035; linear in between, "
-          "its final evaluation the last point) minus its first, mean over seeds with a 95 % t-interval.",
-          "", *lines, "", *[f"- {n}" for n in notes], "", "Per run:", "", *per_run, "",
-          "![accuracy vs CPU seconds](accuracy_vs_cpu.png) ![accuracy vs trajectories](accuracy_vs_trajectories.png) "
-          "![accuracy vs scored images](accuracy_vs_scored.png) "
-          "![trained reward vs trajectories](reward_vs_trajectories.png) "
-          "![accuracy vs trained reward](accuracy_vs_reward.png)", ""]
+    md = [
+        f"# Comparison at an equal budget (report written {datetime.date.today().isoformat()})",
+        "",
+        "Runs made by:",
+        "",
+        *[f"    {c}" for c in sorted(commands)],
+        "",
+        "Budget: CPU seconds per run, or a number of iterations (`--iterations`; see the commands). "
+        "gain = final − start accuracy, mean over seeds with a 95 % t-interval; start = the starting model evaluated "
+        "with the final evaluation's seeds. 'CPU s in loop' = the run's CPU seconds (all threads) when it stopped "
+        "training, what the budget limits; 'CPU s process' = the whole process (imports, model load, setup, final "
+        "evaluation). Trajectories (images the policy sampled to the end), scored images (every image a reward "
+        "scored for training: DenseGRPO's completions and G²RPO's branches included) and NFE are the means at the "
+        "final evaluation; NFE (training) excludes evaluation. "
+        f"'gain at {equal['trajectories']} trajectories' ('... scored images'): where the run with the fewest ended, "
+        "each run's accuracy read off its periodic evaluations (2 seeds per prompt, SE ~0.035; linear in between, "
+        "its final evaluation the last point) minus its first, mean over seeds with a 95 % t-interval.",
+        "",
+        *lines,
+        "",
+        *[f"- {n}" for n in notes],
+        "",
+        "Per run:",
+        "",
+        *per_run,
+        "",
+        "![accuracy vs CPU seconds](accuracy_vs_cpu.png) ![accuracy vs trajectories](accuracy_vs_trajectories.png) "
+        "![accuracy vs scored images](accuracy_vs_scored.png) "
+        "![trained reward vs trajectories](reward_vs_trajectories.png) "
+        "![accuracy vs trained reward](accuracy_vs_reward.png)",
+        "",
+    ]
     text = "\n".join(md)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text)
-    for key, label in (("cpu_s", "CPU seconds in the training loop (all threads)"),
-                       ("trajectories", "trajectories (images the policy sampled to the end)"),
-                       ("scored_images", "scored images (completions and branches included)")):
+    for key, label in (
+        ("cpu_s", "CPU seconds in the training loop (all threads)"),
+        ("trajectories", "trajectories (images the policy sampled to the end)"),
+        ("scored_images", "scored images (completions and branches included)"),
+    ):
         plot(groups, key, label, os.path.join(out, f"accuracy_vs_{key.split('_')[0]}.png"))
     # the trained reward on the held-out prompts beside it: a proxy that rises while the accuracy falls is hacked
-    plot(groups, "trajectories", "trajectories", os.path.join(out, "reward_vs_trajectories.png"), y="reward",
-         ylabel="eval/reward_mean (the trained reward, held-out prompts)")
+    plot(
+        groups,
+        "trajectories",
+        "trajectories",
+        os.path.join(out, "reward_vs_trajectories.png"),
+        y="reward",
+        ylabel="eval/reward_mean (the trained reward, held-out prompts)",
+    )
     tradeoff_plot(groups, os.path.join(out, "accuracy_vs_reward.png"))
     return text
 
@@ -397,8 +500,9 @@ def _save(plt, fig, ax, path: str, xlabel: str, ylabel: str, title: str) -> None
     plt.close(fig)
 
 
-def plot(groups: dict, key: str, xlabel: str, path: str, y: str = "acc",
-         ylabel: str = "eval/accuracy (held-out, strict)") -> None:
+def plot(
+    groups: dict, key: str, xlabel: str, path: str, y: str = "acc", ylabel: str = "eval/accuracy (held-out, strict)"
+) -> None:
     """`y` (an evaluation point's "acc" or "reward") against `key`: every seed faint, the mean over seeds bold
     (interpolated on the range that every seed covers), one colour per (algorithm, variant)."""
     import numpy as np
@@ -409,15 +513,25 @@ def plot(groups: dict, key: str, xlabel: str, path: str, y: str = "acc",
         if not runs:
             continue
         colour = plt.cm.tab10(i % 10)
-        curves = [(np.array([p[key] for p in s["points"]], float),
-                   np.array([np.nan if p[y] is None else p[y] for p in s["points"]], float)) for s in runs]
+        curves = [
+            (
+                np.array([p[key] for p in s["points"]], float),
+                np.array([np.nan if p[y] is None else p[y] for p in s["points"]], float),
+            )
+            for s in runs
+        ]
         for xs, ys in curves:
             ax.plot(xs, ys, color=colour, alpha=0.25, lw=1)
             ax.plot(xs[-1:], ys[-1:], "o", color=colour, alpha=0.4, ms=3)  # the final (many-seed) evaluation
         end = min(xs[-1] for xs, _ in curves)
         grid = np.linspace(0, end, 50) if end > 0 else np.zeros(1)
-        ax.plot(grid, np.mean([np.interp(grid, xs, ys) for xs, ys in curves], 0), color=colour, lw=2.5,
-                label=f"{algo} {variant} ({len(runs)} seeds)")
+        ax.plot(
+            grid,
+            np.mean([np.interp(grid, xs, ys) for xs, ys in curves], 0),
+            color=colour,
+            lw=2.5,
+            label=f"{algo} {variant} ({len(runs)} seeds)",
+        )
     _save(plt, fig, ax, path, xlabel, ylabel, "faint: each seed (dot: its final evaluation); bold: mean over seeds")
 
 
@@ -431,8 +545,9 @@ def tradeoff_plot(groups: dict, path: str) -> None:
     plt, fig, ax = _figure()
     for i, ((algo, variant), g) in enumerate(sorted(groups.items())):
         runs = [g["seeds"][k] for k in sorted(g["seeds"])]
-        paths = [np.array([(p["reward"], p["acc"]) for p in s["points"] if p["reward"] is not None], float)
-                 for s in runs]
+        paths = [
+            np.array([(p["reward"], p["acc"]) for p in s["points"] if p["reward"] is not None], float) for s in runs
+        ]
         paths = [q for q in paths if len(q)]
         if not paths:
             continue
@@ -441,23 +556,32 @@ def tradeoff_plot(groups: dict, path: str) -> None:
             ax.plot(q[:, 0], q[:, 1], color=colour, alpha=0.25, lw=1)
         n = min(len(q) for q in paths)
         mean = np.mean([q[:n] for q in paths], 0)
-        ax.plot(mean[:, 0], mean[:, 1], "-o", color=colour, lw=2.5, ms=4,
-                label=f"{algo} {variant} ({len(paths)} seeds)")
+        ax.plot(
+            mean[:, 0], mean[:, 1], "-o", color=colour, lw=2.5, ms=4, label=f"{algo} {variant} ({len(paths)} seeds)"
+        )
         ax.plot(mean[-1:, 0], mean[-1:, 1], "s", color=colour, ms=8)  # the final evaluation
-    _save(plt, fig, ax, path, "eval/reward_mean (the trained reward, held-out prompts)",
-          "eval/accuracy (held-out, strict)",
-          "each evaluation of a run, first to last (square: the final one); faint: each seed; bold: mean")
+    _save(
+        plt,
+        fig,
+        ax,
+        path,
+        "eval/reward_mean (the trained reward, held-out prompts)",
+        "eval/accuracy (held-out, strict)",
+        "each evaluation of a run, first to last (square: the final one); faint: each seed; bold: mean",
+    )
 
 
 # ------------------------------------------------------------------------------------------------ running
 def parse_variants(specs: list[str]) -> dict[str, list[str]]:
-    """"name=--flag value --flag2 value" -> {name: [flags]}; no spec -> one variant "default"."""
+    """ "name=--flag value --flag2 value" -> {name: [flags]}; no spec -> one variant "default"."""
     out = {}
     for s in specs:
         name, sep, flags = s.partition("=")
         if not sep or not name or "__" in name or not name.replace("-", "").replace(".", "").replace("_", "").isalnum():
-            raise ConfigError(f"--variants '{s}': expected NAME=FLAGS with NAME of letters, digits, '.', '-', single "
-                              "'_' (it names the run folders), e.g. \"lr1e-4=--learning-rate 1e-4\"")
+            raise ConfigError(
+                f"--variants '{s}': expected NAME=FLAGS with NAME of letters, digits, '.', '-', single "
+                "'_' (it names the run folders), e.g. \"lr1e-4=--learning-rate 1e-4\""
+            )
         out[name] = flags.split()
     return out or {"default": []}
 
@@ -468,16 +592,43 @@ def plan(args, variants: dict[str, list[str]], final_seeds: int) -> list[dict]:
     for seed in [START, *args.seeds]:
         for algo in args.algos:
             for variant, flags in variants.items():
-                script = os.path.join(args.script_dir, os.path.basename(SCRIPTS[algo])) if args.script_dir \
+                script = (
+                    os.path.join(args.script_dir, os.path.basename(SCRIPTS[algo]))
+                    if args.script_dir
                     else os.path.join(ROOT, SCRIPTS[algo])
-                budget = ["--num-iterations", "0", "--cpu-budget-s", "0"] if seed == START else \
-                    ["--num-iterations", str(args.iterations), "--cpu-budget-s", "0"] if args.iterations else \
-                    ["--num-iterations", "100000", "--cpu-budget-s", str(args.cpu_seconds)]
-                flags_all = ["--seed", str(1 if seed == START else seed), *budget, "--eval-every", str(args.eval_every),
-                             "--save-every", "100000", "--eval-seeds-per-prompt", str(args.eval_seeds_per_prompt),
-                             "--final-eval-seeds-per-prompt", str(final_seeds), *flags, *args.extra]
-                runs.append({"name": run_name(algo, variant, seed), "algo": algo, "variant": variant, "seed": seed,
-                             "script": script, "flags": flags_all})
+                )
+                budget = (
+                    ["--num-iterations", "0", "--cpu-budget-s", "0"]
+                    if seed == START
+                    else ["--num-iterations", str(args.iterations), "--cpu-budget-s", "0"]
+                    if args.iterations
+                    else ["--num-iterations", "100000", "--cpu-budget-s", str(args.cpu_seconds)]
+                )
+                flags_all = [
+                    "--seed",
+                    str(1 if seed == START else seed),
+                    *budget,
+                    "--eval-every",
+                    str(args.eval_every),
+                    "--save-every",
+                    "100000",
+                    "--eval-seeds-per-prompt",
+                    str(args.eval_seeds_per_prompt),
+                    "--final-eval-seeds-per-prompt",
+                    str(final_seeds),
+                    *flags,
+                    *args.extra,
+                ]
+                runs.append(
+                    {
+                        "name": run_name(algo, variant, seed),
+                        "algo": algo,
+                        "variant": variant,
+                        "seed": seed,
+                        "script": script,
+                        "flags": flags_all,
+                    }
+                )
     return runs
 
 
@@ -488,18 +639,25 @@ def check_kept_run(out: str, run: dict) -> None:
         with open(path) as f:
             old = json.load(f).get("flags")
         if old is not None and old != run["flags"]:
-            raise ConfigError(f"{out}/{run['name']} is finished but was made with other flags ({' '.join(old)}) than "
-                              f"this grid asks for ({' '.join(run['flags'])}); use another --out or delete that folder")
+            raise ConfigError(
+                f"{out}/{run['name']} is finished but was made with other flags ({' '.join(old)}) than "
+                f"this grid asks for ({' '.join(run['flags'])}); use another --out or delete that folder"
+            )
 
 
 def run_env(threads: int) -> dict:
     """The environment of every process the harness starts: the runs and the speed probe."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-            "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "WANDB_MODE": "disabled",
-            "HF_HUB_OFFLINE": "1",
-            # Waiting OpenMP threads sleep instead of spinning: spinning is counted as CPU time, 5-10x the work
-            # on a shared machine (docs/results.md, "The comparison harness"), and would make budgets unequal.
-            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "WANDB_MODE": "disabled",
+        "HF_HUB_OFFLINE": "1",
+        # Waiting OpenMP threads sleep instead of spinning: spinning is counted as CPU time, 5-10x the work
+        # on a shared machine (docs/results.md, "The comparison harness"), and would make budgets unequal.
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+    }
 
 
 def launch(out: str, run: dict, threads: int, jobs: int, command: str, probe: float | None = None) -> subprocess.Popen:
@@ -508,9 +666,15 @@ def launch(out: str, run: dict, threads: int, jobs: int, command: str, probe: fl
     os.makedirs(run_dir)
     env = run_env(threads)
     cmd = [sys.executable, run["script"], "--output-dir", out, "--run-name", run["name"], *run["flags"]]
-    meta = {"flags": run["flags"], "threads": threads, "jobs": jobs, "omp_wait_policy": env["OMP_WAIT_POLICY"],
-            "command": command, "speed_probe_cpu_s": probe,
-            "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    meta = {
+        "flags": run["flags"],
+        "threads": threads,
+        "jobs": jobs,
+        "omp_wait_policy": env["OMP_WAIT_POLICY"],
+        "command": command,
+        "speed_probe_cpu_s": probe,
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
     with open(os.path.join(run_dir, "harness.json"), "w") as f:
         json.dump(meta, f, indent=1)
     log = open(os.path.join(run_dir, "stdout.log"), "w")
@@ -525,8 +689,12 @@ def reap(p: subprocess.Popen) -> bool:
     if pid == 0:
         return False
     p.returncode = os.waitstatus_to_exitcode(status)
-    p.meta.update(returncode=p.returncode, process_cpu_s=usage.ru_utime + usage.ru_stime,
-                  wall_s=time.time() - p.t0, ended=datetime.datetime.now().isoformat(timespec="seconds"))
+    p.meta.update(
+        returncode=p.returncode,
+        process_cpu_s=usage.ru_utime + usage.ru_stime,
+        wall_s=time.time() - p.t0,
+        ended=datetime.datetime.now().isoformat(timespec="seconds"),
+    )
     p.log.close()
     return True
 
@@ -555,8 +723,13 @@ def probe_workload(calls: int = PROBE_CALLS) -> float:
 
 def speed_probe() -> float | None:
     """probe_workload() in a fresh process with one thread and the runs' environment; None if it fails."""
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe-only"], env=run_env(1), cwd=ROOT,
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--probe-only"],
+        env=run_env(1),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     try:
         return float(p.stdout.split()[-1])
     except (IndexError, ValueError):
@@ -570,13 +743,16 @@ def speed_spread(metas: list[dict]) -> str | None:
     probes = [m["speed_probe_cpu_s"] for m in metas if m.get("speed_probe_cpu_s")]
     if len(probes) < 2 or max(probes) <= 1.15 * min(probes):
         return None
-    return (f"the runs' speed probes range from {min(probes):.2f} to {max(probes):.2f} CPU s ({PROBE_CALLS} toy "
-            "forwards): they were made on machines of different speed, so equal CPU seconds are not equal work; "
-            "compare runs with similar probes, at equal trajectories, or made with --iterations")
+    return (
+        f"the runs' speed probes range from {min(probes):.2f} to {max(probes):.2f} CPU s ({PROBE_CALLS} toy "
+        "forwards): they were made on machines of different speed, so equal CPU seconds are not equal work; "
+        "compare runs with similar probes, at equal trajectories, or made with --iterations"
+    )
 
 
-def run_grid(out: str, runs: list[dict], jobs: int, threads: int, max_wall_s: float, command: str,
-             probe: float | None = None) -> list[str]:
+def run_grid(
+    out: str, runs: list[dict], jobs: int, threads: int, max_wall_s: float, command: str, probe: float | None = None
+) -> list[str]:
     """Run what is not finished, `jobs` at a time; return the names of runs that failed. `probe`: this machine's
     speed_probe(), recorded in every run's harness.json."""
     todo = []
@@ -609,8 +785,11 @@ def run_grid(out: str, runs: list[dict], jobs: int, threads: int, max_wall_s: fl
                 with open(os.path.join(run_dir, "harness.json"), "w") as f:
                     json.dump(p.meta, f, indent=1)
                 ok = p.returncode == 0 and is_finished(run_dir)
-                print(f"{'finished' if ok else 'FAILED  '} {p.run['name']} ({p.meta['wall_s']:.0f} s"
-                      f"{'' if ok else f', exit {p.returncode}, see {run_dir}/stdout.log'})", flush=True)
+                print(
+                    f"{'finished' if ok else 'FAILED  '} {p.run['name']} ({p.meta['wall_s']:.0f} s"
+                    f"{'' if ok else f', exit {p.returncode}, see {run_dir}/stdout.log'})",
+                    flush=True,
+                )
                 if not ok:
                     failed.append(p.run["name"])
     finally:  # Ctrl-C: stop the children; their folders are unfinished and start again next time
@@ -633,35 +812,71 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
     ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
-    ap.add_argument("--cpu-seconds", type=float, default=1200.0,
-                    help="training budget of every run in process CPU seconds, all threads (1200 = 10 min on 2 cores)")
-    ap.add_argument("--iterations", type=int, default=None,
-                    help="instead of the CPU budget, a fixed number of iterations per run (equal trajectories, not equal "
-                         "CPU: for curves read per iteration, e.g. the reward-hacking lab)")
+    ap.add_argument(
+        "--cpu-seconds",
+        type=float,
+        default=1200.0,
+        help="training budget of every run in process CPU seconds, all threads (1200 = 10 min on 2 cores)",
+    )
+    ap.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help="instead of the CPU budget, a fixed number of iterations per run (equal trajectories, not equal "
+        "CPU: for curves read per iteration, e.g. the reward-hacking lab)",
+    )
     ap.add_argument("--jobs", type=int, default=1, help="runs side by side")
     ap.add_argument("--threads", type=int, default=None, help="threads per run (default: 2 with --jobs 1, else 1)")
-    ap.add_argument("--final-se", type=float, default=0.02,
-                    help="the final evaluation gets enough seeds per test prompt for this standard error at p = 0.5")
+    ap.add_argument(
+        "--final-se",
+        type=float,
+        default=0.02,
+        help="the final evaluation gets enough seeds per test prompt for this standard error at p = 0.5",
+    )
     ap.add_argument("--eval-every", type=int, default=10, help="iterations between the periodic evaluations")
     ap.add_argument("--eval-seeds-per-prompt", type=int, default=2, help="seeds per test prompt, periodic evaluations")
-    ap.add_argument("--variants", nargs="*", default=[],
-                    help='flag sets, e.g. "lr1e-4=--learning-rate 1e-4" (default: one variant, the defaults)')
+    ap.add_argument(
+        "--variants",
+        nargs="*",
+        default=[],
+        help='flag sets, e.g. "lr1e-4=--learning-rate 1e-4" (default: one variant, the defaults)',
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "compare"))
-    ap.add_argument("--script-dir", default=None,
-                    help="take every script's file name from this folder instead (tests use stub scripts)")
-    ap.add_argument("--max-wall-s", type=float, default=None,
-                    help="kill a run after this many wall-clock seconds (default: 4 x budget / threads + 3600; "
-                         "none with --iterations, whose runs the CPU budget does not bound)")
+    ap.add_argument(
+        "--script-dir",
+        default=None,
+        help="take every script's file name from this folder instead (tests use stub scripts)",
+    )
+    ap.add_argument(
+        "--max-wall-s",
+        type=float,
+        default=None,
+        help="kill a run after this many wall-clock seconds (default: 4 x budget / threads + 3600; "
+        "none with --iterations, whose runs the CPU budget does not bound)",
+    )
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table and plots from --out")
-    ap.add_argument("--reference", default=None, metavar="ALGO:VARIANT",
-                    help="add every group's gain minus this group's, with Welch's 95 %% interval")
-    ap.add_argument("--only", nargs="+", default=[], metavar="ALGO:VARIANT",
-                    help="with --report-only: report just these groups")
-    ap.add_argument("--merge", nargs="+", default=[], metavar="DIR",
-                    help="with --report-only: also report the finished runs in these folders (the table goes to --out)")
+    ap.add_argument(
+        "--reference",
+        default=None,
+        metavar="ALGO:VARIANT",
+        help="add every group's gain minus this group's, with Welch's 95 %% interval",
+    )
+    ap.add_argument(
+        "--only", nargs="+", default=[], metavar="ALGO:VARIANT", help="with --report-only: report just these groups"
+    )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="with --report-only: also report the finished runs in these folders (the table goes to --out)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the runs and their commands, run nothing")
-    ap.add_argument("--no-speed-probe", action="store_true",
-                    help="skip timing the machine before the grid (speed_probe_cpu_s in every harness.json)")
+    ap.add_argument(
+        "--no-speed-probe",
+        action="store_true",
+        help="skip timing the machine before the grid (speed_probe_cpu_s in every harness.json)",
+    )
     ap.add_argument("--probe-only", action="store_true", help=argparse.SUPPRESS)  # speed_probe()'s child process
     ap.add_argument("extra", nargs="*", help="flags for every script (after --)")
     args = ap.parse_args(argv)
@@ -669,17 +884,26 @@ def main(argv=None):
         print(f"{probe_workload():.3f}")
         return
     threads = args.threads or (2 if args.jobs == 1 else 1)
-    if args.jobs < 1 or threads < 1 or args.cpu_seconds <= 0 or not 0 < args.final_se < 0.5 or \
-            (args.iterations is not None and args.iterations < 1):
-        raise ConfigError(f"--jobs {args.jobs} / --threads {threads} / --cpu-seconds {args.cpu_seconds} / --final-se "
-                          f"{args.final_se} / --iterations {args.iterations}: need jobs and threads >= 1, a positive "
-                          "budget, 0 < final-se < 0.5 and iterations >= 1 (or none)")
+    if (
+        args.jobs < 1
+        or threads < 1
+        or args.cpu_seconds <= 0
+        or not 0 < args.final_se < 0.5
+        or (args.iterations is not None and args.iterations < 1)
+    ):
+        raise ConfigError(
+            f"--jobs {args.jobs} / --threads {threads} / --cpu-seconds {args.cpu_seconds} / --final-se "
+            f"{args.final_se} / --iterations {args.iterations}: need jobs and threads >= 1, a positive "
+            "budget, 0 < final-se < 0.5 and iterations >= 1 (or none)"
+        )
     variants = parse_variants(args.variants)
     if not args.report_only:
         final_seeds = seeds_for_se(args.final_se, eval_prompt_counts())
         runs = plan(args, variants, final_seeds)
-        print(f"{len(runs)} runs; final evaluation: {final_seeds} seeds per test prompt (SE <= {args.final_se} at "
-              f"p = 0.5); {args.jobs} at a time, {threads} thread(s) each")
+        print(
+            f"{len(runs)} runs; final evaluation: {final_seeds} seeds per test prompt (SE <= {args.final_se} at "
+            f"p = 0.5); {args.jobs} at a time, {threads} thread(s) each"
+        )
         if args.dry_run:
             for r in runs:
                 print(r["name"], " ".join([r["script"], *r["flags"]]))

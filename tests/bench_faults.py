@@ -4,6 +4,7 @@
 
 Prints the figures: kills, resumes, kills that landed inside a save, saves completed, lost iterations (must be 0).
 """
+
 import os
 import sys
 import tempfile

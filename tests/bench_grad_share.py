@@ -45,9 +45,25 @@ def run(out: str, iterations: int, threads: int) -> None:
         if os.path.exists(metrics) and any(json.loads(line).get("final") for line in open(metrics)):
             print(f"kept     {name}")
             continue
-        cmd = [sys.executable, os.path.join(ROOT, script), *flags, "--num-iterations", str(iterations),
-               "--grad-share-every", "1", "--eval-prompts", eval_file, "--eval-seeds-per-prompt", "1",
-               "--save-every", "100000", "--output-dir", out, "--run-name", os.path.basename(run_dir)]
+        cmd = [
+            sys.executable,
+            os.path.join(ROOT, script),
+            *flags,
+            "--num-iterations",
+            str(iterations),
+            "--grad-share-every",
+            "1",
+            "--eval-prompts",
+            eval_file,
+            "--eval-seeds-per-prompt",
+            "1",
+            "--save-every",
+            "100000",
+            "--output-dir",
+            out,
+            "--run-name",
+            os.path.basename(run_dir),
+        ]
         if os.path.isdir(run_dir):
             import shutil
 
@@ -67,8 +83,12 @@ def read(out: str) -> dict:
         rows = [json.loads(line) for line in open(path) if line.strip()]
         rows = [r for r in rows if not r.get("final")]
         entry = {}
-        for key, metric in (("share", "grad_share"), ("norm", "grad_norm"), ("dR_abs", "dR_abs"),
-                            ("dR_zero", "dR_zero")):
+        for key, metric in (
+            ("share", "grad_share"),
+            ("norm", "grad_norm"),
+            ("dR_abs", "dR_abs"),
+            ("dR_zero", "dR_zero"),
+        ):
             per = {}
             for r in rows:
                 for k, v in r.items():
@@ -82,18 +102,27 @@ def read(out: str) -> dict:
 
 def report(out: str) -> str:
     data = read(out)
-    lines = ["| recipe | iterations | share of steps 0-4 | share of steps 5-8 | share per step (0 = noisiest) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| recipe | iterations | share of steps 0-4 | share of steps 5-8 | share per step (0 = noisiest) |",
+        "|---|---|---|---|---|",
+    ]
     for name, e in data.items():
         s = e["share"]
         early, late = sum(v for j, v in s.items() if j <= 4), sum(v for j, v in s.items() if j >= 5)
-        lines.append(f"| {name} | {e['iterations']} | {early:.2f} | {late:.2f} | "
-                     + " ".join(f"{j}:{v:+.2f}" for j, v in s.items()) + " |")
+        lines.append(
+            f"| {name} | {e['iterations']} | {early:.2f} | {late:.2f} | "
+            + " ".join(f"{j}:{v:+.2f}" for j, v in s.items())
+            + " |"
+        )
     dense = data.get("DenseGRPO default (9 steps)")
     if dense and dense["dR_abs"]:
-        lines += ["", "DenseGRPO default, per trained step: mean |ΔR_t| "
-                  + " ".join(f"{j}:{v:.3f}" for j, v in dense["dR_abs"].items())
-                  + "; share of ΔR_t = 0 " + " ".join(f"{j}:{v:.2f}" for j, v in dense["dR_zero"].items())]
+        lines += [
+            "",
+            "DenseGRPO default, per trained step: mean |ΔR_t| "
+            + " ".join(f"{j}:{v:.3f}" for j, v in dense["dR_abs"].items())
+            + "; share of ΔR_t = 0 "
+            + " ".join(f"{j}:{v:.2f}" for j, v in dense["dR_zero"].items()),
+        ]
     text = "\n".join(lines)
     with open(os.path.join(out, "grad_share.md"), "w") as f:
         f.write(text + "\n")
@@ -122,7 +151,9 @@ def figure(data: dict, path: str) -> None:
     if dense and dense["dR_abs"]:
         steps = list(dense["dR_abs"])
         bx.plot(steps, list(dense["dR_abs"].values()), "o-", color="tab:blue", label="mean |ΔR_t|")
-        bx.plot(steps, list(dense["dR_zero"].values()), "s--", color="tab:red", label="share of trajectories with ΔR_t = 0")
+        bx.plot(
+            steps, list(dense["dR_zero"].values()), "s--", color="tab:red", label="share of trajectories with ΔR_t = 0"
+        )
         bx.set_ylim(0, 1)
         bx.set_xticks(steps)
         bx.legend(fontsize="small")

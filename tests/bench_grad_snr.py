@@ -15,6 +15,7 @@ An average of k batches has SNR k * SNR; the optimizer's momentum averages about
 standard error comes from the jackknife (leave one batch out). Everything is computed from the N x N Gram
 matrix of the gradients, so memory is N gradients.
 """
+
 import argparse
 import os
 import runpy
@@ -35,8 +36,8 @@ def snr_from_gram(gram: torch.Tensor) -> tuple[float, float, float]:
     """(SNR, signal, noise) of one batch from the Gram matrix of N gradient estimates (see the module doc)."""
     n = gram.shape[0]
     total, trace = gram.sum(), gram.trace()
-    noise = (trace / n - total / n ** 2) * n / (n - 1)
-    signal = total / n ** 2 - noise / n
+    noise = (trace / n - total / n**2) * n / (n - 1)
+    signal = total / n**2 - noise / n
     return float(signal / noise), float(signal), float(noise)
 
 
@@ -57,23 +58,40 @@ def main():
         """AdamW that records the gradient and does not step: the weights stay at the starting model."""
 
         def step(self, closure=None):
-            grads.append(torch.cat([p.grad.detach().flatten() for g in self.param_groups for p in g["params"]
-                                    if p.grad is not None]).float().cpu())  # float32 on the CPU: N copies fit
+            grads.append(
+                torch.cat(
+                    [p.grad.detach().flatten() for g in self.param_groups for p in g["params"] if p.grad is not None]
+                )
+                .float()
+                .cpu()
+            )  # float32 on the CPU: N copies fit
             if len(grads) == a.batches:
                 raise _Done
 
     torch.optim.AdamW = Recorder
     script = os.path.join(ROOT, a.script)
     with tempfile.TemporaryDirectory(prefix="grad_snr_") as out:  # the run's metrics and samples are not kept
-        sys.argv = [script, "--num-iterations", "100000", "--eval-every", "100000", "--save-every", "100000",
-                    "--output-dir", out, "--run-name", "probe", *a.flags]
+        sys.argv = [
+            script,
+            "--num-iterations",
+            "100000",
+            "--eval-every",
+            "100000",
+            "--save-every",
+            "100000",
+            "--output-dir",
+            out,
+            "--run-name",
+            "probe",
+            *a.flags,
+        ]
         try:
             runpy.run_path(script, run_name="__main__")
         except _Done:
             pass
     g = torch.stack(grads)
     n = len(g)
-    chunks = (g[:, c:c + (1 << 20)].double() for c in range(0, g.shape[1], 1 << 20))  # float64 sums, bounded memory
+    chunks = (g[:, c : c + (1 << 20)].double() for c in range(0, g.shape[1], 1 << 20))  # float64 sums, bounded memory
     gram = sum(x @ x.T for x in chunks)
     snr, signal, noise = snr_from_gram(gram)
     others = ~torch.eye(n, dtype=torch.bool)  # row i: every gradient but the i-th
@@ -83,8 +101,10 @@ def main():
     pair_cos = float((gram / norms[:, None] / norms[None, :])[others].mean())
     print(f"{a.script} {' '.join(a.flags)}")
     print(f"  {n} gradients of {g.shape[1]:,} trainable numbers; mean norm {float(norms.mean()):.3e}")
-    print(f"  one batch: SNR {snr:+.4f} +- {se:.4f} (signal {signal:.3e}, noise {noise:.3e}); "
-          f"mean pairwise cosine {pair_cos:+.4f}")
+    print(
+        f"  one batch: SNR {snr:+.4f} +- {se:.4f} (signal {signal:.3e}, noise {noise:.3e}); "
+        f"mean pairwise cosine {pair_cos:+.4f}"
+    )
     if snr > 2 * se:
         print(f"  batches to average for SNR 1: about {1 / snr:.0f}")
     else:

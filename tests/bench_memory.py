@@ -31,6 +31,7 @@ parameter, gradient and Adam terms are checked against per-rank bytes measured o
 on 2 ranks (tests/test_parallel.py). Not counted: the text encoders and the VAE (bf16: about 11 GB for SD3.5, 10 GB
 for FLUX, docs/results.md), the backward's transient buffers, the CUDA context, the allocator's fragmentation.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,15 +49,31 @@ GB = 1e9
 # with guidance_embeds) and SD3.5-Medium (stabilityai/stable-diffusion-3.5-medium transformer/config.json).
 CONFIGS = {
     "FLUX.1-dev": ("flux", dict(guidance_embeds=True)),
-    "SD3.5-M": ("sd3", dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
-                            num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-                            pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
-                            dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")),
+    "SD3.5-M": (
+        "sd3",
+        dict(
+            sample_size=128,
+            patch_size=2,
+            in_channels=16,
+            num_layers=24,
+            attention_head_dim=64,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            caption_projection_dim=1536,
+            pooled_projection_dim=2048,
+            out_channels=16,
+            pos_embed_max_size=384,
+            dual_attention_layers=tuple(range(13)),
+            qk_norm="rms_norm",
+        ),
+    ),
 }
 # The documented training step (docs/flowgrpo.md, docs/g2rpo.md): 512 px; SD3 with CFG (2 rows per transition) and
 # 77 CLIP + 128 T5 text tokens; FLUX with 512 T5 tokens (our default) and its guidance input (1 row).
-SETTING = {"FLUX.1-dev": dict(image_tokens=1024, text_tokens=512, rows_per_sample=1),
-           "SD3.5-M": dict(image_tokens=1024, text_tokens=205, rows_per_sample=2)}
+SETTING = {
+    "FLUX.1-dev": dict(image_tokens=1024, text_tokens=512, rows_per_sample=1),
+    "SD3.5-M": dict(image_tokens=1024, text_tokens=205, rows_per_sample=2),
+}
 
 
 def build(kind: str, config: dict, device="meta", dtype=None):
@@ -87,12 +104,20 @@ def describe(name: str, lora_rank: int = 32) -> dict:
     kinds = {}
     for b in blocks(model):
         kinds[type(b).__name__] = kinds.get(type(b).__name__, 0) + 1
-    return dict(P=P, T_lora=lora_count(model, lora_rank), block_max=max(blk), lora_block_max=lora_blk, width=width,
-                blocks=kinds, kind=kind)
+    return dict(
+        P=P,
+        T_lora=lora_count(model, lora_rank),
+        block_max=max(blk),
+        lora_block_max=lora_blk,
+        width=width,
+        blocks=kinds,
+        kind=kind,
+    )
 
 
-def per_gpu(m: dict, full: bool, parallel: str, n: int, offload: bool = False, accumulate: bool = False,
-            reference: bool = False) -> dict:
+def per_gpu(
+    m: dict, full: bool, parallel: str, n: int, offload: bool = False, accumulate: bool = False, reference: bool = False
+) -> dict:
     """Bytes per GPU of the weights, gradients and Adam state (see the module docstring), without activations."""
     P, T = m["P"], (m["P"] if full else m["T_lora"])
     weights = 4 * P if full else 2 * P + 4 * T
@@ -101,8 +126,11 @@ def per_gpu(m: dict, full: bool, parallel: str, n: int, offload: bool = False, a
         return dict(weights=weights + ref + (2 * P if full else 0), grads=8 * T, adam=8 * T)
     gathered = 2 * 2 * m["block_max"] * (2 if reference else 1)
     block_grad = 4 * (m["block_max"] if full else m["lora_block_max"])
-    out = dict(weights=(weights + ref) / n + gathered, grads=4 * T / n + block_grad + (4 * T if accumulate else 0),
-               adam=8 * T / n)
+    out = dict(
+        weights=(weights + ref) / n + gathered,
+        grads=4 * T / n + block_grad + (4 * T if accumulate else 0),
+        adam=8 * T / n,
+    )
     if offload:  # the shards in host memory; the gathered blocks and the block gradient stay on the GPU
         out = dict(weights=gathered, grads=block_grad + (4 * T if accumulate else 0), adam=0.0)
     return out
@@ -146,13 +174,18 @@ def saved_for_backward(model, inputs: dict) -> dict:
 
     def pre(module, args, kwargs):
         per_block.append(-total[0])
-        block_inputs[0] += sum(a.numel() * a.element_size() for a in (*args, *kwargs.values())
-                               if isinstance(a, torch.Tensor) and a.is_floating_point())
+        block_inputs[0] += sum(
+            a.numel() * a.element_size()
+            for a in (*args, *kwargs.values())
+            if isinstance(a, torch.Tensor) and a.is_floating_point()
+        )
 
     kept, hooks = [], []
     for b in blocks(model):
-        hooks += [b.register_forward_pre_hook(pre, with_kwargs=True),
-                  b.register_forward_hook(lambda m, a, o: per_block.__setitem__(-1, per_block[-1] + total[0]))]
+        hooks += [
+            b.register_forward_pre_hook(pre, with_kwargs=True),
+            b.register_forward_hook(lambda m, a, o: per_block.__setitem__(-1, per_block[-1] + total[0])),
+        ]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(**inputs, return_dict=False)
@@ -162,20 +195,30 @@ def saved_for_backward(model, inputs: dict) -> dict:
     return dict(total=total[0], block_max=max(per_block), blocks=sum(per_block), block_inputs=block_inputs[0])
 
 
-def forward_inputs(model, kind: str, rows: int, image_tokens: int, text_tokens: int, device="meta",
-                   dtype=torch.bfloat16) -> dict:
+def forward_inputs(
+    model, kind: str, rows: int, image_tokens: int, text_tokens: int, device="meta", dtype=torch.bfloat16
+) -> dict:
     """The transformer's inputs for `rows` rows at the given token counts (SD3: a square latent of that many patches)."""
     c, kw = model.config, dict(device=device, dtype=dtype)
-    common = dict(encoder_hidden_states=torch.randn(rows, text_tokens, c.joint_attention_dim, **kw),
-                  pooled_projections=torch.randn(rows, c.pooled_projection_dim, **kw))
+    common = dict(
+        encoder_hidden_states=torch.randn(rows, text_tokens, c.joint_attention_dim, **kw),
+        pooled_projections=torch.randn(rows, c.pooled_projection_dim, **kw),
+    )
     if kind == "sd3":
-        side = round(image_tokens ** 0.5) * c.patch_size
-        return dict(hidden_states=torch.randn(rows, c.in_channels, side, side, **kw),
-                    timestep=torch.full((rows,), 500.0, device=device), **common)
-    return dict(hidden_states=torch.randn(rows, image_tokens, c.in_channels, **kw), **common,
-                timestep=torch.full((rows,), 0.5, device=device), img_ids=torch.zeros(image_tokens, 3, device=device),
-                txt_ids=torch.zeros(text_tokens, 3, device=device),
-                guidance=torch.full((rows,), 3.5, device=device) if c.guidance_embeds else None)
+        side = round(image_tokens**0.5) * c.patch_size
+        return dict(
+            hidden_states=torch.randn(rows, c.in_channels, side, side, **kw),
+            timestep=torch.full((rows,), 500.0, device=device),
+            **common,
+        )
+    return dict(
+        hidden_states=torch.randn(rows, image_tokens, c.in_channels, **kw),
+        **common,
+        timestep=torch.full((rows,), 0.5, device=device),
+        img_ids=torch.zeros(image_tokens, 3, device=device),
+        txt_ids=torch.zeros(text_tokens, 3, device=device),
+        guidance=torch.full((rows,), 3.5, device=device) if c.guidance_embeds else None,
+    )
 
 
 def trainable(model, lora_targets, rank: int = 32):
@@ -185,8 +228,14 @@ def trainable(model, lora_targets, rank: int = 32):
 
     from common.training import Trainable
 
-    Trainable(SimpleNamespace(transformer=model, dtype=next(model.parameters()).dtype), lora_targets is None, rank,
-              rank, lora_targets, need_reference=False)
+    Trainable(
+        SimpleNamespace(transformer=model, dtype=next(model.parameters()).dtype),
+        lora_targets is None,
+        rank,
+        rank,
+        lora_targets,
+        need_reference=False,
+    )
     return model
 
 
@@ -201,8 +250,9 @@ def activations(name: str, micro_batch: int, full: bool, checkpointing: bool, lo
     if full:  # the fp32 masters compute in bf16 (FSDP's param_dtype, DDP's autocast)
         model.to(torch.bfloat16)
     with flash_attention_shapes():
-        b = saved_for_backward(model, forward_inputs(model, kind, micro_batch * s["rows_per_sample"],
-                                                     s["image_tokens"], s["text_tokens"]))
+        b = saved_for_backward(
+            model, forward_inputs(model, kind, micro_batch * s["rows_per_sample"], s["image_tokens"], s["text_tokens"])
+        )
     return b["total"] - b["blocks"] + b["block_inputs"] + b["block_max"] if checkpointing else b["total"]
 
 
@@ -222,28 +272,38 @@ def check() -> str:
         P = sum(p.numel() for p in model.parameters()) - T
         fixed = 2 * P + 4 * T + 4 * T + 8 * T  # bf16 base, fp32 LoRA, its gradient, Adam (one GPU: no DDP buckets)
         act = activations(name, mb, False, False, "attention")
-        lines.append(f"{name}, attention LoRA ({T / 1e6:.1f} M), micro-batch {mb}: weights + LoRA state "
-                     f"{fixed / 2**30:.1f} GiB + activations {act / 2**30:.1f} GiB = {(fixed + act) / 2**30:.1f} GiB "
-                     f"computed, {peak / 2**30:.1f} GiB measured ({(fixed + act) / peak - 1:+.0%})")
+        lines.append(
+            f"{name}, attention LoRA ({T / 1e6:.1f} M), micro-batch {mb}: weights + LoRA state "
+            f"{fixed / 2**30:.1f} GiB + activations {act / 2**30:.1f} GiB = {(fixed + act) / 2**30:.1f} GiB "
+            f"computed, {peak / 2**30:.1f} GiB measured ({(fixed + act) / peak - 1:+.0%})"
+        )
     return "\n".join(lines)
 
 
 def table() -> str:
-    rows = ["| model | training | parallel | GPUs | weights | grads | Adam | total without activations | "
-            "+ activations, micro-batch 1 (with --gradient-checkpointing) |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| model | training | parallel | GPUs | weights | grads | Adam | total without activations | "
+        "+ activations, micro-batch 1 (with --gradient-checkpointing) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name in CONFIGS:
         m = describe(name)
         for full in (True, False):
             act, act_ck = activations(name, 1, full, False), activations(name, 1, full, True)
-            for parallel, offload, counts in (("ddp", False, ("any",)), ("fsdp", False, (1, 2, 4, 8)),
-                                              ("fsdp", True, (1, 8))):
+            for parallel, offload, counts in (
+                ("ddp", False, ("any",)),
+                ("fsdp", False, (1, 2, 4, 8)),
+                ("fsdp", True, (1, 8)),
+            ):
                 for n in counts:
                     b = per_gpu(m, full, parallel, 1 if n == "any" else n, offload)
                     fixed = sum(b.values())
-                    rows.append(f"| {name} | {'full' if full else 'LoRA r 32'} | "
-                                f"{parallel}{' + offload' if offload else ''} | {n} | {b['weights'] / GB:.1f} | "
-                                f"{b['grads'] / GB:.1f} | {b['adam'] / GB:.1f} | {fixed / GB:.1f} | "
-                                f"{(fixed + act) / GB:.1f} ({(fixed + act_ck) / GB:.1f}) |")
+                    rows.append(
+                        f"| {name} | {'full' if full else 'LoRA r 32'} | "
+                        f"{parallel}{' + offload' if offload else ''} | {n} | {b['weights'] / GB:.1f} | "
+                        f"{b['grads'] / GB:.1f} | {b['adam'] / GB:.1f} | {fixed / GB:.1f} | "
+                        f"{(fixed + act) / GB:.1f} ({(fixed + act_ck) / GB:.1f}) |"
+                    )
     return "\n".join(rows)
 
 
@@ -254,9 +314,11 @@ if __name__ == "__main__":
         for name in CONFIGS:
             m = describe(name)
             acts = {(f, c): activations(name, 1, f, c) / GB for f in (False, True) for c in (False, True)}
-            print(f"{name}: {m['P'] / 1e9:.2f} B weights, LoRA r 32 all-linear {m['T_lora'] / 1e6:.1f} M, largest "
-                  f"block {m['block_max'] / 1e6:.0f} M, width {m['width']}, blocks {m['blocks']}; activations per "
-                  f"transition (computed): LoRA {acts[False, False]:.2f} GB ({acts[False, True]:.2f} GB with "
-                  f"checkpointing), full {acts[True, False]:.2f} GB ({acts[True, True]:.2f} GB)")
+            print(
+                f"{name}: {m['P'] / 1e9:.2f} B weights, LoRA r 32 all-linear {m['T_lora'] / 1e6:.1f} M, largest "
+                f"block {m['block_max'] / 1e6:.0f} M, width {m['width']}, blocks {m['blocks']}; activations per "
+                f"transition (computed): LoRA {acts[False, False]:.2f} GB ({acts[False, True]:.2f} GB with "
+                f"checkpointing), full {acts[True, False]:.2f} GB ({acts[True, True]:.2f} GB)"
+            )
         print(table())
     print(check())

@@ -10,6 +10,7 @@ same ODE, guidance 1) is correct, from `--pass-at-k` seeds per prompt with the u
 1 - C(n - c, k) / C(n, k) (n images, c correct). pass@1 is the accuracy; a policy that always produced the
 prompt's best-of-k image would score pass@k.
 """
+
 import argparse
 import json
 import math
@@ -26,13 +27,24 @@ from common import toyworld  # noqa: E402
 from common.backbones import load_backbone, sample_ode  # noqa: E402
 
 MODEL = os.path.join(ROOT, "common", "toyworld", "model")
-GRID_PROMPTS = ["a photo of a red circle", "a photo of a blue triangle", "a photo of a yellow square",
-                "a photo of a green circle", "a photo of two red squares", "a photo of three cyan circles",
-                "a photo of four blue triangles", "a photo of two magenta circles",
-                "a photo of a red circle and a blue square", "a photo of a green triangle and a yellow circle",
-                "a photo of a cyan square and a magenta triangle", "a photo of a blue circle and a red triangle",
-                "a photo of a red square left of a blue circle", "a photo of a green circle above a yellow square",
-                "a photo of a magenta triangle below a cyan circle", "a photo of a blue square right of a red circle"]
+GRID_PROMPTS = [
+    "a photo of a red circle",
+    "a photo of a blue triangle",
+    "a photo of a yellow square",
+    "a photo of a green circle",
+    "a photo of two red squares",
+    "a photo of three cyan circles",
+    "a photo of four blue triangles",
+    "a photo of two magenta circles",
+    "a photo of a red circle and a blue square",
+    "a photo of a green triangle and a yellow circle",
+    "a photo of a cyan square and a magenta triangle",
+    "a photo of a blue circle and a red triangle",
+    "a photo of a red square left of a blue circle",
+    "a photo of a green circle above a yellow square",
+    "a photo of a magenta triangle below a cyan circle",
+    "a photo of a blue square right of a red circle",
+]
 
 
 def sample(bb, prompts, seeds, steps=20, cfg=1.0):
@@ -75,12 +87,14 @@ def main():
         n = a.pass_at_k
         prompts = [p for p in test for _ in range(n)]
         seeds = [10_000 * s + i for i in range(len(test)) for s in range(n)]  # s = 0, 1 are the evaluation seeds
-        images = torch.cat([sample(bb, prompts[b:b + 256], seeds[b:b + 256]) for b in range(0, len(prompts), 256)])
+        images = torch.cat([sample(bb, prompts[b : b + 256], seeds[b : b + 256]) for b in range(0, len(prompts), 256)])
         correct = toyworld.score(images, prompts)[1].reshape(len(test), n).sum(1)
         cats = [toyworld.category_of(p) for p in test]
         for k in (k for k in (1, 2, 4, 8, 16, 32) if k <= n):
-            per = {c: sum(pass_at_k(n, int(x), k) for x, cc in zip(correct, cats) if cc == c) / cats.count(c)
-                   for c in toyworld.CATEGORIES}
+            per = {
+                c: sum(pass_at_k(n, int(x), k) for x, cc in zip(correct, cats) if cc == c) / cats.count(c)
+                for c in toyworld.CATEGORIES
+            }
             per["overall (mean of categories)"] = sum(per.values()) / len(toyworld.CATEGORIES)
             result[f"pass@{k}_cfg1"] = {c: round(v, 3) for c, v in per.items()}
     print(json.dumps(result, indent=1))

@@ -3,6 +3,7 @@
 Every test loads them back with `load_backbone(path)`, the same `from_pretrained(folder)` path that real
 SD3.5 / FLUX.1 weights take.
 """
+
 import os
 import sys
 

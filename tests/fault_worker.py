@@ -1,10 +1,11 @@
 """Processes that tests/test_faults.py (and bench_faults.py) start and then break on purpose.
 
-    python tests/fault_worker.py dist die|hang     (under torchrun, 2 ranks) all-reduce in a loop; at step 3 rank 1
-                                                   SIGKILLs itself (die) or stops taking part (hang)
-    python tests/fault_worker.py save RUN_DIR N    save a tiny checkpoint for iterations N+1, N+2, ... forever,
-                                                   printing each iteration once its save has returned
+python tests/fault_worker.py dist die|hang     (under torchrun, 2 ranks) all-reduce in a loop; at step 3 rank 1
+                                               SIGKILLs itself (die) or stops taking part (hang)
+python tests/fault_worker.py save RUN_DIR N    save a tiny checkpoint for iterations N+1, N+2, ... forever,
+                                               printing each iteration once its save has returned
 """
+
 import os
 import signal
 import sys
@@ -17,15 +18,23 @@ import torch  # noqa: E402
 
 def tiny_state(iteration: int) -> dict:
     g = torch.Generator().manual_seed(iteration)
-    return {"params": {"w": torch.randn(128, 128, generator=g)}, "optimizer": {}, "ema": None,
-            "iteration": iteration, "nfe": 10 * iteration, "rng": [], "args": {"seed": 1, "group_size": 2},
-            "script": "fault_worker.py"}
+    return {
+        "params": {"w": torch.randn(128, 128, generator=g)},
+        "optimizer": {},
+        "ema": None,
+        "iteration": iteration,
+        "nfe": 10 * iteration,
+        "rng": [],
+        "args": {"seed": 1, "group_size": 2},
+        "script": "fault_worker.py",
+    }
 
 
 def tiny_weights(iteration: int):
     def save(folder):
         with open(os.path.join(folder, "pytorch_lora_weights.safetensors"), "wb") as f:
             f.write(bytes([iteration % 256]) * 40_000)
+
     return save
 
 

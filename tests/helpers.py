@@ -1,4 +1,5 @@
 """Run a training script the way a user does (`python script.py ...` or `torchrun ...`) and read its outputs."""
+
 import json
 import os
 import subprocess
@@ -9,11 +10,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_script(script: str, *flags: str, nproc: int = 1, check: bool = True, timeout: int = 300):
     """Run `script` with `flags` in a subprocess (1 process, or `nproc` ranks under torchrun); return the result."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", "HF_HUB_OFFLINE": "1",
-           "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT,
+        "OMP_NUM_THREADS": "1" if nproc > 1 else "2",
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled"),
+    }
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               os.path.join(ROOT, script), *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            os.path.join(ROOT, script),
+            *flags,
+        ]
     else:
         cmd = [sys.executable, os.path.join(ROOT, script), *flags]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
@@ -49,11 +62,40 @@ def write_prompts(path, prompts) -> str:
 
 def tiny_flags(model_path: str, out_dir: str, prompts_file: str, run_name: str = "run") -> list[str]:
     """The smallest meaningful run on a tiny random model: 2 prompts x group 2, 3 steps, 64 px."""
-    return ["--model-path", model_path, "--output-dir", str(out_dir), "--run-name", run_name,
-            "--resolution", "64", "--max-sequence-length", "8", "--num-steps", "3", "--eval-num-steps", "2",
-            "--groups-per-iteration", "2", "--group-size", "2", "--rollout-batch-size", "2",
-            "--prompts-file", prompts_file, "--eval-prompts", prompts_file, "--eval-seeds-per-prompt", "1",
-            "--reward", "jpeg_compressibility", "--timestep-fraction", "0.99", "--lora-rank", "4"]
+    return [
+        "--model-path",
+        model_path,
+        "--output-dir",
+        str(out_dir),
+        "--run-name",
+        run_name,
+        "--resolution",
+        "64",
+        "--max-sequence-length",
+        "8",
+        "--num-steps",
+        "3",
+        "--eval-num-steps",
+        "2",
+        "--groups-per-iteration",
+        "2",
+        "--group-size",
+        "2",
+        "--rollout-batch-size",
+        "2",
+        "--prompts-file",
+        prompts_file,
+        "--eval-prompts",
+        prompts_file,
+        "--eval-seeds-per-prompt",
+        "1",
+        "--reward",
+        "jpeg_compressibility",
+        "--timestep-fraction",
+        "0.99",
+        "--lora-rank",
+        "4",
+    ]
 
 
 def assert_resume_is_exact(script: str, flags_for, total: int, extra) -> None:

@@ -16,6 +16,7 @@ that move by 1e-7 when the weights do, and a JPEG's byte count jumps (it flips a
 with the run's sha256 of the whole trained weights (its `final weights` line) and the bytes THIS rank holds of the transformer's parameters
 (trained and frozen: what DDP replicates and FSDP shards) and of the optimizer state.
 """
+
 import contextlib
 import io
 import json
@@ -70,18 +71,29 @@ def main(runs_file: str, smooth_reward: bool) -> None:
     with open(runs_file) as f:
         runs = json.load(f)
     rank, world_size, device = common.utils.setup_distributed()
-    keep = [mock.patch.object(common.utils, "setup_distributed", lambda: (rank, world_size, device)),
-            mock.patch.object(dist, "destroy_process_group", lambda *a, **k: None)]
+    keep = [
+        mock.patch.object(common.utils, "setup_distributed", lambda: (rank, world_size, device)),
+        mock.patch.object(dist, "destroy_process_group", lambda *a, **k: None),
+    ]
     for i, (script, *flags) in enumerate(runs):
         tee = Tee(sys.stdout)
         with mock.patch.object(sys, "argv", [script, *flags]), contextlib.redirect_stdout(tee), keep[0], keep[1]:
             g = runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
         digest = re.findall(r"final weights: rank \d+ sha256 (\w+)", tee.copy.getvalue())[-1]
         state = [v for s in g["optimizer"].state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-        sys.stdout.write("RESULT " + json.dumps({
-            "run": i, "rank": g["rank"], "digest": digest,
-            "param_bytes": local_bytes(g["backbone"].transformer.parameters()),
-            "optimizer_bytes": local_bytes(state)}) + "\n")  # one write: a line of its own
+        sys.stdout.write(
+            "RESULT "
+            + json.dumps(
+                {
+                    "run": i,
+                    "rank": g["rank"],
+                    "digest": digest,
+                    "param_bytes": local_bytes(g["backbone"].transformer.parameters()),
+                    "optimizer_bytes": local_bytes(state),
+                }
+            )
+            + "\n"
+        )  # one write: a line of its own
         sys.stdout.flush()
     dist.destroy_process_group()
 

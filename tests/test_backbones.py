@@ -1,4 +1,5 @@
 """The SD3 / FLUX adapters: our sampler + our velocity must reproduce the stock diffusers pipelines."""
+
 import json
 import os
 
@@ -25,14 +26,22 @@ def our_sample(bb, steps, guidance, seed, noise_level=0.0):
     return bb.decode(x, H, W)
 
 
-@pytest.mark.parametrize("fixture,guidance", [("tiny_sd3", 1.0), ("tiny_sd3", 4.5), ("tiny_sd35", 4.5),
-                                              ("tiny_flux", 3.5)])
+@pytest.mark.parametrize(
+    "fixture,guidance", [("tiny_sd3", 1.0), ("tiny_sd3", 4.5), ("tiny_sd35", 4.5), ("tiny_flux", 3.5)]
+)
 def test_adapter_reproduces_stock_pipeline(request, fixture, guidance):
     path = request.getfixturevalue(fixture)
     bb = load_backbone(path, "cpu", max_sequence_length=16)
     steps = 6
-    kw = dict(height=H, width=W, num_inference_steps=steps, guidance_scale=guidance, max_sequence_length=16,
-              generator=torch.Generator().manual_seed(3), output_type="pt")
+    kw = dict(
+        height=H,
+        width=W,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        max_sequence_length=16,
+        generator=torch.Generator().manual_seed(3),
+        output_type="pt",
+    )
     if bb.kind == "sd3":
         kw["negative_prompt"] = ""
     stock = bb.pipe(PROMPTS, **kw).images.float()
@@ -81,8 +90,12 @@ def test_bad_path_from_the_command_line_has_no_traceback(tmp_path):
     import sys
 
     code = f"from common.backbones import load_backbone; load_backbone({str(tmp_path / 'nope')!r})"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert r.returncode != 0
     assert r.stderr.strip().startswith("error: --model-path") and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -94,8 +107,9 @@ def lora_modules(transformer, target):
 
     from common.backbones import LORA_TARGETS
 
-    transformer.add_adapter(LoraConfig(r=2, lora_alpha=4, init_lora_weights="gaussian",
-                                       target_modules=LORA_TARGETS[target]))
+    transformer.add_adapter(
+        LoraConfig(r=2, lora_alpha=4, init_lora_weights="gaussian", target_modules=LORA_TARGETS[target])
+    )
     return {n.rsplit(".lora_A", 1)[0] for n, _ in transformer.named_parameters() if ".lora_A" in n}
 
 
@@ -124,5 +138,9 @@ def test_flux_lora_targets():
     assert {n for n in attn if n.startswith("single_")} == {f"single_transformer_blocks.0.attn.to_{x}" for x in "qkv"}
     assert "transformer_blocks.0.attn.add_q_proj" in attn and "transformer_blocks.0.attn.to_out.0" in attn
     ff = lora_modules(build_flux().transformer, "attention-ff")
-    assert ff - attn == {"transformer_blocks.0.ff.net.0.proj", "transformer_blocks.0.ff.net.2",
-                         "transformer_blocks.0.ff_context.net.0.proj", "transformer_blocks.0.ff_context.net.2"}
+    assert ff - attn == {
+        "transformer_blocks.0.ff.net.0.proj",
+        "transformer_blocks.0.ff.net.2",
+        "transformer_blocks.0.ff_context.net.0.proj",
+        "transformer_blocks.0.ff_context.net.2",
+    }

@@ -1,5 +1,6 @@
 """The comparison harness (bench_compare.py) with stub "algorithms": the resume rule (finished runs kept, unfinished
 ones deleted and run again), the flags every run gets, and the table's numbers. No model is loaded: fast."""
+
 import json
 import os
 import sys
@@ -9,11 +10,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_compare as bc  # noqa: E402
+
 from common.backbones import ConfigError  # noqa: E402
 
 # A stand-in for a training script: the harness's flags in, a metrics.jsonl out. Accuracy 0.5 at the start and
 # 0.5 + 0.05 * seed at the end; it logs every launch and fails on demand (STUB_CRASH = the run's name).
-STUB = textwrap.dedent('''
+STUB = textwrap.dedent("""
     import argparse, json, os, sys
     ap = argparse.ArgumentParser()
     for f in ("--output-dir", "--run-name"):
@@ -43,7 +45,7 @@ STUB = textwrap.dedent('''
             f.flush()
             if os.environ.get("STUB_CRASH") == a.run_name and it == 1:
                 sys.exit(1)
-''')
+""")
 
 
 @pytest.fixture
@@ -62,16 +64,39 @@ def launches(out):
 
 def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path, monkeypatch):
     out = str(tmp_path / "grid")
-    argv = ["--script-dir", stubs, "--out", out, "--algos", "flowgrpo_baseline", "yardstick", "--seeds", "1", "2",
-            "--cpu-seconds", "30", "--jobs", "2", "--eval-every", "1"]
+    argv = [
+        "--script-dir",
+        stubs,
+        "--out",
+        out,
+        "--algos",
+        "flowgrpo_baseline",
+        "yardstick",
+        "--seeds",
+        "1",
+        "2",
+        "--cpu-seconds",
+        "30",
+        "--jobs",
+        "2",
+        "--eval-every",
+        "1",
+    ]
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setattr(bc, "speed_probe", lambda: 2.5)  # the real one loads the toy model (test below)
     monkeypatch.setenv("STUB_CRASH", "yardstick__default__2")
     bc.main(argv)
     first = launches(out)
-    assert sorted(first) == sorted(["flowgrpo_baseline__default__start", "yardstick__default__start",
-                                    "flowgrpo_baseline__default__1", "yardstick__default__1",
-                                    "flowgrpo_baseline__default__2", "yardstick__default__2"])
+    assert sorted(first) == sorted(
+        [
+            "flowgrpo_baseline__default__start",
+            "yardstick__default__start",
+            "flowgrpo_baseline__default__1",
+            "yardstick__default__1",
+            "flowgrpo_baseline__default__2",
+            "yardstick__default__2",
+        ]
+    )
     crashed = os.path.join(out, "yardstick__default__2")
     assert not bc.is_finished(crashed) and os.path.exists(os.path.join(crashed, "metrics.jsonl"))
     assert json.load(open(os.path.join(crashed, "harness.json")))["returncode"] == 1
@@ -79,7 +104,7 @@ def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path
 
     monkeypatch.delenv("STUB_CRASH")
     bc.main(argv)
-    assert launches(out)[len(first):] == ["yardstick__default__2"]  # only the unfinished run ran again
+    assert launches(out)[len(first) :] == ["yardstick__default__2"]  # only the unfinished run ran again
     assert bc.is_finished(crashed) and not os.path.exists(os.path.join(crashed, "leftover"))
     bc.main(argv)
     assert len(launches(out)) == len(first) + 1  # a complete grid launches nothing
@@ -87,8 +112,13 @@ def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path
     # the flags a run got: the budget, 8 final seeds (SE <= 0.02 on the toy test file), no checkpoints
     flags = {line.split()[0]: line.split()[1:] for line in open(os.path.join(out, "launches.txt"))}
     f = flags["flowgrpo_baseline__default__1"]
-    for k, v in [("--cpu-budget-s", "30.0"), ("--final-eval-seeds-per-prompt", "8"), ("--seed", "1"),
-                 ("--eval-every", "1"), ("--save-every", "100000")]:
+    for k, v in [
+        ("--cpu-budget-s", "30.0"),
+        ("--final-eval-seeds-per-prompt", "8"),
+        ("--seed", "1"),
+        ("--eval-every", "1"),
+        ("--save-every", "100000"),
+    ]:
         assert f[f.index(k) + 1] == v, (k, f)
     s = flags["yardstick__default__start"]
     assert s[s.index("--num-iterations") + 1] == "0"
@@ -124,24 +154,72 @@ def write_run(out, name, rows):
 def test_table_numbers(tmp_path):
     out = str(tmp_path)
     cat = lambda a, b: {"eval/accuracy_single": a, "eval/accuracy_position": b}  # noqa: E731
-    write_run(out, "g2rpo__lr1e-4__start", [{"iteration": 0, "eval/accuracy": 0.5, **cat(0.6, 0.4),
-                                             "eval/reward_mean": 0.2,
-                                             "eval/accuracy_se": 0.019, "nfe": 0, "final": True}])
+    write_run(
+        out,
+        "g2rpo__lr1e-4__start",
+        [
+            {
+                "iteration": 0,
+                "eval/accuracy": 0.5,
+                **cat(0.6, 0.4),
+                "eval/reward_mean": 0.2,
+                "eval/accuracy_se": 0.019,
+                "nfe": 0,
+                "final": True,
+            }
+        ],
+    )
     for seed, final, best in [(1, 0.6, 0.75), (2, 0.7, 0.7), (3, 0.8, 0.8)]:
-        write_run(out, f"g2rpo__lr1e-4__{seed}", [
-            {"iteration": 0, "eval/accuracy": 0.45, **cat(0.5, 0.4), "nfe": 1000, "nfe/eval": 400, "images": 64,
-             "time/cpu_s": 10.0},
-            {"iteration": 1, "eval/accuracy": best, **cat(0.5, 0.4), "nfe": 1600, "nfe/eval": 800, "images": 128,
-             "time/cpu_s": 20.0 + seed},
-            {"iteration": 2, "eval/accuracy": final, **cat(final + 0.1, final - 0.1), "eval/accuracy_se": 0.018,
-             "eval/reward_mean": 0.2 + final,
-             "nfe": 4000, "nfe/eval": 2000, "images": 128, "time/cpu_s": 40.0, "final": True}])
+        write_run(
+            out,
+            f"g2rpo__lr1e-4__{seed}",
+            [
+                {
+                    "iteration": 0,
+                    "eval/accuracy": 0.45,
+                    **cat(0.5, 0.4),
+                    "nfe": 1000,
+                    "nfe/eval": 400,
+                    "images": 64,
+                    "time/cpu_s": 10.0,
+                },
+                {
+                    "iteration": 1,
+                    "eval/accuracy": best,
+                    **cat(0.5, 0.4),
+                    "nfe": 1600,
+                    "nfe/eval": 800,
+                    "images": 128,
+                    "time/cpu_s": 20.0 + seed,
+                },
+                {
+                    "iteration": 2,
+                    "eval/accuracy": final,
+                    **cat(final + 0.1, final - 0.1),
+                    "eval/accuracy_se": 0.018,
+                    "eval/reward_mean": 0.2 + final,
+                    "nfe": 4000,
+                    "nfe/eval": 2000,
+                    "images": 128,
+                    "time/cpu_s": 40.0,
+                    "final": True,
+                },
+            ],
+        )
     write_run(out, "g2rpo__lr1e-4__4", [{"iteration": 0, "eval/accuracy": 0.5, "nfe": 0}])  # unfinished: left out
     text = bc.report(out)
     row = next(line for line in text.splitlines() if line.startswith("| g2rpo | lr1e-4 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    head = [c.strip() for c in text.splitlines()[text.splitlines().index(next(
-        line for line in text.splitlines() if line.startswith("| algorithm | variant | seeds")))].strip("|").split("|")]
+    head = [
+        c.strip()
+        for c in text.splitlines()[
+            text.splitlines().index(
+                next(line for line in text.splitlines() if line.startswith("| algorithm | variant | seeds"))
+            )
+        ]
+        .strip("|")
+        .split("|")
+    ]
     got = dict(zip(head, cells))
     assert got["seeds"] == "3" and got["start (SE)"] == "0.500 (0.019)" and got["final"] == "0.700"
     assert got["gain [95 % CI]"] == "+0.200 [-0.048, +0.448]"  # gains .1 .2 .3: s = .1, t_{.975,2} = 4.303
@@ -165,22 +243,35 @@ def test_merged_folders_and_the_gain_at_equal_trajectories_and_scored_images(tmp
     gain is also read where the run with the fewest trajectories (scored images) ended: equal budgets on both axes."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     for seed, final in [(1, 0.6), (2, 0.8)]:  # ends at 128 trajectories, 1280 scored images (completions)
-        write_run(a, f"g2rpo__small__{seed}", [
-            {"iteration": 0, "eval/accuracy": 0.4, **counted(64, 640), "time/cpu_s": 1.0},
-            {"iteration": 1, **counted(128, 1280), "time/cpu_s": 2.0},
-            {"iteration": 2, "eval/accuracy": final, **counted(128, 1280), "time/cpu_s": 3.0, "final": True}])
+        write_run(
+            a,
+            f"g2rpo__small__{seed}",
+            [
+                {"iteration": 0, "eval/accuracy": 0.4, **counted(64, 640), "time/cpu_s": 1.0},
+                {"iteration": 1, **counted(128, 1280), "time/cpu_s": 2.0},
+                {"iteration": 2, "eval/accuracy": final, **counted(128, 1280), "time/cpu_s": 3.0, "final": True},
+            ],
+        )
     for seed, mid in [(1, 0.5), (2, 0.6)]:  # 512 trajectories; at 128 it is halfway from its first eval to `mid`
-        write_run(b, f"densegrpo__big__{seed}", [
-            {"iteration": 0, "eval/accuracy": 0.4, **counted(256, 256), "time/cpu_s": 1.0},
-            {"iteration": 1, "eval/accuracy": mid, **counted(512, 512), "time/cpu_s": 2.0},
-            {"iteration": 2, "eval/accuracy": 0.9, **counted(512, 512), "time/cpu_s": 3.0, "final": True}])
+        write_run(
+            b,
+            f"densegrpo__big__{seed}",
+            [
+                {"iteration": 0, "eval/accuracy": 0.4, **counted(256, 256), "time/cpu_s": 1.0},
+                {"iteration": 1, "eval/accuracy": mid, **counted(512, 512), "time/cpu_s": 2.0},
+                {"iteration": 2, "eval/accuracy": 0.9, **counted(512, 512), "time/cpu_s": 3.0, "final": True},
+            ],
+        )
     text = bc.report(str(tmp_path / "verdict"), (a, b))
     head = next(line for line in text.splitlines() if line.startswith("| algorithm | variant | seeds"))
     cols = [c.strip() for c in head.strip("|").split("|")]
     col = cols.index("gain at 128 trajectories (periodic evals)")
     scored = cols.index("gain at 512 scored images (periodic evals)")
-    row = lambda algo: [c.strip() for c in next(  # noqa: E731  (reads the latest `text`)
-        line for line in text.splitlines() if line.startswith(f"| {algo} |")).strip("|").split("|")]
+
+    def row(algo):  # reads the latest `text`
+        line = next(line for line in text.splitlines() if line.startswith(f"| {algo} |"))
+        return [c.strip() for c in line.strip("|").split("|")]
+
     assert row("g2rpo")[col] == "+0.300 [-0.971, +1.571]"  # gains .2 .4 at their end: s = .141, t_{.975,1} = 12.71
     assert row("densegrpo")[col] == "+0.075 [-0.243, +0.393]"  # (.5 - .4) / 2 and (.6 - .4) / 2 at 128 of 256
     # at 512 scored images DenseGRPO has ended (its final evaluation: .9 - .4 in both seeds), and G²RPO is 0.4 of the
@@ -216,8 +307,22 @@ def test_bad_variant_is_one_clear_line():
 
 def test_fixed_iterations_replace_the_cpu_budget_except_for_the_start_run(capsys):
     """--iterations N: every seeded run trains N iterations with no CPU budget; the start run still trains none."""
-    bc.main(["--algos", "g2rpo", "--seeds", "3", "--iterations", "30", "--variants", "hack=--beta 0.04", "--dry-run",
-             "--", "--eval-every", "5"])
+    bc.main(
+        [
+            "--algos",
+            "g2rpo",
+            "--seeds",
+            "3",
+            "--iterations",
+            "30",
+            "--variants",
+            "hack=--beta 0.04",
+            "--dry-run",
+            "--",
+            "--eval-every",
+            "5",
+        ]
+    )
     cmd = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if "__" in line}
     start, run = cmd["g2rpo__hack__start"], cmd["g2rpo__hack__3"]
     flag = lambda argv, name: argv[max(i for i, a in enumerate(argv) if a == name) + 1]  # noqa: E731  (last wins)
@@ -247,10 +352,15 @@ def test_a_log_from_before_the_two_counters_is_read_under_their_names(tmp_path):
     """Logs before 2026-12-03 have one `images` counter, which counted every scored image; their trajectories are
     iterations x prompts x G, from args.json."""
     out = str(tmp_path)
-    write_run(out, "densegrpo__old__1", [
-        {"iteration": 0, "eval/accuracy": 0.4, "images": 0, "time/cpu_s": 1.0},
-        {"iteration": 1, "images": 704, "time/cpu_s": 2.0},
-        {"iteration": 2, "eval/accuracy": 0.5, "images": 1408, "time/cpu_s": 3.0, "final": True}])
+    write_run(
+        out,
+        "densegrpo__old__1",
+        [
+            {"iteration": 0, "eval/accuracy": 0.4, "images": 0, "time/cpu_s": 1.0},
+            {"iteration": 1, "images": 704, "time/cpu_s": 2.0},
+            {"iteration": 2, "eval/accuracy": 0.5, "images": 1408, "time/cpu_s": 3.0, "final": True},
+        ],
+    )
     with open(os.path.join(out, "densegrpo__old__1", "args.json"), "w") as f:
         json.dump({"groups_per_iteration": 8, "group_size": 8}, f)
     last = bc.summarize(os.path.join(out, "densegrpo__old__1"))["final"]

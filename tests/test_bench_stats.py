@@ -2,6 +2,7 @@
 
 Both are estimators whose numbers end up in docs/results.md, so they are checked against cases with a known answer.
 """
+
 import itertools
 import math
 import sys
@@ -40,10 +41,21 @@ def test_pass_at_k_matches_enumeration():
 from bench_compare import mean_ci, seeds_for_se, t_cdf, t_quantile, welch_ci  # noqa: E402
 
 
-@pytest.mark.parametrize("p, df, expected", [(0.975, 1, 12.7062), (0.975, 2, 4.3027), (0.975, 4, 2.7764),
-                                             (0.975, 9, 2.2622), (0.975, 29, 2.0452), (0.95, 4, 2.1318),
-                                             (0.995, 10, 3.1693), (0.975, 10_000, 1.9602), (0.5, 3, 0.0),
-                                             (0.025, 4, -2.7764)])
+@pytest.mark.parametrize(
+    "p, df, expected",
+    [
+        (0.975, 1, 12.7062),
+        (0.975, 2, 4.3027),
+        (0.975, 4, 2.7764),
+        (0.975, 9, 2.2622),
+        (0.975, 29, 2.0452),
+        (0.95, 4, 2.1318),
+        (0.995, 10, 3.1693),
+        (0.975, 10_000, 1.9602),
+        (0.5, 3, 0.0),
+        (0.025, 4, -2.7764),
+    ],
+)
 def test_t_quantile_matches_tables(p, df, expected):
     assert t_quantile(p, df) == pytest.approx(expected, abs=1e-4)
     assert t_cdf(t_quantile(p, df), df) == pytest.approx(p, abs=1e-9)
@@ -51,7 +63,11 @@ def test_t_quantile_matches_tables(p, df, expected):
 
 def test_t_interval_of_known_samples():
     m, lo, hi = mean_ci([0.1, 0.2, 0.3])  # s = 0.1, n = 3: half-width t_{0.975,2} 0.1 / sqrt(3) = 0.24841
-    assert m == pytest.approx(0.2) and lo == pytest.approx(0.2 - 0.24841, abs=1e-5) and hi == pytest.approx(0.44841, abs=1e-5)
+    assert (
+        m == pytest.approx(0.2)
+        and lo == pytest.approx(0.2 - 0.24841, abs=1e-5)
+        and hi == pytest.approx(0.44841, abs=1e-5)
+    )
     assert mean_ci([0.3]) == (0.3, None, None)  # one seed: no interval
     # coverage: over many normal samples of 5 the 95 % t-interval holds the true mean ~95 % of the time
     g = torch.Generator().manual_seed(0)

@@ -5,6 +5,7 @@ must be the work the script really did. Here they are compared with what the scr
 (4 trajectories x 4 steps sampled, up to 3 trained steps each with a KL reference forward, 4 decoded images,
 and the script's NFE).
 """
+
 import sys
 from unittest import mock
 
@@ -28,11 +29,48 @@ def test_counts_match_the_scripts_own_accounting(tmp_path):
     path = bench.build_folder("sd35", str(tmp_path / "cache"), tiny=True, device="cpu")
     prompts = tmp_path / "p.txt"
     prompts.write_text("a photo of a red circle\n")
-    flags = ["--model-path", path, "--resolution", "64", "--reward", "jpeg_compressibility", "--num-iterations", "2",
-             "--eval-every", "1000", "--eval-prompts", str(prompts), "--eval-seeds-per-prompt", "1",
-             "--eval-num-steps", "2", "--num-steps", "4", "--group-size", "4", "--groups-per-iteration", "1",
-             "--rollout-batch-size", "4", "--train-batch-size", "2", "--guidance-scale", "4.5", "--beta", "0.04", "--timestep-fraction", "0.99",
-             "--lora-rank", "4", "--output-dir", str(tmp_path / "runs"), "--run-name", "r", "--save-every", "1000"]
+    flags = [
+        "--model-path",
+        path,
+        "--resolution",
+        "64",
+        "--reward",
+        "jpeg_compressibility",
+        "--num-iterations",
+        "2",
+        "--eval-every",
+        "1000",
+        "--eval-prompts",
+        str(prompts),
+        "--eval-seeds-per-prompt",
+        "1",
+        "--eval-num-steps",
+        "2",
+        "--num-steps",
+        "4",
+        "--group-size",
+        "4",
+        "--groups-per-iteration",
+        "1",
+        "--rollout-batch-size",
+        "4",
+        "--train-batch-size",
+        "2",
+        "--guidance-scale",
+        "4.5",
+        "--beta",
+        "0.04",
+        "--timestep-fraction",
+        "0.99",
+        "--lora-rank",
+        "4",
+        "--output-dir",
+        str(tmp_path / "runs"),
+        "--run-name",
+        "r",
+        "--save-every",
+        "1000",
+    ]
     row = bench.run_one("flowgrpo_baseline.py", flags, "sd35")
     kept = row["train_rows"]
     assert 0 < kept <= 4 * 3  # 3 trained steps of 4 (--timestep-fraction 0.99), zero-advantage rows dropped

@@ -4,6 +4,7 @@ advantages, calibration of psi(t) (Algorithm 1) against a sampler with a known a
 The helpers are imported from the script itself (its main block is guarded), so these tests check the very
 functions the rollout section calls. Whole-script runs use tiny random pipelines and 1-2 iterations.
 """
+
 import json
 import math
 import os
@@ -15,11 +16,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from helpers import assert_resume_is_exact, read_metrics, run_main, tiny_flags, write_prompts  # noqa: E402
+
 import densegrpo as D  # noqa: E402
 from common.backbones import load_backbone  # noqa: E402
 from common.rewards import RewardModel  # noqa: E402
 from common.sampler import ode_step, sde_step_with_logprob  # noqa: E402
-from helpers import assert_resume_is_exact, read_metrics, run_main, tiny_flags, write_prompts  # noqa: E402
 
 SCRIPT = "densegrpo.py"
 RES = 64  # tiny pipelines: VAE factor 2
@@ -28,8 +30,10 @@ PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
 
 def smooth_reward() -> RewardModel:
     """A smooth, nonlinear reward of the pixels: no uint8 rounding, so float-level agreement shows up as such."""
+
     def fn(images, prompts):
         return (torch.sin(6 * images) * images).mean((1, 2, 3)) + images[:, 0].std((1, 2))
+
     return RewardModel(["smooth"], torch.tensor([1.0]), [fn], "cpu", 64)
 
 
@@ -89,6 +93,7 @@ def counting(bb):
     def velocity(x, *a, **kw):
         seen.append(len(x))
         return type(bb).velocity(bb, x, *a, **kw)
+
     return velocity, seen
 
 
@@ -104,8 +109,9 @@ def test_dense_rewards_unchanged_by_reuse_and_skip(sd3, n, monkeypatch):
     noise = torch.tensor([0.7, 0.9, 0.0, 0.7])
     velocity, seen = counting(sd3)
     monkeypatch.setattr(sd3, "velocity", velocity)
-    out = D.dense_rollout(sd3, reward, prompts, emb, sigmas, noise, args_for(completion_steps=n),
-                          torch.Generator().manual_seed(1))
+    out = D.dense_rollout(
+        sd3, reward, prompts, emb, sigmas, noise, args_for(completion_steps=n), torch.Generator().manual_seed(1)
+    )
     assert sum(seen) == out["nfe"]["rollout"] + out["nfe"]["completion"]
     assert len(seen) == out["calls"]["rollout"] + out["calls"]["completion"] and max(seen) <= 5
     monkeypatch.undo()
@@ -129,8 +135,16 @@ def test_completion_nfe_is_the_closed_form_minus_T(sd3, n, monkeypatch):
     sigmas = sd3.schedule(T, RES, RES)
     velocity, seen = counting(sd3)
     monkeypatch.setattr(sd3, "velocity", velocity)
-    out = D.dense_rollout(sd3, smooth_reward(), prompts, sd3.encode(prompts), sigmas, torch.full((T,), 0.7),
-                          args_for(completion_steps=n), torch.Generator().manual_seed(2))
+    out = D.dense_rollout(
+        sd3,
+        smooth_reward(),
+        prompts,
+        sd3.encode(prompts),
+        sigmas,
+        torch.full((T,), 0.7),
+        args_for(completion_steps=n),
+        torch.Generator().manual_seed(2),
+    )
     closed = {None: T * (T + 1) // 2, 2: 1 + (T - 1) * 2, 1: T}[n]
     assert out["nfe"] == {"rollout": 4 * T, "completion": 4 * (closed - T)}
     assert sum(seen) == 4 * T + 4 * (closed - T)
@@ -145,9 +159,21 @@ def test_trained_steps_only_complete_the_latents_they_need(sd3, upto):
     L = 3 takes it from there; the last two completions cost nothing (their one step is reused), so only L = 1 saves."""
     T, prompts = 6, PROMPTS * 2
     sigmas, noise, emb = sd3.schedule(T, RES, RES), torch.tensor([0.7, 0.9, 0.7, 0.0, 0.7, 0.7]), sd3.encode(prompts)
-    full, part = (D.dense_rollout(sd3, smooth_reward(), prompts, emb, sigmas, noise, args_for(completion_steps=None),
-                                  torch.Generator().manual_seed(3), upto=u) for u in (None, upto))
-    torch.testing.assert_close(part["scores"][:, :upto + 1], full["scores"][:, :upto + 1], atol=1e-6, rtol=0)
+    full, part = (
+        D.dense_rollout(
+            sd3,
+            smooth_reward(),
+            prompts,
+            emb,
+            sigmas,
+            noise,
+            args_for(completion_steps=None),
+            torch.Generator().manual_seed(3),
+            upto=u,
+        )
+        for u in (None, upto)
+    )
+    torch.testing.assert_close(part["scores"][:, : upto + 1], full["scores"][:, : upto + 1], atol=1e-6, rtol=0)
     torch.testing.assert_close(part["scores"][:, -1], full["scores"][:, -1], atol=0, rtol=0)  # the SDE image
     assert part["nfe"]["rollout"] == full["nfe"]["rollout"]
     assert part["nfe"]["completion"] <= full["nfe"]["completion"]
@@ -163,8 +189,9 @@ def test_step_rewards_telescope_to_sde_minus_ode_image(sd3):
     emb = sd3.encode(prompts)
     reward = smooth_reward()
     args = args_for(rollout_batch_size=2)
-    out = D.dense_rollout(sd3, reward, prompts, emb, sigmas, torch.full((T,), 0.7), args,
-                          torch.Generator().manual_seed(3))
+    out = D.dense_rollout(
+        sd3, reward, prompts, emb, sigmas, torch.full((T,), 0.7), args, torch.Generator().manual_seed(3)
+    )
     R = reward.mix(out["scores"])  # [n, T+1]
     dR = D.dense_step_rewards(R)
     with torch.no_grad():
@@ -173,7 +200,7 @@ def test_step_rewards_telescope_to_sde_minus_ode_image(sd3):
         for b in range(0, n, 2):
             x = sd3.initial_noise(2, RES, RES, generator=gen)
             for j in range(T):
-                v = sd3.velocity(x, sigmas[j], emb[b:b + 2], 4.5)
+                v = sd3.velocity(x, sigmas[j], emb[b : b + 2], 4.5)
                 x = sde_step_with_logprob(v, x, sigmas[j], sigmas[j + 1], 0.7, generator=gen, sigma_max=sigmas[1])[0]
             finals.append(x)
         assert torch.equal(torch.cat(finals), out["latents"][T])
@@ -212,7 +239,7 @@ def rule(name, e=None):
 
 def p_up(name, N, q=0.5):
     """Probability that N nonzero DeltaR, each positive with probability q, move psi up under a +-1 rule."""
-    return sum(math.comb(N, p) * q**p * (1 - q)**(N - p) for p in range(N + 1) if rule(name)(p, N - p, N) > 0)
+    return sum(math.comb(N, p) * q**p * (1 - q) ** (N - p) for p in range(N + 1) if rule(name)(p, N - p, N) > 0)
 
 
 def test_rules_on_counts_and_their_statistics():
@@ -231,7 +258,7 @@ def test_rules_on_counts_and_their_statistics():
     # not 1/2 (at 1/2 it still says "up" 71 % of the time). The share rule's expected move is 2q - 1: 0 at q = 1/2.
     assert 0.7 < p_up("ratio", 8) and abs(p_up("ratio", 8, q=0.34) - 0.5) < 0.05
     for q in (0.2, 0.5, 0.7):
-        e_move = sum(math.comb(8, p) * q**p * (1 - q)**(8 - p) * share(p, 8 - p, 8) for p in range(9))
+        e_move = sum(math.comb(8, p) * q**p * (1 - q) ** (8 - p) * share(p, 8 - p, 8) for p in range(9))
         assert abs(e_move - (2 * q - 1)) < 1e-12
 
 
@@ -247,6 +274,7 @@ def sigmoid_dR(psi_star, c=4.0, N=16, zero_frac=0.5, seed=0, unit=None):
         u, z, size = (torch.rand(N, len(psi), generator=gen) for _ in range(3))
         sign = torch.where(u < torch.sigmoid(c * (psi_star - a)), 1.0, -1.0)
         return torch.where(z < zero_frac, 0.0, sign * (0.1 + size))
+
     return sample
 
 
@@ -255,8 +283,9 @@ ZEROS = torch.tensor([0.5] * 6 + [1.0])  # the last timestep: every DeltaR is 0
 
 
 def calibrate(sample, iterations, step, average, rule_name, bounds=(0.0, 1.5), start=0.7):
-    return D.calibrate_psi(torch.full((len(PSI_STAR),), start), sample, iterations, step, bounds, rule(rule_name),
-                           average)
+    return D.calibrate_psi(
+        torch.full((len(PSI_STAR),), start), sample, iterations, step, bounds, rule(rule_name), average
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -268,9 +297,15 @@ def test_default_calibration_lands_on_the_known_balance(seed):
     at 0 where positives lead at low noise (its imbalance in either direction lowers psi: a runaway)."""
     args = D.Args()
     D.check_args(args, 1)
-    K, N, step, avg = (args.calibration_iterations, args.calibration_trajectories, args.calibration_step,
-                       args.calibration_average)
-    assert args.balance_test == "share" and args.psi_bounds[0] <= PSI_STAR.min() and PSI_STAR.max() <= args.psi_bounds[1]
+    K, N, step, avg = (
+        args.calibration_iterations,
+        args.calibration_trajectories,
+        args.calibration_step,
+        args.calibration_average,
+    )
+    assert (
+        args.balance_test == "share" and args.psi_bounds[0] <= PSI_STAR.min() and PSI_STAR.max() <= args.psi_bounds[1]
+    )
     psi, hist = calibrate(sigmoid_dR(PSI_STAR, N=N, zero_frac=ZEROS, seed=seed), K, step, avg, "share")
     err = (psi - PSI_STAR)[:6].abs()
     assert err.mean() < 0.08 and err.max() < 0.2, (psi, err)
@@ -316,8 +351,9 @@ def test_raw_scale_calibrates_the_same_noise_without_clamping_the_start():
     assert torch.allclose(0.7 * unit[:4], torch.tensor([3.51, 3.44, 2.27, 1.72]), atol=0.01)
     star, a0 = torch.linspace(1.1, 0.4, 10), torch.full((10,), 0.7)
     mult, _ = D.calibrate_psi(a0, sigmoid_dR(star, seed=3), 12, 0.15, (0.0, 1.5), rule("share"), 6)
-    raw, hist = D.calibrate_psi(a0 * unit, sigmoid_dR(star, seed=3, unit=unit), 12, 0.15, (0.0, 1.5), rule("share"),
-                                6, unit)
+    raw, hist = D.calibrate_psi(
+        a0 * unit, sigmoid_dR(star, seed=3, unit=unit), 12, 0.15, (0.0, 1.5), rule("share"), 6, unit
+    )
     torch.testing.assert_close(D.step_noise_levels(raw, sigmas, "raw"), mult, rtol=1e-5, atol=1e-6)
     first = torch.tensor(hist[0]["psi_next"])
     assert ((first - a0 * unit).abs() <= 0.15 * unit + 1e-6).all() and first[0] > 3.3
@@ -338,14 +374,32 @@ CALIB = ["--calibration-iterations", "2", "--calibration-trajectories", "2", "--
 CPS = ["--sde-type", "cps"]  # psi(t) is then CPS's a, clamped to [0, 1] by default
 
 
-@pytest.mark.parametrize("fixture, extra", [pytest.param("tiny_sd3", [], marks=pytest.mark.pictures), ("tiny_flux", []),
-                                            ("tiny_sd3", CPS), ("tiny_flux", CPS)],
-                         ids=["sd3", "flux", "sd3-cps", "flux-cps"])
+@pytest.mark.parametrize(
+    "fixture, extra",
+    [
+        pytest.param("tiny_sd3", [], marks=pytest.mark.pictures),
+        ("tiny_flux", []),
+        ("tiny_sd3", CPS),
+        ("tiny_flux", CPS),
+    ],
+    ids=["sd3", "flux", "sd3-cps", "flux-cps"],
+)
 def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(request, fixture, extra, tmp_path, prompts_file):
     model = request.getfixturevalue(fixture)
     guidance = ["--guidance-scale", "4.5"] if fixture == "tiny_sd3" else ["--guidance-scale", "3.5"]
-    run_main(SCRIPT, *tiny_flags(model, tmp_path, prompts_file), "--num-iterations", "1", "--beta", "0.04",
-             *guidance, *CALIB, *extra, "--grad-share-every", "1")
+    run_main(
+        SCRIPT,
+        *tiny_flags(model, tmp_path, prompts_file),
+        "--num-iterations",
+        "1",
+        "--beta",
+        "0.04",
+        *guidance,
+        *CALIB,
+        *extra,
+        "--grad-share-every",
+        "1",
+    )
     run = tmp_path / "run"
     m = read_metrics(run)
     assert [x["iteration"] for x in m] == [0, 1]
@@ -353,8 +407,18 @@ def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(request, fixt
     shares = [v for k, v in first.items() if k.startswith("steps/grad_share/")]  # the diagnostic: 2 trained steps
     assert len(shares) == 2 and sum(shares) == pytest.approx(1)
     assert first["ratio/first_minibatch_max_dev"] < 1e-5  # psi(t) per transition is used consistently
-    for key in ("nfe", "train/reward_mean", "train/reward_std", "train/reward_ode_mean", "train/dR_abs_mean",
-                "rollout/completion_nfe", "rollout/completion_calls", "time/calibration_s", "psi/t3", "kl"):
+    for key in (
+        "nfe",
+        "train/reward_mean",
+        "train/reward_std",
+        "train/reward_ode_mean",
+        "train/dR_abs_mean",
+        "rollout/completion_nfe",
+        "rollout/completion_calls",
+        "time/calibration_s",
+        "psi/t3",
+        "kl",
+    ):
         assert key in first, key
     T, n = 3, 4
     assert first["rollout/completion_nfe"] == n * (T * (T + 1) // 2 - T)  # the first steps reuse the SDE's v
@@ -372,17 +436,28 @@ def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(request, fixt
     elif fixture == "tiny_sd3":  # reuse the calibration: no calibration time, same psi; the end-of-run pictures drawn
         for picture in ("learning_curve.png", "steps_heatmap.png", "before_after.png"):
             assert os.path.getsize(run / picture) > 0, picture
-        run_main(SCRIPT, *tiny_flags(model, tmp_path, prompts_file, "reuse"), "--num-iterations", "1",
-                 "--psi-file", str(run / "psi.json"), "--eval-every", "100")
+        run_main(
+            SCRIPT,
+            *tiny_flags(model, tmp_path, prompts_file, "reuse"),
+            "--num-iterations",
+            "1",
+            "--psi-file",
+            str(run / "psi.json"),
+            "--eval-every",
+            "100",
+        )
         m2 = read_metrics(tmp_path / "reuse")[0]
         assert "time/calibration_s" not in m2
         assert [m2[f"psi/t{t}"] for t in (3, 2, 1)] == [first[f"psi/t{t}"] for t in (3, 2, 1)]
 
 
 def test_resume_reuses_the_runs_psi(tiny_sd3, tmp_path, prompts_file):
-    assert_resume_is_exact(SCRIPT, lambda name: tiny_flags(tiny_sd3, tmp_path, prompts_file, name), 2,
-                           ["--learning-rate", "1e-2", "--eval-every", "100", *CALIB])
-
+    assert_resume_is_exact(
+        SCRIPT,
+        lambda name: tiny_flags(tiny_sd3, tmp_path, prompts_file, name),
+        2,
+        ["--learning-rate", "1e-2", "--eval-every", "100", *CALIB],
+    )
 
 
 def test_psi_file_must_match_the_sde_type(tmp_path):
@@ -394,17 +469,21 @@ def test_psi_file_must_match_the_sde_type(tmp_path):
     with pytest.raises(SystemExit, match="for --sde-type sde.*--sde-type cps"):
         D.load_psi(str(path), 3, "multiplier", "cps")
 
-@pytest.mark.parametrize("flags,expect", [
-    (["--completion-steps", "0"], "at least one ODE step"),
-    (["--psi-bounds", "1.0", "0.5"], "low <= high"),
-    (["--psi-bounds", "0.0", "0.5"], "do not contain the start --noise-level 0.7"),
-    (["--psi-bounds", "0.0", "1.5", "--psi-scale", "raw", "--noise-level", "2"], "do not contain the start"),
-    (["--psi-file", "/no/psi.json"], "does not exist"),
-    (["--calibration-average", "0"], "at least the last iterate"),
-    (["--sde-type", "cps", "--psi-scale", "raw"], "raw reads it as the SDE's std_dev_t"),
-    (["--sde-type", "cps", "--psi-bounds", "0.0", "1.5"], "bounds at most 1"),
-    (["--sde-type", "cps", "--timestep-fraction", "1.0"], "the last step is trained"),
-])
+
+@pytest.mark.parametrize(
+    "flags,expect",
+    [
+        (["--completion-steps", "0"], "at least one ODE step"),
+        (["--psi-bounds", "1.0", "0.5"], "low <= high"),
+        (["--psi-bounds", "0.0", "0.5"], "do not contain the start --noise-level 0.7"),
+        (["--psi-bounds", "0.0", "1.5", "--psi-scale", "raw", "--noise-level", "2"], "do not contain the start"),
+        (["--psi-file", "/no/psi.json"], "does not exist"),
+        (["--calibration-average", "0"], "at least the last iterate"),
+        (["--sde-type", "cps", "--psi-scale", "raw"], "raw reads it as the SDE's std_dev_t"),
+        (["--sde-type", "cps", "--psi-bounds", "0.0", "1.5"], "bounds at most 1"),
+        (["--sde-type", "cps", "--timestep-fraction", "1.0"], "the last step is trained"),
+    ],
+)
 def test_bad_input_is_one_clear_line(monkeypatch, flags, expect, tmp_path, prompts_file, tiny_sd3):
     import runpy
 
@@ -422,12 +501,42 @@ def test_learning_on_the_toy_world(tmp_path):
     learning is broken. The reward is JPEG compressibility: smooth, so DenseGRPO's per-step signal is dense. With
     the toy-world scorer on the same counting prompts DenseGRPO rose and then fell (0.249 -> 0.356 / 0.136 / 0.108
     after 4 / 8 / 12 iterations at the default learning rate), so it cannot be the test."""
-    prompts = write_prompts(tmp_path / "p.txt", ["a photo of three red squares", "a photo of three blue squares",
-                                                 "a photo of three green triangles", "a photo of three red triangles"])
-    run_main(SCRIPT, "--prompts-file", prompts, "--eval-prompts", prompts, "--eval-seeds-per-prompt", "4",
-             "--num-iterations", "4", "--eval-every", "4", "--num-steps", "4", "--eval-num-steps", "10",
-             "--learning-rate", "1e-3", "--calibration-iterations", "0", "--reward", "jpeg_compressibility",
-             "--output-dir", str(tmp_path), "--run-name", "toy")
+    prompts = write_prompts(
+        tmp_path / "p.txt",
+        [
+            "a photo of three red squares",
+            "a photo of three blue squares",
+            "a photo of three green triangles",
+            "a photo of three red triangles",
+        ],
+    )
+    run_main(
+        SCRIPT,
+        "--prompts-file",
+        prompts,
+        "--eval-prompts",
+        prompts,
+        "--eval-seeds-per-prompt",
+        "4",
+        "--num-iterations",
+        "4",
+        "--eval-every",
+        "4",
+        "--num-steps",
+        "4",
+        "--eval-num-steps",
+        "10",
+        "--learning-rate",
+        "1e-3",
+        "--calibration-iterations",
+        "0",
+        "--reward",
+        "jpeg_compressibility",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "toy",
+    )
     m = read_metrics(tmp_path / "toy")
     start, end = m[0]["eval/reward_mean"], m[-1]["eval/reward_mean"]
     assert end > start + 0.1, (start, end)

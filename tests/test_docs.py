@@ -10,6 +10,7 @@ the failure names the doc, the reference and the line(s) where KEY is now, so th
 (`python tests/test_docs.py --fix` makes it where the key sits on exactly one line). Any other
 `file.py:N` or `#LN` link is an error too, so no unchecked line number can creep in. No torch import: this is fast.
 """
+
 import glob
 import os
 import re
@@ -18,8 +19,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # `KEY` ([PATH:N](PREFIX PATH#LN)); whitespace (even a line break) allowed between the key and the link
-REF = re.compile(r"`(?P<key>[^`\n]+)`\s+\(\[(?P<path>[\w./-]+):(?P<n>\d+)\]"
-                 r"\((?P<link>[\w./-]+)#L(?P<ln>\d+)\)\)")
+REF = re.compile(
+    r"`(?P<key>[^`\n]+)`\s+\(\[(?P<path>[\w./-]+):(?P<n>\d+)\]"
+    r"\((?P<link>[\w./-]+)#L(?P<ln>\d+)\)\)"
+)
 # anything that looks like a line reference: a `file.py:N` label or a `#LN` link target
 LOOSE = re.compile(r"[\w-]\.py:\d+|\]\([^)\s]*#L\d+\)")
 ALGO_DOCS = ["docs/flowgrpo.md", "docs/g2rpo.md", "docs/densegrpo.md"]
@@ -61,18 +64,25 @@ def check_doc(doc: str, text: str, root: str = ROOT) -> tuple[list[str], int]:
             continue
         lines = read_lines(full)
         found = [i + 1 for i, line in enumerate(lines) if key in line]
-        now = (f"the key is now on line(s) {', '.join(map(str, found))} of {path}" if found
-               else f"the key occurs nowhere in {path}: update the key or the reference")
+        now = (
+            f"the key is now on line(s) {', '.join(map(str, found))} of {path}"
+            if found
+            else f"the key occurs nowhere in {path}: update the key or the reference"
+        )
         if not 1 <= n <= len(lines):
             errors.append(f"{where}: {path} has only {len(lines)} lines; {now}")
         elif key not in lines[n - 1]:
-            errors.append(f"{where}: line {n} of {path} does not contain the key "
-                          f"(it reads: {lines[n - 1].strip()[:100]!r}); {now}")
+            errors.append(
+                f"{where}: line {n} of {path} does not contain the key "
+                f"(it reads: {lines[n - 1].strip()[:100]!r}); {now}"
+            )
     for m in LOOSE.finditer(text):
         if not any(a <= m.start() < b for a, b in spans):
             line_no = text.count("\n", 0, m.start()) + 1
-            errors.append(f"{doc}:{line_no}: '{m.group(0)}' looks like a line reference but is not in the checked "
-                          f"form `KEY` ([PATH:N]({prefix}PATH#LN))")
+            errors.append(
+                f"{doc}:{line_no}: '{m.group(0)}' looks like a line reference but is not in the checked "
+                f"form `KEY` ([PATH:N]({prefix}PATH#LN))"
+            )
     return errors, count
 
 
@@ -96,12 +106,14 @@ def test_checker_catches_a_stale_number(tmp_path):
     (tmp_path / "script.py").write_text("a = 1\nadvantages.clamp(-args.adv_clip_max)\n")
     good = "`advantages.clamp(-args` ([script.py:2](../script.py#L2))"
     assert check_doc("docs/x.md", good, str(tmp_path)) == ([], 1)
-    for bad, expect in [("`advantages.clamp(-args` ([script.py:1](../script.py#L1))", "now on line(s) 2 of script.py"),
-                        ("`advantages.clamp(-args` ([script.py:2](../script.py#L1))", "the link says #L1"),
-                        ("`advantages.clamp(-args` ([script.py:9](../script.py#L9))", "has only 2 lines"),
-                        ("`advantages.clamp(-args` ([script.py:2](script.py#L2))", "expected '../script.py'"),
-                        ("`advantages.clamp(-args` ([nothere.py:2](../nothere.py#L2))", "does not exist"),
-                        ("see [script.py:2](../script.py#L2)", "not in the checked form")]:
+    for bad, expect in [
+        ("`advantages.clamp(-args` ([script.py:1](../script.py#L1))", "now on line(s) 2 of script.py"),
+        ("`advantages.clamp(-args` ([script.py:2](../script.py#L1))", "the link says #L1"),
+        ("`advantages.clamp(-args` ([script.py:9](../script.py#L9))", "has only 2 lines"),
+        ("`advantages.clamp(-args` ([script.py:2](script.py#L2))", "expected '../script.py'"),
+        ("`advantages.clamp(-args` ([nothere.py:2](../nothere.py#L2))", "does not exist"),
+        ("see [script.py:2](../script.py#L2)", "not in the checked form"),
+    ]:
         errors, _ = check_doc("docs/x.md", bad, str(tmp_path))
         assert any(expect in e for e in errors), (bad, errors)
         assert all(e.startswith("docs/x.md:1") for e in errors), errors
@@ -145,7 +157,9 @@ if __name__ == "__main__":  # python tests/test_docs.py --fix : renumber referen
             with open(path, "w", encoding="utf-8") as f:
                 f.write(new)
         errors, _ = check_doc(doc, new)
-        print(f"{doc}: {moved} reference(s) {'renumbered' if '--fix' in sys.argv else 'would be renumbered'}, "
-              f"{len(errors)} left to fix by hand")
+        print(
+            f"{doc}: {moved} reference(s) {'renumbered' if '--fix' in sys.argv else 'would be renumbered'}, "
+            f"{len(errors)} left to fix by hand"
+        )
         for e in errors:
             print("  " + e)

@@ -1,4 +1,5 @@
 """common/evaluation.py: the evaluation protocol the three scripts share (on the shipped toy model, ~5 s)."""
+
 import numpy as np
 import pytest
 import torch
@@ -21,14 +22,26 @@ def test_evaluate_scores_fixed_seed_ode_samples_per_category(toy):
     mean reward, guard means, strict accuracy per category and its mean over categories (not over images)."""
     prompts = [p for c in toyworld.CATEGORIES for p in toyworld.all_prompts(c)[:2]] + ["a photo of a red circle"]
     reward, guard = build_reward("toyworld"), build_reward("jpeg_compressibility")
-    m, grid, panel = evaluate(toy, reward, guard, prompts, 8, None, 1.0, seeds_per_prompt=2,
-                              batch_size=len(prompts) * 2, resolution=RES, return_panel=True)
+    m, grid, panel = evaluate(
+        toy,
+        reward,
+        guard,
+        prompts,
+        8,
+        None,
+        1.0,
+        seeds_per_prompt=2,
+        batch_size=len(prompts) * 2,
+        resolution=RES,
+        return_panel=True,
+    )
 
     ps = [p for p in prompts for _ in range(2)]
     imgs = sample_ode(toy, ps, [10_000 * s + i for i in range(len(prompts)) for s in range(2)], 8, RES, RES)
     _, correct = toyworld.score(imgs, ps)
-    per_cat = {c: np.mean([ok for ok, p in zip(correct, ps) if toyworld.category_of(p) == c])
-               for c in toyworld.CATEGORIES}
+    per_cat = {
+        c: np.mean([ok for ok, p in zip(correct, ps) if toyworld.category_of(p) == c]) for c in toyworld.CATEGORIES
+    }
     for c in toyworld.CATEGORIES:
         assert m[f"eval/accuracy_{c}"] == pytest.approx(per_cat[c])
     assert m["eval/accuracy"] == pytest.approx(np.mean(list(per_cat.values())))
@@ -39,8 +52,9 @@ def test_evaluate_scores_fixed_seed_ode_samples_per_category(toy):
     assert m["eval/guard/jpeg_compressibility"] == pytest.approx(guard(imgs, ps)[:, 0].mean().item(), abs=1e-6)
     # The grid shows the fixed subset: the first 4 prompts of every category, seed index 0, category by category.
     shown = panel_jobs(prompts)
-    assert [toyworld.category_of(prompts[i]) for i in shown] == [c for c in toyworld.CATEGORIES
-                                                                 for _ in range(3 if c == "single" else 2)]
+    assert [toyworld.category_of(prompts[i]) for i in shown] == [
+        c for c in toyworld.CATEGORIES for _ in range(3 if c == "single" else 2)
+    ]
     assert panel.prompts == [prompts[i] for i in shown] and panel.seeds == shown
     assert np.array_equal(panel.images, toyworld.to_uint8(imgs[[2 * i for i in shown]]))
     assert panel.verdicts == [bool(correct[2 * i]) for i in shown] and panel.metrics == m
@@ -51,8 +65,18 @@ def test_evaluate_scores_fixed_seed_ode_samples_per_category(toy):
 
 
 def test_evaluate_reports_accuracy_only_for_toy_prompts(toy):
-    m, _ = evaluate(toy, build_reward("jpeg_compressibility"), None, ["a photo of a red circle", "a cat on a mat"],
-                    4, None, 1.0, 1, 2, RES)
+    m, _ = evaluate(
+        toy,
+        build_reward("jpeg_compressibility"),
+        None,
+        ["a photo of a red circle", "a cat on a mat"],
+        4,
+        None,
+        1.0,
+        1,
+        2,
+        RES,
+    )
     assert set(m) == {"eval/reward_mean"}
 
 

@@ -4,6 +4,7 @@ unwritable output folder, NaN rewards and losses, a rank that dies or hangs. Eac
 The long randomised kill loop is tests/bench_faults.py; here a short one (40 kills) and an exhaustive one (a crash
 before every file-system call of a save) keep the suite fast.
 """
+
 import dataclasses
 import errno
 import filecmp
@@ -19,7 +20,6 @@ import time
 
 import pytest
 import torch
-
 from fault_worker import save_loop, tiny_state, tiny_weights
 from helpers import ROOT, read_metrics, run_main, tiny_flags, write_prompts
 
@@ -39,8 +39,10 @@ def _resume_point(run_dir: str) -> int:
     folder = ck.find_resume_checkpoint(run_dir, log=lambda *_: None)
     state = ck.load_checkpoint(folder)
     # checkpoint-N, or the complete copy of a save killed between its two renames (a resave of the same N)
-    assert folder in (ck.checkpoint_dir(run_dir, state["iteration"]),
-                      os.path.join(run_dir, f".checkpoint-{state['iteration']}.tmp"))
+    assert folder in (
+        ck.checkpoint_dir(run_dir, state["iteration"]),
+        os.path.join(run_dir, f".checkpoint-{state['iteration']}.tmp"),
+    )
     assert torch.equal(state["params"]["w"], tiny_state(state["iteration"])["params"]["w"])
     return state["iteration"]
 
@@ -62,7 +64,7 @@ def kill_loop(run_dir: str, kills: int, seed: int, max_delay: float = 0.25) -> d
     start = 0
     for _ in range(kills):
         r, w = os.pipe()
-        pid = _forked(lambda: (os.close(r), save_loop(run_dir, start, lambda i: os.write(w, b"%d\n" % i))))
+        pid = _forked(lambda: (os.close(r), save_loop(run_dir, start, lambda i: os.write(w, b"%d\n" % i))))  # noqa: B023
         os.close(w)
         time.sleep(rng.uniform(0.0, max_delay))
         os.kill(pid, signal.SIGKILL)
@@ -106,6 +108,7 @@ def _crash_at(n: int):
             if count[0] == n:
                 os.kill(os.getpid(), signal.SIGKILL)
             return _real(*a, **k)
+
         setattr(mod, name, wrapped)
 
 
@@ -121,7 +124,7 @@ def test_a_crash_before_any_file_system_call_of_a_save_leaves_a_resumable_run(tm
         run = str(tmp_path / f"run{n}")
         for i in (1, 2):
             ck.save_checkpoint(run, tiny_state(i), tiny_weights(i), keep=2)
-        pid = _forked(lambda: (_crash_at(n), ck.save_checkpoint(run, tiny_state(target), tiny_weights(target), 2)))
+        pid = _forked(lambda: (_crash_at(n), ck.save_checkpoint(run, tiny_state(target), tiny_weights(target), 2)))  # noqa: B023
         _, status = os.waitpid(pid, 0)
         killed = os.WIFSIGNALED(status)
         resumed = _resume_point(run)
@@ -144,9 +147,11 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp_p
     with pytest.raises(SystemExit) as e:
         ck.save_checkpoint(run, tiny_state(2), tiny_weights(2))
     msg = str(e.value.code)
-    assert msg == (f"error: could not write {run}/checkpoint-2 (OSError: No space left on device); the last complete "
-                   f"checkpoint, {run}/checkpoint-1, is intact: free space or fix the folder's permissions, then "
-                   f"--resume {run}")
+    assert msg == (
+        f"error: could not write {run}/checkpoint-2 (OSError: No space left on device); the last complete "
+        f"checkpoint, {run}/checkpoint-1, is intact: free space or fix the folder's permissions, then "
+        f"--resume {run}"
+    )
     assert sorted(os.listdir(run)) == ["checkpoint-1"]  # the temporary folder is gone too
 
 
@@ -198,27 +203,34 @@ def test_damaged_checkpoint_is_one_line_or_falls_back(tmp_path, how):
     with pytest.raises(ConfigError) as e:
         ck.find_resume_checkpoint(c2)
     assert str(e.value.code).startswith(f"error: --resume: {problem}") and "\n" not in str(e.value.code)
-    assert str(e.value.code).endswith(f"pass the older complete checkpoint instead: --resume {c1} (or the run "
-                                      f"folder {run})")
+    assert str(e.value.code).endswith(
+        f"pass the older complete checkpoint instead: --resume {c1} (or the run folder {run})"
+    )
     # The run folder: say so in one line, and use the older complete one.
     said = []
     assert ck.find_resume_checkpoint(run, log=said.append) == c1
-    assert len(said) == 1 and said[0].startswith(f"warning: {problem}") and said[0].endswith(
-        f"resuming from {c1}, the latest complete checkpoint, instead")
+    assert (
+        len(said) == 1
+        and said[0].startswith(f"warning: {problem}")
+        and said[0].endswith(f"resuming from {c1}, the latest complete checkpoint, instead")
+    )
     # Nothing complete left: one line, no fallback.
     _damage(c1, how)
     with pytest.raises(ConfigError) as e:
         ck.find_resume_checkpoint(run)
     assert str(e.value.code).startswith(f"error: --resume: {problem}") and str(e.value.code).endswith(
         "(and 1 older checkpoint(s) are unusable too); this run has no complete checkpoint: start a new run without "
-        "--resume")
+        "--resume"
+    )
 
 
 def test_missing_or_empty_resume_folder_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         ck.find_resume_checkpoint(str(tmp_path / "nope"))
-    assert str(e.value.code) == (f"error: --resume '{tmp_path}/nope' does not exist: pass a run folder "
-                                 "({output_dir}/{run_name}) or one of its checkpoint-N folders")
+    assert str(e.value.code) == (
+        f"error: --resume '{tmp_path}/nope' does not exist: pass a run folder "
+        "({output_dir}/{run_name}) or one of its checkpoint-N folders"
+    )
     with pytest.raises(ConfigError) as e:
         ck.find_resume_checkpoint(str(tmp_path))
     assert "holds no checkpoint-N folder" in str(e.value.code)
@@ -273,25 +285,32 @@ def copy_run(base_run, tmp_path, name="run"):
     return dst, flags
 
 
-@pytest.mark.parametrize("flag,value,shown", [
-    ("--group-size", "4", "--group-size 2 -> 4"),
-    ("--groups-per-iteration", "1", "--groups-per-iteration 2 -> 1"),
-    ("--reward", "jpeg_incompressibility", "--reward 'jpeg_compressibility' -> 'jpeg_incompressibility'"),
-    ("--lora-rank", "8", "--lora-rank 4 -> 8"),
-    ("--seed", "2", "--seed 1 -> 2"),
-])
+@pytest.mark.parametrize(
+    "flag,value,shown",
+    [
+        ("--group-size", "4", "--group-size 2 -> 4"),
+        ("--groups-per-iteration", "1", "--groups-per-iteration 2 -> 1"),
+        ("--reward", "jpeg_incompressibility", "--reward 'jpeg_compressibility' -> 'jpeg_incompressibility'"),
+        ("--lora-rank", "8", "--lora-rank 4 -> 8"),
+        ("--seed", "2", "--seed 1 -> 2"),
+    ],
+)
 def test_resume_under_changed_flags_is_one_line_naming_them(base_run, tmp_path, no_model_load, flag, value, shown):
     run, flags = copy_run(base_run, tmp_path)
     msg = script_error(*flags, "--num-iterations", "4", "--resume", run, flag, value)
     c2 = ck.checkpoint_dir(run, 2)
     if flag == "--lora-rank":  # a shape change cannot be overridden
-        assert msg == (f"error: --resume {c2}: {shown} changes the shape of the trained weights, which cannot be "
-                       "loaded into it (not even with --resume-override): pass the checkpoint's value, or start a new "
-                       "run without --resume")
+        assert msg == (
+            f"error: --resume {c2}: {shown} changes the shape of the trained weights, which cannot be "
+            "loaded into it (not even with --resume-override): pass the checkpoint's value, or start a new "
+            "run without --resume"
+        )
     else:
-        assert msg == (f"error: --resume {c2} was trained with other experiment-defining flags: {shown}; pass the "
-                       "checkpoint's values to continue that run, or add --resume-override to start a new run "
-                       "folder from its weights")
+        assert msg == (
+            f"error: --resume {c2} was trained with other experiment-defining flags: {shown}; pass the "
+            "checkpoint's values to continue that run, or add --resume-override to start a new run "
+            "folder from its weights"
+        )
     assert len(read_metrics(run)) == 3  # the run's metrics (iterations 0, 1, 2) are untouched
 
 
@@ -318,8 +337,17 @@ def test_resume_override_starts_a_new_run_folder(base_run, tmp_path):
     before = open(os.path.join(run, "metrics.jsonl")).read()
     new_flags = list(flags)
     new_flags[new_flags.index("--run-name") + 1] = "bigger-groups"
-    run_main("flowgrpo_baseline.py", *new_flags, "--num-iterations", "2", "--resume", run, "--group-size", "4",
-             "--resume-override")
+    run_main(
+        "flowgrpo_baseline.py",
+        *new_flags,
+        "--num-iterations",
+        "2",
+        "--resume",
+        run,
+        "--group-size",
+        "4",
+        "--resume-override",
+    )
     new = str(tmp_path / "bigger-groups")
     args = json.load(open(os.path.join(new, "args.json")))
     assert args["resumed_from"] == ck.checkpoint_dir(run, 2) and args["group_size"] == 4
@@ -328,8 +356,9 @@ def test_resume_override_starts_a_new_run_folder(base_run, tmp_path):
     assert json.load(open(os.path.join(run, "args.json")))["group_size"] == 2
     # the same folder again is refused: a new run folder must be new
     msg = script_error(*new_flags, "--num-iterations", "2", "--resume", run, "--group-size", "4", "--resume-override")
-    assert msg == (f"error: --resume-override: the new run folder {new} already exists and is not empty: pass another "
-                   "--run-name")
+    assert msg == (
+        f"error: --resume-override: the new run folder {new} already exists and is not empty: pass another --run-name"
+    )
 
 
 def test_resume_problems_from_the_script_are_one_line(base_run, tmp_path, no_model_load):
@@ -338,12 +367,15 @@ def test_resume_problems_from_the_script_are_one_line(base_run, tmp_path, no_mod
     assert msg.startswith(f"error: --resume '{tmp_path}/missing' does not exist")
     _damage(ck.checkpoint_dir(run, 2), "corrupt")
     msg = script_error(*flags, "--resume", ck.checkpoint_dir(run, 2))
-    assert msg.endswith(f"pass the older complete checkpoint instead: --resume {ck.checkpoint_dir(run, 1)} (or the "
-                        f"run folder {run})")
+    assert msg.endswith(
+        f"pass the older complete checkpoint instead: --resume {ck.checkpoint_dir(run, 1)} (or the run folder {run})"
+    )
     g2rpo_flags = [f for f in flags if f not in ("--timestep-fraction", "0.99")]  # a flag g2rpo does not have
     msg = script_error(*g2rpo_flags, "--resume", run, script="g2rpo.py")
-    assert msg == (f"error: --resume {ck.checkpoint_dir(run, 1)} was written by flowgrpo_baseline.py, not g2rpo.py: "
-                   "resume it with `python flowgrpo_baseline.py --resume ...`")
+    assert msg == (
+        f"error: --resume {ck.checkpoint_dir(run, 1)} was written by flowgrpo_baseline.py, not g2rpo.py: "
+        "resume it with `python flowgrpo_baseline.py --resume ...`"
+    )
 
 
 def test_unwritable_output_folder_is_one_line_before_the_model_loads(tmp_path, tiny_sd3, no_model_load):
@@ -368,14 +400,22 @@ def test_non_finite_reward_stops_before_the_update_and_keeps_the_checkpoint(base
 
     real = rewards._LOADERS["jpeg_compressibility"]
     monkeypatch.setattr(rewards, "_CACHE", {})
-    monkeypatch.setitem(rewards._LOADERS, "jpeg_compressibility",
-                        lambda paths, device: lambda im, p: real(paths, device)(im, p) * float(poison))
+    monkeypatch.setitem(
+        rewards._LOADERS,
+        "jpeg_compressibility",
+        lambda paths, device: lambda im, p: real(paths, device)(im, p) * float(poison),
+    )
     run, flags = copy_run(base_run, tmp_path)
     msg = script_error(*flags, "--num-iterations", "4", "--resume", run)
     assert msg.startswith("error: non-finite reward at iteration 2; stopping before any update")
-    assert [i for i, _ in ck.list_checkpoints(run)] == [1, 2] and ck.verify_checkpoint(ck.checkpoint_dir(run, 2)) is None
-    assert filecmp.cmp(ck.checkpoint_dir(run, 2) + "/trainer_state.pt",
-                       ck.checkpoint_dir(base_run["run"], 2) + "/trainer_state.pt", shallow=False)
+    assert [i for i, _ in ck.list_checkpoints(run)] == [1, 2] and ck.verify_checkpoint(
+        ck.checkpoint_dir(run, 2)
+    ) is None
+    assert filecmp.cmp(
+        ck.checkpoint_dir(run, 2) + "/trainer_state.pt",
+        ck.checkpoint_dir(base_run["run"], 2) + "/trainer_state.pt",
+        shallow=False,
+    )
 
 
 def test_non_finite_loss_stops_before_the_update(base_run, tmp_path, monkeypatch):
@@ -392,25 +432,62 @@ def test_non_finite_loss_stops_before_the_update(base_run, tmp_path, monkeypatch
     run, flags = copy_run(base_run, tmp_path)
     msg = script_error(*flags, "--num-iterations", "4", "--resume", run)
     assert msg.startswith("error: non-finite loss or gradient at iteration 2; stopping before the update")
-    assert [i for i, _ in ck.list_checkpoints(run)] == [1, 2] and ck.verify_checkpoint(ck.checkpoint_dir(run, 2)) is None
+    assert [i for i, _ in ck.list_checkpoints(run)] == [1, 2] and ck.verify_checkpoint(
+        ck.checkpoint_dir(run, 2)
+    ) is None
 
 
 # ---- bad numbers: every numeric flag, in every script, refused in one line by check_args (no model, no tyro)
-SHARED_BAD = [("noise_level", -1.0), ("noise_level", float("nan")), ("learning_rate", -1.0), ("learning_rate", 0.0),
-              ("clip_range", 0.0), ("clip_range", 1.5), ("adam_betas", (0.9, 1.0)), ("adam_betas", (-0.1, 0.999)),
-              ("weight_decay", -0.1), ("max_grad_norm", 0.0), ("ema_decay", 1.0), ("ema_decay", -0.5),
-              ("std_eps", -1.0), ("adv_clip_max", 0.0), ("beta", -0.1), ("num_steps", 0), ("eval_num_steps", 0),
-              ("num_iterations", -1), ("eval_every", 0), ("save_every", 0), ("keep_checkpoints", -1),
-              ("groups_per_iteration", 0), ("group_size", 1), ("rollout_batch_size", 0), ("train_batch_size", 0),
-              ("eval_batch_size", 0), ("eval_seeds_per_prompt", 0), ("optimizer_steps_per_iteration", 0),
-              ("num_inner_epochs", 0), ("resolution", 0), ("lora_rank", 0), ("lora_alpha", 0.0),
-              ("guidance_scale", -1.0), ("shift", 0.0), ("max_sequence_length", 0), ("learning_rate", float("inf")),
-              ("ema_update_interval", 0), ("final_eval_seeds_per_prompt", 0), ("cpu_budget_s", -1.0)]
+SHARED_BAD = [
+    ("noise_level", -1.0),
+    ("noise_level", float("nan")),
+    ("learning_rate", -1.0),
+    ("learning_rate", 0.0),
+    ("clip_range", 0.0),
+    ("clip_range", 1.5),
+    ("adam_betas", (0.9, 1.0)),
+    ("adam_betas", (-0.1, 0.999)),
+    ("weight_decay", -0.1),
+    ("max_grad_norm", 0.0),
+    ("ema_decay", 1.0),
+    ("ema_decay", -0.5),
+    ("std_eps", -1.0),
+    ("adv_clip_max", 0.0),
+    ("beta", -0.1),
+    ("num_steps", 0),
+    ("eval_num_steps", 0),
+    ("num_iterations", -1),
+    ("eval_every", 0),
+    ("save_every", 0),
+    ("keep_checkpoints", -1),
+    ("groups_per_iteration", 0),
+    ("group_size", 1),
+    ("rollout_batch_size", 0),
+    ("train_batch_size", 0),
+    ("eval_batch_size", 0),
+    ("eval_seeds_per_prompt", 0),
+    ("optimizer_steps_per_iteration", 0),
+    ("num_inner_epochs", 0),
+    ("resolution", 0),
+    ("lora_rank", 0),
+    ("lora_alpha", 0.0),
+    ("guidance_scale", -1.0),
+    ("shift", 0.0),
+    ("max_sequence_length", 0),
+    ("learning_rate", float("inf")),
+    ("ema_update_interval", 0),
+    ("final_eval_seeds_per_prompt", 0),
+    ("cpu_budget_s", -1.0),
+]
 OWN_BAD = {
     "flowgrpo_baseline.py": [("timestep_fraction", 0.0), ("timestep_fraction", 1.5), ("std_eps", 0.0)],
     "g2rpo.py": [("branch_steps", (99,)), ("granularities", (0,))],
-    "densegrpo.py": [("timestep_fraction", 0.0), ("std_eps", 0.0), ("completion_steps", 0),
-                     ("completion_batch_size", 0)],
+    "densegrpo.py": [
+        ("timestep_fraction", 0.0),
+        ("std_eps", 0.0),
+        ("completion_steps", 0),
+        ("completion_batch_size", 0),
+    ],
 }
 BAD_CASES = [(s, f, v) for s in SCRIPTS for f, v in SHARED_BAD + OWN_BAD[s]]
 
@@ -441,32 +518,58 @@ def test_the_defaults_pass_check_args(script_modules):
         script_modules[script]["check_args"](script_modules[script]["Args"](), 1)
 
 
-@pytest.mark.parametrize("flags,expect", [
-    (["--noise-level", "-1"], "error: --noise-level -1.0: must be a finite number >= 0 (a scales the SDE's standard "
-                              "deviation; 0 = the deterministic ODE, no exploration); the default is 0.7"),
-    (["--learning-rate", "-1"], "error: --learning-rate -1.0: must be a finite number > 0 (AdamW step size); the "
-                                "default is 0.0003"),
-    (["--eval-prompts", "/no/such/prompts.txt"], "error: --eval-prompts '/no/such/prompts.txt' does not exist: give a "
-                                                 "text file with one prompt per line"),
-])
+@pytest.mark.parametrize(
+    "flags,expect",
+    [
+        (
+            ["--noise-level", "-1"],
+            "error: --noise-level -1.0: must be a finite number >= 0 (a scales the SDE's standard "
+            "deviation; 0 = the deterministic ODE, no exploration); the default is 0.7",
+        ),
+        (
+            ["--learning-rate", "-1"],
+            "error: --learning-rate -1.0: must be a finite number > 0 (AdamW step size); the default is 0.0003",
+        ),
+        (
+            ["--eval-prompts", "/no/such/prompts.txt"],
+            "error: --eval-prompts '/no/such/prompts.txt' does not exist: give a text file with one prompt per line",
+        ),
+    ],
+)
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_issue_table_rows_are_refused_before_any_model_load(tmp_path, tiny_sd3, no_model_load, script, flags, expect):
     prompts = write_prompts(tmp_path / "p.txt", PROMPTS)
-    base = [f for f in tiny_flags(tiny_sd3, tmp_path, prompts) if script != "g2rpo.py" or f not in ("--timestep-fraction",
-                                                                                                     "0.99")]
+    base = [
+        f
+        for f in tiny_flags(tiny_sd3, tmp_path, prompts)
+        if script != "g2rpo.py" or f not in ("--timestep-fraction", "0.99")
+    ]
     msg = script_error(*base, *flags, script=script)
     assert msg.startswith(expect.split("; the default")[0]), msg  # the default is each script's own
 
 
 def test_bad_number_from_the_shell_exits_fast_without_traceback(tmp_path):
     t = time.time()
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "flowgrpo_baseline.py"), "--noise-level", "-1",
-                        "--output-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                       env={**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "flowgrpo_baseline.py"),
+            "--noise-level",
+            "-1",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"},
+    )
     assert r.returncode == 1 and "Traceback" not in r.stderr and "Loading pipeline" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.strip().splitlines() == [
         "error: --noise-level -1.0: must be a finite number >= 0 (a scales the SDE's standard deviation; 0 = the "
-        "deterministic ODE, no exploration); the default is 0.7"], r.stderr  # and nothing else: a quiet start
+        "deterministic ODE, no exploration); the default is 0.7"
+    ], r.stderr  # and nothing else: a quiet start
     assert time.time() - t < 60 and not os.listdir(tmp_path)
 
 
@@ -474,9 +577,23 @@ def test_bad_number_from_the_shell_exits_fast_without_traceback(tmp_path):
 def _torchrun(mode: str, timeout_s: float):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "FLOW_RL_DIST_TIMEOUT": str(timeout_s)}
     t = time.time()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        os.path.join(ROOT, "tests", "fault_worker.py"), "dist", mode],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            os.path.join(ROOT, "tests", "fault_worker.py"),
+            "dist",
+            mode,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     return r, time.time() - t
 
 
@@ -486,8 +603,10 @@ def test_a_rank_that_hangs_makes_the_other_exit_with_one_line(tmp_path):
     r, wall = _torchrun("hang", 3)
     lines = [x for x in r.stderr.splitlines() if x.startswith("error: rank 0:")]
     assert r.returncode == 1 and len(lines) == 1, r.stderr[-3000:]
-    assert lines[0].startswith("error: rank 0: a collective operation failed (") and (
-        "another rank died, hung or was stopped (collective timeout 3 s, set by FLOW_RL_DIST_TIMEOUT)") in lines[0]
+    assert (
+        lines[0].startswith("error: rank 0: a collective operation failed (")
+        and ("another rank died, hung or was stopped (collective timeout 3 s, set by FLOW_RL_DIST_TIMEOUT)") in lines[0]
+    )
     assert "[rank0]: Traceback" not in r.stderr and wall < 90
 
 
@@ -496,7 +615,7 @@ def test_a_rank_that_dies_stops_the_job_in_bounded_time():
     the lost collective in one line (gloo sees the connection reset) or is stopped by torchrun first (SIGTERM)."""
     r, wall = _torchrun("die", 600)  # not the collective timeout: the peer's death is seen at once
     assert r.returncode == 1 and wall < 90, r.stderr[-3000:]
-    failures = r.stderr[r.stderr.index("Failures:"):]
+    failures = r.stderr[r.stderr.index("Failures:") :]
     assert "rank      : 1 (local_rank: 1)\n  exitcode  : -9" in failures and "Signal 9 (SIGKILL)" in failures, failures
     ours = [x for x in r.stderr.splitlines() if x.startswith("error: rank 0: a collective operation failed (")]
     assert len(ours) == 1 or "Signal 15 (SIGTERM) received" in failures, r.stderr[-3000:]

@@ -1,5 +1,6 @@
 """flowgrpo_baseline.py end to end, as a user runs it: smoke on SD3 and FLUX, resume, LoRA export, learning on the
 toy world, and one-line errors for bad input (DDP and FSDP on 2 ranks: tests/test_parallel.py)."""
+
 import math
 import os
 import runpy
@@ -7,9 +8,9 @@ import sys
 
 import pytest
 import torch
+from helpers import ROOT, assert_resume_is_exact, read_metrics, run_main, run_script, tiny_flags, write_prompts
 
 from common.checkpoint import list_checkpoints
-from helpers import ROOT, assert_resume_is_exact, read_metrics, run_main, run_script, tiny_flags, write_prompts
 
 SCRIPT = "flowgrpo_baseline.py"
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
@@ -29,8 +30,16 @@ def test_smoke_one_iteration_and_ratio_is_one(request, fixture, tmp_path, prompt
     extra = ["--track", "--guard-rewards", "jpeg_incompressibility"] if fixture == "tiny_flux" else []
     os.environ["WANDB_MODE"], saved = "offline", os.environ.get("WANDB_MODE")
     try:
-        run_main(SCRIPT, *tiny_flags(model, tmp_path, prompts_file), "--num-iterations", "1", "--beta", "0.04",
-                 *guidance, *extra)
+        run_main(
+            SCRIPT,
+            *tiny_flags(model, tmp_path, prompts_file),
+            "--num-iterations",
+            "1",
+            "--beta",
+            "0.04",
+            *guidance,
+            *extra,
+        )
     finally:
         os.environ["WANDB_MODE"] = saved or "disabled"
     m = read_metrics(tmp_path / "run")
@@ -43,8 +52,19 @@ def test_smoke_one_iteration_and_ratio_is_one(request, fixture, tmp_path, prompt
     assert first["ratio/first_minibatch_max_dev"] < 1e-5
     # prompts x G trajectories, each image scored once; the final row carries the run's counters
     assert first["trajectories"] == first["scored_images"] == 2 * 2 and m[-1]["trajectories"] == 2 * 2
-    for key in ("nfe", "train/reward_mean", "train/reward_std", "ratio/mean", "ratio/min", "ratio/max", "clipfrac",
-                "kl", "time/rollout_s", "time/train_s", "eval/reward_mean"):
+    for key in (
+        "nfe",
+        "train/reward_mean",
+        "train/reward_std",
+        "ratio/mean",
+        "ratio/min",
+        "ratio/max",
+        "clipfrac",
+        "kl",
+        "time/rollout_s",
+        "time/train_s",
+        "eval/reward_mean",
+    ):
         assert key in first, key
     assert first["nfe"] > 0 and first["kl"] >= 0
     for picture in ("learning_curve.png", "steps_heatmap.png", "before_after.png"):  # the end-of-run pictures
@@ -57,7 +77,7 @@ def window_flags(model, out_dir, prompts_file, run_name="run"):
     """tiny_flags without --timestep-fraction: with --sde-window-size the window chooses the trained steps."""
     flags = tiny_flags(model, out_dir, prompts_file, run_name)
     i = flags.index("--timestep-fraction")
-    return flags[:i] + flags[i + 2:]
+    return flags[:i] + flags[i + 2 :]
 
 
 WINDOW = ["--sde-window-size", "1", "--sde-window-range", "0", "3"]  # one of the 3 steps, drawn per iteration
@@ -73,19 +93,30 @@ def expected_window(iteration, size, lo, hi, seed=1, groups=2, group_size=2, n_p
 
 def test_resume_is_exact(tiny_sd3, tmp_path, prompts_file):
     """2 + 2 = 4 iterations bit-exact, with an SDE window drawn per iteration (and EMA)."""
-    assert_resume_is_exact(SCRIPT, lambda name: window_flags(tiny_sd3, tmp_path, prompts_file, name), 4,
-                           ["--learning-rate", "1e-2", "--eval-every", "100", "--ema-decay", "0.5", *WINDOW])
+    assert_resume_is_exact(
+        SCRIPT,
+        lambda name: window_flags(tiny_sd3, tmp_path, prompts_file, name),
+        4,
+        ["--learning-rate", "1e-2", "--eval-every", "100", "--ema-decay", "0.5", *WINDOW],
+    )
     assert [x["iteration"] for x in read_metrics(tmp_path / "split")] == [0, 1, 2, 3, 4]
 
 
 def test_saved_lora_loads_into_stock_pipeline(tiny_sd3, tmp_path, prompts_file):
     from diffusers import StableDiffusion3Pipeline
 
-    run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file), "--num-iterations", "2",
-             "--learning-rate", "5e-2", "--eval-every", "100")
+    run_main(
+        SCRIPT,
+        *tiny_flags(tiny_sd3, tmp_path, prompts_file),
+        "--num-iterations",
+        "2",
+        "--learning-rate",
+        "5e-2",
+        "--eval-every",
+        "100",
+    )
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
-    kw = dict(height=64, width=64, num_inference_steps=2, guidance_scale=1.0, max_sequence_length=8,
-              output_type="pt")
+    kw = dict(height=64, width=64, num_inference_steps=2, guidance_scale=1.0, max_sequence_length=8, output_type="pt")
     before = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
     pipe.load_lora_weights(str(tmp_path / "run" / "checkpoint-2"))
     after = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
@@ -99,28 +130,75 @@ def test_learning_on_the_toy_world(tmp_path):
     (-1.146 -> -1.298), so this fails when learning is broken. The reward is JPEG compressibility: smooth and
     dense, so a short CPU run shows the effect reliably. (With the strict-GenEval-like toyworld reward, gains within
     minutes are real but noisy across seeds: see README, Results.)"""
-    prompts = write_prompts(tmp_path / "p.txt", ["a photo of three red squares", "a photo of three blue squares",
-                                                 "a photo of three green triangles", "a photo of three red triangles"])
-    run_main(SCRIPT, "--prompts-file", prompts, "--eval-prompts", prompts, "--eval-seeds-per-prompt", "2",
-             "--groups-per-iteration", "2", "--group-size", "8", "--rollout-batch-size", "16",
-             "--num-iterations", "3", "--eval-every", "3", "--num-steps", "6", "--eval-num-steps", "10",
-             "--learning-rate", "1e-3", "--reward", "jpeg_compressibility", "--output-dir", str(tmp_path),
-             "--run-name", "toy")
+    prompts = write_prompts(
+        tmp_path / "p.txt",
+        [
+            "a photo of three red squares",
+            "a photo of three blue squares",
+            "a photo of three green triangles",
+            "a photo of three red triangles",
+        ],
+    )
+    run_main(
+        SCRIPT,
+        "--prompts-file",
+        prompts,
+        "--eval-prompts",
+        prompts,
+        "--eval-seeds-per-prompt",
+        "2",
+        "--groups-per-iteration",
+        "2",
+        "--group-size",
+        "8",
+        "--rollout-batch-size",
+        "16",
+        "--num-iterations",
+        "3",
+        "--eval-every",
+        "3",
+        "--num-steps",
+        "6",
+        "--eval-num-steps",
+        "10",
+        "--learning-rate",
+        "1e-3",
+        "--reward",
+        "jpeg_compressibility",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "toy",
+    )
     m = read_metrics(tmp_path / "toy")
     start, end = m[0]["eval/reward_mean"], m[-1]["eval/reward_mean"]
     assert end > start + 0.1, (start, end)
 
 
 # ---- variants: CPS (--sde-type cps) and Flow-GRPO-Fast's SDE window (--sde-window-size / --sde-window-range)
-@pytest.mark.parametrize("fixture, extra", [("tiny_sd3", []), ("tiny_flux", ["--sde-window-size", "1"])],
-                         ids=["sd3", "flux-window"])
+@pytest.mark.parametrize(
+    "fixture, extra", [("tiny_sd3", []), ("tiny_flux", ["--sde-window-size", "1"])], ids=["sd3", "flux-window"]
+)
 def test_cps_ratio_is_one(request, fixture, extra, tmp_path, prompts_file):
     """--sde-type cps end to end: finite log-probs (check_transitions asserts them), ratio exactly 1 before any update,
     a finite KL (beta > 0: the reference's CPS mean, gaussian_kl with the CPS std); FLUX also with a window."""
     model = request.getfixturevalue(fixture)
     flags = window_flags(model, tmp_path, prompts_file) if extra else tiny_flags(model, tmp_path, prompts_file)
-    run_main(SCRIPT, *flags, "--num-iterations", "1", "--sde-type", "cps", "--noise-level", "0.8", "--beta", "0.04",
-             "--eval-every", "100", *extra)
+    run_main(
+        SCRIPT,
+        *flags,
+        "--num-iterations",
+        "1",
+        "--sde-type",
+        "cps",
+        "--noise-level",
+        "0.8",
+        "--beta",
+        "0.04",
+        "--eval-every",
+        "100",
+        *extra,
+    )
     first = read_metrics(tmp_path / "run")[0]
     assert first["ratio/first_minibatch_max_dev"] == 0 and first["ratio/min"] == first["ratio/max"] == 1
     assert first["train/kept_transitions"] > 0 and 0 <= first["kl"] < float("inf")
@@ -150,8 +228,21 @@ def test_sde_window_trains_its_steps_only_and_is_ode_elsewhere(tiny_sd3, tmp_pat
 
     monkeypatch.setattr(training, "check_transitions", check)
     monkeypatch.setattr(sampler, "sde_step_with_logprob", step)
-    run_main(SCRIPT, *window_flags(tiny_sd3, tmp_path, prompts_file), "--num-iterations", "2", "--eval-every", "100",
-             "--sde-window-size", "2", "--sde-window-range", "0", "3", "--seed", "2")
+    run_main(
+        SCRIPT,
+        *window_flags(tiny_sd3, tmp_path, prompts_file),
+        "--num-iterations",
+        "2",
+        "--eval-every",
+        "100",
+        "--sde-window-size",
+        "2",
+        "--sde-window-range",
+        "0",
+        "3",
+        "--seed",
+        "2",
+    )
     m = read_metrics(tmp_path / "run")
     starts = [m[i]["train/sde_window_start"] for i in range(2)]
     assert starts == [expected_window(i, 2, 0, 3, seed=2) for i in range(2)] == [0, 1]  # seed 2: both windows
@@ -159,7 +250,7 @@ def test_sde_window_trains_its_steps_only_and_is_ode_elsewhere(tiny_sd3, tmp_pat
     for i, (w0, idx) in enumerate(zip(starts, seen)):
         assert torch.equal(idx, torch.tensor([w0, w0 + 1]).repeat_interleave(4))  # step-major, 4 images per step
         assert sorted(k for k in m[i] if k.startswith("steps/kept/")) == [f"steps/kept/{w0}", f"steps/kept/{w0 + 1}"]
-        it_calls = calls[i * 6:(i + 1) * 6]  # 2 rollout batches x 3 steps
+        it_calls = calls[i * 6 : (i + 1) * 6]  # 2 rollout batches x 3 steps
         for s, a in it_calls:
             assert a == (0.7 if sigmas.index(s) in (w0, w0 + 1) else 0.0), (i, s, a)
 
@@ -180,20 +271,23 @@ def test_bad_input_from_the_shell_is_one_line_without_traceback(tmp_path, prompt
     assert last.startswith("error: unknown reward 'nonsense'") and "toyworld" in last  # lists the choices
 
 
-@pytest.mark.parametrize("flags,expect", [
-    (["--reward", "pickscore:abc"], "weight"),
-    (["--group-size", "3", "--rollout-batch-size", "4"], "not a multiple of --rollout-batch-size"),
-    (["--group-size", "1"], "at least 2 images"),
-    (["--rollout-batch-size", "3"], "not a multiple of --rollout-batch-size"),
-    (["--resolution", "50"], "not a multiple of 4"),
-    (["--model-path", "/nonexistent/model"], "is not a folder"),
-    (["--timestep-fraction", "0.05"], "must train at least one"),
-    (["--sde-window-size", "2"], "both choose the trained steps"),
-    (["--sde-window-range", "0", "2"], "needs --sde-window-size > 0"),
-    (["--sde-type", "cps", "--timestep-fraction", "1.0"], "the last step is trained"),
-    (["--sde-type", "cps", "--noise-level", "1.2"], "must be in [0, 1]"),
-    (["--sde-type", "cps", "--noise-level", "0.8", "--ratio-norm", "ratio"], "defined for the SDE step"),
-])
+@pytest.mark.parametrize(
+    "flags,expect",
+    [
+        (["--reward", "pickscore:abc"], "weight"),
+        (["--group-size", "3", "--rollout-batch-size", "4"], "not a multiple of --rollout-batch-size"),
+        (["--group-size", "1"], "at least 2 images"),
+        (["--rollout-batch-size", "3"], "not a multiple of --rollout-batch-size"),
+        (["--resolution", "50"], "not a multiple of 4"),
+        (["--model-path", "/nonexistent/model"], "is not a folder"),
+        (["--timestep-fraction", "0.05"], "must train at least one"),
+        (["--sde-window-size", "2"], "both choose the trained steps"),
+        (["--sde-window-range", "0", "2"], "needs --sde-window-size > 0"),
+        (["--sde-type", "cps", "--timestep-fraction", "1.0"], "the last step is trained"),
+        (["--sde-type", "cps", "--noise-level", "1.2"], "must be in [0, 1]"),
+        (["--sde-type", "cps", "--noise-level", "0.8", "--ratio-norm", "ratio"], "defined for the SDE step"),
+    ],
+)
 def test_bad_input_is_one_clear_line(monkeypatch, flags, expect, tmp_path, prompts_file, tiny_sd3):
     msg = run_inprocess(monkeypatch, *tiny_flags(tiny_sd3, tmp_path, prompts_file), *flags)
     assert msg.startswith("error:") and expect in msg and "\n" not in msg, msg
@@ -232,8 +326,16 @@ def test_non_finite_reward_stops_and_keeps_checkpoint(tmp_path, tiny_sd3, prompt
         return model
 
     monkeypatch.setattr(rewards, "build_reward", build)
-    msg = run_inprocess(monkeypatch, *tiny_flags(tiny_sd3, tmp_path, prompts_file), "--num-iterations", "5",
-                        "--save-every", "1", "--eval-every", "100")
+    msg = run_inprocess(
+        monkeypatch,
+        *tiny_flags(tiny_sd3, tmp_path, prompts_file),
+        "--num-iterations",
+        "5",
+        "--save-every",
+        "1",
+        "--eval-every",
+        "100",
+    )
     assert "non-finite reward at iteration 2" in msg
     assert [i for i, _ in list_checkpoints(tmp_path / "run")] == [1, 2]  # --keep-checkpoints 2
     state = torch.load(tmp_path / "run" / "checkpoint-2" / "trainer_state.pt", weights_only=False)
@@ -247,8 +349,16 @@ def test_ratio_norm_is_one_on_policy_and_trains(tiny_sd3, tmp_path, prompts_file
     micro-batch's ratio is exactly 1, the run ends finite, and the weights differ from a run without it (the
     normalisation changes every step's gradient: by s = std_dev_t sqrt|dt|, and guard's 1 / |dt| on top). "guard"
     runs E7 and the re-weighting; E7 alone is tested in tests/test_sampler.py."""
-    two_steps = ["--num-iterations", "1", "--eval-every", "100", "--optimizer-steps-per-iteration", "2",
-                 "--train-batch-size", "2"]
+    two_steps = [
+        "--num-iterations",
+        "1",
+        "--eval-every",
+        "100",
+        "--optimizer-steps-per-iteration",
+        "2",
+        "--train-batch-size",
+        "2",
+    ]
     run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file), *two_steps, "--ratio-norm", "guard")
     first = read_metrics(tmp_path / "run")[0]
     assert first["ratio/first_minibatch_max_dev"] == 0 and first["train/optimizer_steps"] == 2
@@ -271,6 +381,8 @@ def test_grad_share_diagnostic_sums_to_one_and_leaves_the_update_unchanged(tiny_
         assert sorted(shares) == ["steps/grad_share/0", "steps/grad_share/1"]  # 3 steps, fraction 0.99: 2 trained
         assert sum(shares.values()) == pytest.approx(1.0) and row["steps/grad_norm/1"] > 0
     assert not any(k.startswith("steps/grad_share/") for k in read_metrics(tmp_path / "plain")[0])
-    a, b = (torch.load(tmp_path / r / "checkpoint-2" / "trainer_state.pt", weights_only=False)["params"]
-            for r in ("share", "plain"))
+    a, b = (
+        torch.load(tmp_path / r / "checkpoint-2" / "trainer_state.pt", weights_only=False)["params"]
+        for r in ("share", "plain")
+    )
     assert all(torch.equal(a[k], b[k]) for k in a)

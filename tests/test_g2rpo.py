@@ -3,6 +3,7 @@
 The helpers are imported from the script itself (its main block is guarded), so these tests check the very
 functions the rollout section calls. Whole-script runs use tiny random pipelines and 1-2 iterations.
 """
+
 import math
 import os
 import sys
@@ -13,11 +14,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from helpers import assert_resume_is_exact, read_metrics, run_main, write_prompts  # noqa: E402
+
 import g2rpo  # noqa: E402
 from common.backbones import load_backbone  # noqa: E402
 from common.rewards import build_reward  # noqa: E402
 from common.sampler import ode_step, sde_step_with_logprob  # noqa: E402
-from helpers import assert_resume_is_exact, read_metrics, run_main, write_prompts  # noqa: E402
 
 RES = 64  # tiny pipelines: VAE factor 2, so 32x32 latents
 
@@ -54,11 +56,11 @@ def test_official_schedule_reproduces_the_released_code():
 def test_mgai_on_a_hand_computed_table():
     # 2 prompts, K=2 branch steps, L=2 granularities, G=3 members, R=1 reward.
     r = torch.zeros(2, 2, 2, 3, 1)
-    r[0, 0, 0, :, 0] = torch.tensor([1.0, 2.0, 3.0])   # mean 2, unbiased std 1        -> -1, 0, 1
-    r[0, 0, 1, :, 0] = torch.tensor([0.0, 0.0, 6.0])   # mean 2, std sqrt(12)          -> -2/s, -2/s, 4/s
-    r[0, 1, 0, :, 0] = torch.tensor([5.0, 5.0, 5.0])   # equal: 0
-    r[0, 1, 1, :, 0] = torch.tensor([4.0, 0.0, 2.0])   # mean 2, std 2                 -> 1, -1, 0
-    r[1] = 10 * r[0] + 7                               # normalisation is affine-invariant
+    r[0, 0, 0, :, 0] = torch.tensor([1.0, 2.0, 3.0])  # mean 2, unbiased std 1        -> -1, 0, 1
+    r[0, 0, 1, :, 0] = torch.tensor([0.0, 0.0, 6.0])  # mean 2, std sqrt(12)          -> -2/s, -2/s, 4/s
+    r[0, 1, 0, :, 0] = torch.tensor([5.0, 5.0, 5.0])  # equal: 0
+    r[0, 1, 1, :, 0] = torch.tensor([4.0, 0.0, 2.0])  # mean 2, std 2                 -> 1, -1, 0
+    r[1] = 10 * r[0] + 7  # normalisation is affine-invariant
     s = math.sqrt(12)
     want = torch.tensor([[-1 - 2 / s, -2 / s, 1 + 4 / s], [1.0, -1.0, 0.0]])
     adv = g2rpo.mgai_advantages(r, torch.ones(1), eps=0.0)
@@ -88,12 +90,15 @@ def test_closed_form_nfe_paper_setting():
     assert g2rpo.rollout_nfe(16, range(8), 12, (1, 2, 3)) == 2084
 
 
-@pytest.mark.parametrize("T,M,G,lams,official", [
-    (10, (0, 1, 2, 3, 4), 8, (1, 2, 3), False),
-    (16, tuple(range(8)), 3, (1, 2), True),
-    (7, (2, 5, 6), 2, (3,), False),
-    (6, (0, 5), 4, (1, 4), True),
-])
+@pytest.mark.parametrize(
+    "T,M,G,lams,official",
+    [
+        (10, (0, 1, 2, 3, 4), 8, (1, 2, 3), False),
+        (16, tuple(range(8)), 3, (1, 2), True),
+        (7, (2, 5, 6), 2, (3,), False),
+        (6, (0, 5), 4, (1, 4), True),
+    ],
+)
 def test_counted_nfe_equals_closed_form(T, M, G, lams, official):
     calls = []
 
@@ -103,8 +108,18 @@ def test_counted_nfe_equals_closed_form(T, M, G, lams, official):
 
     P = 3
     sig = torch.linspace(1, 0, T + 1)
-    out = g2rpo.singular_stochastic_rollout(velocity, torch.randn(P, 5), sig, M, lams, G, 0.7,
-                                            generator=torch.Generator().manual_seed(0), batch=7, official=official)
+    out = g2rpo.singular_stochastic_rollout(
+        velocity,
+        torch.randn(P, 5),
+        sig,
+        M,
+        lams,
+        G,
+        0.7,
+        generator=torch.Generator().manual_seed(0),
+        batch=7,
+        official=official,
+    )
     assert sum(calls) == out["nfe"] == P * g2rpo.rollout_nfe(T, M, G, lams)
     assert max(calls) <= 7  # --rollout-batch-size caps every call
     assert out["final"].shape == (P, len(M), len(lams), G, 5)
@@ -117,8 +132,18 @@ def _tiny_rollout(path, noise_level, prompts, M=(0, 2), lams=(1, 2), G=3, T=4, s
     gen = torch.Generator().manual_seed(seed)
     sig = bb.schedule(T, RES, RES)
     x_T = bb.initial_noise(len(prompts), RES, RES, generator=gen)
-    out = g2rpo.singular_stochastic_rollout(lambda x, s, p: bb.velocity(x, s, emb[p]), x_T, sig, M, lams, G,
-                                            noise_level, generator=gen, batch=5, official=official)
+    out = g2rpo.singular_stochastic_rollout(
+        lambda x, s, p: bb.velocity(x, s, emb[p]),
+        x_T,
+        sig,
+        M,
+        lams,
+        G,
+        noise_level,
+        generator=gen,
+        batch=5,
+        official=official,
+    )
     return bb, emb, sig, x_T, out
 
 
@@ -143,18 +168,19 @@ def test_members_share_every_latent_before_k_and_differ_after(tiny_sd3):
     bb, emb, sig, x_T, out = _tiny_rollout(tiny_sd3, 0.7, prompts, M, lams, G, T)
     # Before step k: the one ODE trajectory from the group's single x_T (independently recomputed, prompt by prompt).
     for p in range(len(prompts)):
-        x = x_T[p:p + 1]
+        x = x_T[p : p + 1]
         for j in range(max(M) + 1):
             if j in M:
-                torch.testing.assert_close(out["latents"][M.index(j), p:p + 1], x, atol=1e-5, rtol=1e-5)
-            x = ode_step(bb.velocity(x, sig[j], emb[p:p + 1]), x, sig[j], sig[j + 1])
+                torch.testing.assert_close(out["latents"][M.index(j), p : p + 1], x, atol=1e-5, rtol=1e-5)
+            x = ode_step(bb.velocity(x, sig[j], emb[p : p + 1]), x, sig[j], sig[j + 1])
     # At step k: G different draws from the SAME Gaussian (same mean, the shared velocity), scored by log_prob.
     for kk, k in enumerate(M):
         y = out["next_latents"][kk]  # [P, G, ...]
         for p in range(len(prompts)):
-            x = out["latents"][kk, p:p + 1].expand(G, *y.shape[2:])
-            lp = sde_step_with_logprob(bb.velocity(x, sig[k], emb[[p] * G]), x, sig[k], sig[k + 1], 0.7,
-                                       prev_sample=y[p], sigma_max=sig[1])[1]
+            x = out["latents"][kk, p : p + 1].expand(G, *y.shape[2:])
+            lp = sde_step_with_logprob(
+                bb.velocity(x, sig[k], emb[[p] * G]), x, sig[k], sig[k + 1], 0.7, prev_sample=y[p], sigma_max=sig[1]
+            )[1]
             torch.testing.assert_close(lp, out["log_prob"][kk, p], atol=1e-4, rtol=1e-4)
             for i in range(G):
                 for j in range(i):
@@ -165,10 +191,10 @@ def test_members_share_every_latent_before_k_and_differ_after(tiny_sd3):
             path = sig[g2rpo.completion_schedule(k, lam, T)]
             for p in range(len(prompts)):
                 for i in range(G):
-                    x = out["next_latents"][kk, p, i:i + 1]
+                    x = out["next_latents"][kk, p, i : i + 1]
                     for a, b in zip(path[:-1], path[1:]):
-                        x = ode_step(bb.velocity(x, a, emb[p:p + 1]), x, a, b)
-                    torch.testing.assert_close(out["final"][p, kk, li, i:i + 1], x, atol=1e-4, rtol=1e-4)
+                        x = ode_step(bb.velocity(x, a, emb[p : p + 1]), x, a, b)
+                    torch.testing.assert_close(out["final"][p, kk, li, i : i + 1], x, atol=1e-4, rtol=1e-4)
                 f = out["final"][p, kk, li]
                 assert (f[1:] - f[:1]).flatten(1).abs().amax(1).min() > 1e-3
 
@@ -180,12 +206,47 @@ SCRIPT = "g2rpo.py"
 def _flags(model, tmp_path, name="run", *extra):
     """A tiny run: 2 prompts, 4 steps, M = {0, 2}, Λ = {1, 2}, G = 3, 64 px, a reward that needs no weights."""
     prompts = write_prompts(tmp_path / "prompts.txt", ["a photo of a red circle", "a photo of two blue squares"])
-    return ["--model-path", model, "--output-dir", str(tmp_path), "--run-name", name, "--resolution", str(RES),
-            "--max-sequence-length", "8", "--num-steps", "4", "--eval-num-steps", "2", "--prompts-file", prompts,
-            "--eval-prompts", prompts, "--eval-seeds-per-prompt", "1", "--group-size", "3",
-            "--groups-per-iteration", "2", "--branch-steps", "0", "2", "--granularities", "1", "2",
-            "--rollout-batch-size", "8", "--train-batch-size", "4", "--reward", "jpeg_compressibility", "--lora-rank", "4",
-            *extra]
+    return [
+        "--model-path",
+        model,
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        name,
+        "--resolution",
+        str(RES),
+        "--max-sequence-length",
+        "8",
+        "--num-steps",
+        "4",
+        "--eval-num-steps",
+        "2",
+        "--prompts-file",
+        prompts,
+        "--eval-prompts",
+        prompts,
+        "--eval-seeds-per-prompt",
+        "1",
+        "--group-size",
+        "3",
+        "--groups-per-iteration",
+        "2",
+        "--branch-steps",
+        "0",
+        "2",
+        "--granularities",
+        "1",
+        "2",
+        "--rollout-batch-size",
+        "8",
+        "--train-batch-size",
+        "4",
+        "--reward",
+        "jpeg_compressibility",
+        "--lora-rank",
+        "4",
+        *extra,
+    ]
 
 
 TINY_NFE = g2rpo.rollout_nfe(4, (0, 2), 3, (1, 2))  # per prompt, for _flags
@@ -194,22 +255,43 @@ TINY_NFE = g2rpo.rollout_nfe(4, (0, 2), 3, (1, 2))  # per prompt, for _flags
 CPS = ["--sde-type", "cps", "--noise-level", "0.8"]
 
 
-@pytest.mark.parametrize("fixture,extra", [pytest.param("tiny_sd3", [], marks=pytest.mark.pictures), ("tiny_flux", []),
-                                           ("tiny_sd3", CPS),
-                                           ("tiny_flux", ["--sigma-grid", "official", "--lora-target", "attention-ff",
-                                                          *CPS])])
+@pytest.mark.parametrize(
+    "fixture,extra",
+    [
+        pytest.param("tiny_sd3", [], marks=pytest.mark.pictures),
+        ("tiny_flux", []),
+        ("tiny_sd3", CPS),
+        ("tiny_flux", ["--sigma-grid", "official", "--lora-target", "attention-ff", *CPS]),
+    ],
+)
 def test_smoke_tiny_backbones(request, fixture, extra, tmp_path):
     guidance = ["--guidance-scale", "4.5" if fixture == "tiny_sd3" else "3.5"]
-    run_main(SCRIPT, *_flags(request.getfixturevalue(fixture), tmp_path), "--num-iterations", "1", *guidance, *extra,
-             "--grad-share-every", "1")
+    run_main(
+        SCRIPT,
+        *_flags(request.getfixturevalue(fixture), tmp_path),
+        "--num-iterations",
+        "1",
+        *guidance,
+        *extra,
+        "--grad-share-every",
+        "1",
+    )
     m = read_metrics(tmp_path / "run")
     assert [x["iteration"] for x in m] == [0, 1]
     first = m[0]
     shares = {k: v for k, v in first.items() if k.startswith("steps/grad_share/")}  # the diagnostic: M = {0, 2}
     assert sorted(shares) == ["steps/grad_share/0", "steps/grad_share/2"] and sum(shares.values()) == pytest.approx(1)
-    for key in ("train/reward_mean", "train/reward_std", "train/group_std_k0", "train/group_std_k2",
-                "train/reward_mean_lam1", "train/reward_mean_lam2", "ratio/first_minibatch_max_dev", "nfe",
-                "eval/reward_mean"):
+    for key in (
+        "train/reward_mean",
+        "train/reward_std",
+        "train/group_std_k0",
+        "train/group_std_k2",
+        "train/reward_mean_lam1",
+        "train/reward_mean_lam2",
+        "ratio/first_minibatch_max_dev",
+        "nfe",
+        "eval/reward_mean",
+    ):
         assert key in first and math.isfinite(first[key]), key
     assert first["ratio/first_minibatch_max_dev"] < 1e-5  # on-policy: the rollout's log-probs are recomputed
     if "cps" in extra:  # the CPS branch step: its (unnormalised) log-prob recomputed bit for bit
@@ -243,14 +325,17 @@ def tyro_args(flags):
     return tyro.cli(g2rpo.Args, args=flags)
 
 
-@pytest.mark.parametrize("flags,world,expect", [
-    (["--branch-steps", "4"], 1, "--branch-steps"),
-    (["--granularities", "0"], 1, "--granularities"),
-    (["--group-size", "1"], 1, "at least 2 images"),
-    (["--groups-per-iteration", "3"], 2, "multiple of 2"),  # groups never span ranks
-    (["--sigma-grid", "official", "--shift", "0"], 1, "--shift 0"),
-    (["--sde-type", "cps", "--branch-steps", "0", "3"], 1, "the last step is trained"),
-])
+@pytest.mark.parametrize(
+    "flags,world,expect",
+    [
+        (["--branch-steps", "4"], 1, "--branch-steps"),
+        (["--granularities", "0"], 1, "--granularities"),
+        (["--group-size", "1"], 1, "at least 2 images"),
+        (["--groups-per-iteration", "3"], 2, "multiple of 2"),  # groups never span ranks
+        (["--sigma-grid", "official", "--shift", "0"], 1, "--shift 0"),
+        (["--sde-type", "cps", "--branch-steps", "0", "3"], 1, "the last step is trained"),
+    ],
+)
 def test_bad_input_is_one_clear_line(flags, world, expect, tmp_path, tiny_sd3):
     args = tyro_args(_flags(tiny_sd3, tmp_path) + flags)
     with pytest.raises(SystemExit) as e:
@@ -280,15 +365,21 @@ def test_branch_steps_and_the_images_they_cost():
     args = tyro_args([])  # the toy default: the first 3 of 10 steps, 12 prompts
     g2rpo.check_args(args, 1)
     assert args.branch_steps == (0, 1, 2) and args.images_per_iteration == 12 * 3 * 3 * 8
-    args = tyro_args(["--num-steps", "16", "--groups-per-iteration", "4", "--branch-steps", *map(str, range(7, -1, -1))])
+    args = tyro_args(
+        ["--num-steps", "16", "--groups-per-iteration", "4", "--branch-steps", *map(str, range(7, -1, -1))]
+    )
     g2rpo.check_args(args, 2)  # the paper's first half, given in any order
     assert args.branch_steps == tuple(range(8)) and args.trained_steps == 8 and args.prompts_per_rank == 2
     assert args.images_per_rank == 2 * 8 * 3 * 8  # prompts x |M| x |Λ| x G images scored per rank
 
 
 def test_resume_is_exact(tiny_sd3, tmp_path):
-    assert_resume_is_exact(SCRIPT, lambda name: _flags(tiny_sd3, tmp_path, name), 4,
-                           ["--learning-rate", "1e-2", "--eval-every", "100", "--save-every", "2"])
+    assert_resume_is_exact(
+        SCRIPT,
+        lambda name: _flags(tiny_sd3, tmp_path, name),
+        4,
+        ["--learning-rate", "1e-2", "--eval-every", "100", "--save-every", "2"],
+    )
 
 
 # ---------------------------------------------------------------------------------------------- learning
@@ -302,11 +393,36 @@ def test_learning_on_the_toy_world(tmp_path):
     iterations; with the advantages' sign flipped 0.192 / 0.239 / 0.177 / 0.162; the test stops at 6. Cheaper
     settings did not learn on this reward (2 branch steps, 8 iterations: 0.249 -> 0.130), so the test keeps
     G²RPO's default branch steps and granularities."""
-    prompts = write_prompts(tmp_path / "p.txt", ["a photo of three red squares", "a photo of three blue squares",
-                                                 "a photo of three green triangles", "a photo of three red triangles"])
-    run_main(SCRIPT, "--prompts-file", prompts, "--eval-prompts", prompts, "--eval-seeds-per-prompt", "4",
-             "--groups-per-iteration", "2", "--num-iterations", "6", "--eval-every", "6", "--num-steps", "6",
-             "--output-dir", str(tmp_path), "--run-name", "toy")
+    prompts = write_prompts(
+        tmp_path / "p.txt",
+        [
+            "a photo of three red squares",
+            "a photo of three blue squares",
+            "a photo of three green triangles",
+            "a photo of three red triangles",
+        ],
+    )
+    run_main(
+        SCRIPT,
+        "--prompts-file",
+        prompts,
+        "--eval-prompts",
+        prompts,
+        "--eval-seeds-per-prompt",
+        "4",
+        "--groups-per-iteration",
+        "2",
+        "--num-iterations",
+        "6",
+        "--eval-every",
+        "6",
+        "--num-steps",
+        "6",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "toy",
+    )
     m = read_metrics(tmp_path / "toy")
     start, end = m[0]["eval/reward_mean"], m[-1]["eval/reward_mean"]
     assert end > start + 0.05, (start, end)
@@ -314,8 +430,16 @@ def test_learning_on_the_toy_world(tmp_path):
 
 def test_per_k_update_schedule_steps_once_per_branch_step(tmp_path, tiny_sd3):
     """--update-schedule per-k: one optimizer step per branch step, so the later steps are off-policy."""
-    run_main(SCRIPT, *_flags(tiny_sd3, tmp_path), "--num-iterations", "1", "--update-schedule", "per-k",
-             "--learning-rate", "1e-2")
+    run_main(
+        SCRIPT,
+        *_flags(tiny_sd3, tmp_path),
+        "--num-iterations",
+        "1",
+        "--update-schedule",
+        "per-k",
+        "--learning-rate",
+        "1e-2",
+    )
     first = read_metrics(tmp_path / "run")[0]
     assert first["ratio/first_minibatch_max_dev"] < 1e-5  # the first k is still on-policy
     assert first["ratio/max"] - first["ratio/min"] > 1e-6  # later k are trained after an update
@@ -332,8 +456,9 @@ def test_shared_state_gradient_equals_per_transition_gradient(request, fixture):
 
     bb = load_backbone(request.getfixturevalue(fixture), "cpu", max_sequence_length=8)
     bb.transformer.requires_grad_(False)
-    bb.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
-                                          target_modules=["to_q", "to_k", "to_v"]))
+    bb.transformer.add_adapter(
+        LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_k", "to_v"])
+    )
     params = [p for n, p in bb.transformer.named_parameters() if p.requires_grad]
     torch.manual_seed(0)
     for p in params:
@@ -345,8 +470,9 @@ def test_shared_state_gradient_equals_per_transition_gradient(request, fixture):
     rows_x = states.repeat_interleave(G, 0)  # transitions (prompt, member), each starting from its prompt's state
     with torch.no_grad():
         v0 = bb.velocity(rows_x, sigmas[1], emb[torch.arange(P).repeat_interleave(G)], cfg)
-        nxt, lp_old, _, _ = sde_step_with_logprob(v0, rows_x, sigmas[1], sigmas[2], 0.9, sigma_max=sigmas[1],
-                                                  generator=torch.Generator().manual_seed(2))
+        nxt, lp_old, _, _ = sde_step_with_logprob(
+            v0, rows_x, sigmas[1], sigmas[2], 0.9, sigma_max=sigmas[1], generator=torch.Generator().manual_seed(2)
+        )
     adv = torch.randn(P * G, generator=torch.Generator().manual_seed(3))
     state_index = torch.arange(P).repeat_interleave(G)
 
@@ -357,8 +483,9 @@ def test_shared_state_gradient_equals_per_transition_gradient(request, fixture):
         (mb,) = plan_updates(keep, 8, 1, state_index=state_index if shared else None)
         s, r = mb.states, mb.rows
         v = bb.velocity(rows_x[s], sigmas[1], emb[state_index[s]], cfg)[mb.expand]
-        _, lp, _, _ = sde_step_with_logprob(v, rows_x[r], sigmas[1], sigmas[2], 0.9, prev_sample=nxt[r],
-                                            sigma_max=sigmas[1])
+        _, lp, _, _ = sde_step_with_logprob(
+            v, rows_x[r], sigmas[1], sigmas[2], 0.9, prev_sample=nxt[r], sigma_max=sigmas[1]
+        )
         (-(adv[r] * torch.exp(lp - lp_old[r]))).sum().backward()
         return (len(s), torch.cat([p.grad.flatten() for p in params]))
 

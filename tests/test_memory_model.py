@@ -1,5 +1,6 @@
 """The memory model's activation count (tests/bench_memory.py): computed on the meta device from a config, it must
 give exactly the bytes autograd saves on real tensors, for the tiny SD3 and FLUX, LoRA and full fine-tuning."""
+
 import os
 import sys
 

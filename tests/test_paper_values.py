@@ -11,6 +11,7 @@ of the paper's values.
 A clause runs from "paper" to the next ")" or ";", so "(paper: 16; the released code evaluates with 50)" quotes 16
 only. Numbers glued to a name (FLUX.1, SD3.5-M, epsilon_1, Fig. 6b) are not values.
 """
+
 import ast
 import os
 import re
@@ -21,52 +22,57 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The paper tables: flag -> the values the paper (or, where marked, its official code) gives for it.
 FLOW_GRPO = {  # Liu et al., arXiv 2505.05470; reference/flowgrpo.md §3.4 (SD3.5-M configs), §2.1, §3.1
-    "resolution": {512},                      # §3.4: 512, latents 16x64x64
-    "lora_rank": {32}, "lora_alpha": {64},    # §3.4 LoRA row (SD3.5-M; FLUX's train_flux.py: 64 / 128)
-    "num_steps": {10, 40},                    # §3.4: 10 rollout steps, 40 at evaluation
-    "eval_num_steps": {40},                   # §3.4, §9
-    "guidance_scale": {4.5},                  # §3.4: CFG 4.5 at rollout, training forward and evaluation
-    "noise_level": {0.7},                     # §2.1: a = 0.7 for SD3.5-M
-    "group_size": {24},                       # §3.4: G = 24 (Fig. 5: 12 and 6 collapse)
-    "groups_per_iteration": {48},             # §3.4: group_number = 48
-    "beta": {0.04, 0.01},                     # §3.4: 0.04 GenEval and OCR, 0.01 PickScore
-    "timestep_fraction": {0.99},              # §3.4: 9 of 10 steps
-    "learning_rate": {3e-4},                  # §3.4: AdamW 3e-4 with the LoRA
-    "optimizer_steps_per_iteration": {2},     # §3.4: grad accumulation num_batches // 2 = 2 steps per epoch
-    "clip_range": {1e-4}, "adv_clip_max": {5},  # §3.4
-    "ema_decay": {0.9}, "ema_update_interval": {8},  # §3.4 EMA row (official code: flow_grpo/ema.py)
-    "mixed_precision": {"fp16"},              # §3.4 (official code; README FAQ prefers fp16 on SD3)
-    "max_sequence_length": {128},             # §3.4: T5 max_sequence_length 128
+    "resolution": {512},  # §3.4: 512, latents 16x64x64
+    "lora_rank": {32},
+    "lora_alpha": {64},  # §3.4 LoRA row (SD3.5-M; FLUX's train_flux.py: 64 / 128)
+    "num_steps": {10, 40},  # §3.4: 10 rollout steps, 40 at evaluation
+    "eval_num_steps": {40},  # §3.4, §9
+    "guidance_scale": {4.5},  # §3.4: CFG 4.5 at rollout, training forward and evaluation
+    "noise_level": {0.7},  # §2.1: a = 0.7 for SD3.5-M
+    "group_size": {24},  # §3.4: G = 24 (Fig. 5: 12 and 6 collapse)
+    "groups_per_iteration": {48},  # §3.4: group_number = 48
+    "beta": {0.04, 0.01},  # §3.4: 0.04 GenEval and OCR, 0.01 PickScore
+    "timestep_fraction": {0.99},  # §3.4: 9 of 10 steps
+    "learning_rate": {3e-4},  # §3.4: AdamW 3e-4 with the LoRA
+    "optimizer_steps_per_iteration": {2},  # §3.4: grad accumulation num_batches // 2 = 2 steps per epoch
+    "clip_range": {1e-4},
+    "adv_clip_max": {5},  # §3.4
+    "ema_decay": {0.9},
+    "ema_update_interval": {8},  # §3.4 EMA row (official code: flow_grpo/ema.py)
+    "mixed_precision": {"fp16"},  # §3.4 (official code; README FAQ prefers fp16 on SD3)
+    "max_sequence_length": {128},  # §3.4: T5 max_sequence_length 128
 }
 G2RPO = {  # Zhou et al., arXiv 2510.01982; reference/g2rpo.md §3.3 (hyperparameter table), §1.2, §2.1, §1.3
-    "resolution": {720},                      # §3.3: 720x720 (the released vis_flux.py evaluates at 1024)
-    "num_steps": {16},                        # §3.3: T = 16
-    "shift": {3},                             # §3.3: shift 3
-    "guidance_scale": {3.5},                  # §1.3: FLUX.1-dev distilled guidance 3.5, no CFG
-    "noise_level": {0.7},                     # §1.3, §3.3: eta = 0.7
-    "group_size": {12},                       # §3.3: G = 12
-    "groups_per_iteration": {16},             # §3.3: 1 prompt per GPU, 16 GPUs
-    "branch_steps": {*range(10), 16},         # §1.2: M = {16, ..., 9} of T = 16, 8 steps (code: --eta_step_list 0..7)
-    "granularities": {1, 2, 3},               # §2.1: paper Lambda = {1, 2, 3} (scripts {1, 2})
-    "adv_clip_max": {5},                      # §3.3: "epsilon = 5"
-    "learning_rate": {2e-6},                  # §3.3: AdamW 2e-6, full fine-tune
-    "weight_decay": {1e-4}, "max_grad_norm": {1.0},  # §3.3
-    "optimizer_steps_per_iteration": {1},     # §3.1/§3.2: one step per iteration (the (1/|M|) sum; hps: one per k)
-    "eval_num_steps": {50, 10, 20},           # §4.4 (code: 50), §5 Table 3 (10, 20)
+    "resolution": {720},  # §3.3: 720x720 (the released vis_flux.py evaluates at 1024)
+    "num_steps": {16},  # §3.3: T = 16
+    "shift": {3},  # §3.3: shift 3
+    "guidance_scale": {3.5},  # §1.3: FLUX.1-dev distilled guidance 3.5, no CFG
+    "noise_level": {0.7},  # §1.3, §3.3: eta = 0.7
+    "group_size": {12},  # §3.3: G = 12
+    "groups_per_iteration": {16},  # §3.3: 1 prompt per GPU, 16 GPUs
+    "branch_steps": {*range(10), 16},  # §1.2: M = {16, ..., 9} of T = 16, 8 steps (code: --eta_step_list 0..7)
+    "granularities": {1, 2, 3},  # §2.1: paper Lambda = {1, 2, 3} (scripts {1, 2})
+    "adv_clip_max": {5},  # §3.3: "epsilon = 5"
+    "learning_rate": {2e-6},  # §3.3: AdamW 2e-6, full fine-tune
+    "weight_decay": {1e-4},
+    "max_grad_norm": {1.0},  # §3.3
+    "optimizer_steps_per_iteration": {1},  # §3.1/§3.2: one step per iteration (the (1/|M|) sum; hps: one per k)
+    "eval_num_steps": {50, 10, 20},  # §4.4 (code: 50), §5 Table 3 (10, 20)
 }
 DENSE_GRPO = {  # Deng et al., arXiv 2601.20218 v2; reference/densegrpo.md §4.2 (hyperparameter table), §3.2
-    "resolution": {512},                      # §4.2: 512x512
-    "lora_rank": {32}, "lora_alpha": {64},    # §4.2: r = 32, alpha = 64 (paper)
-    "num_steps": {10, 40},                    # §4.2: T = 10, 40 at evaluation
-    "eval_num_steps": {40},                   # §4.2
-    "group_size": {24},                       # §4.2: G = 24
+    "resolution": {512},  # §4.2: 512x512
+    "lora_rank": {32},
+    "lora_alpha": {64},  # §4.2: r = 32, alpha = 64 (paper)
+    "num_steps": {10, 40},  # §4.2: T = 10, 40 at evaluation
+    "eval_num_steps": {40},  # §4.2
+    "group_size": {24},  # §4.2: G = 24
     "groups_per_iteration": {48, 24, 144, 8},  # §4.2: global batch 144 x accumulation 8 = 1152 = 48 x 24
-    "beta": {0.04, 0.01},                     # §4.2: 0.04 GenEval and OCR, 0.01 PickScore
-    "learning_rate": {3e-4},                  # §4.2: AdamW 3e-4 (paper + code)
-    "optimizer_steps_per_iteration": {1},     # §4.2: one optimizer step per 1152 images (App. A)
-    "calibration_step": {0.01},               # §3.2: epsilon_2 = 0.01 (App. A)
-    "balance_threshold": {2},                 # §3.2: epsilon_1 = 2 (App. A)
-    "noise_level": {0.7},                     # §6.2 Fig. 6b: the uniform-noise ablation a = 0.7
+    "beta": {0.04, 0.01},  # §4.2: 0.04 GenEval and OCR, 0.01 PickScore
+    "learning_rate": {3e-4},  # §4.2: AdamW 3e-4 (paper + code)
+    "optimizer_steps_per_iteration": {1},  # §4.2: one optimizer step per 1152 images (App. A)
+    "calibration_step": {0.01},  # §3.2: epsilon_2 = 0.01 (App. A)
+    "balance_threshold": {2},  # §3.2: epsilon_1 = 2 (App. A)
+    "noise_level": {0.7},  # §6.2 Fig. 6b: the uniform-noise ablation a = 0.7
 }
 SCRIPTS = {"flowgrpo_baseline.py": FLOW_GRPO, "g2rpo.py": G2RPO, "densegrpo.py": DENSE_GRPO}
 
@@ -92,8 +98,12 @@ def args_docstrings(source: str) -> dict[str, str]:
     cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Args")
     docs = {}
     for field, doc in zip(cls.body, cls.body[1:]):
-        if (isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
-                and isinstance(doc.value.value, str)):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)
+        ):
             docs[field.target.id] = doc.value.value
     return docs
 
@@ -106,11 +116,15 @@ def check_source(source: str, table: dict) -> list[str]:
             got = clause_values(m["clause"])
             clause = " ".join(m.group(0).split())
             if flag not in table:
-                errors.append(f"--{flag.replace('_', '-')}: '{clause}' is not in the paper table of this test; check "
-                              "it against /work/shared/reference and add it (with its section), or drop it")
+                errors.append(
+                    f"--{flag.replace('_', '-')}: '{clause}' is not in the paper table of this test; check "
+                    "it against /work/shared/reference and add it (with its section), or drop it"
+                )
             elif not got or not got <= norm(table[flag]):
-                errors.append(f"--{flag.replace('_', '-')}: '{clause}' quotes {sorted(map(str, got))}, but the "
-                              f"paper's value is {sorted(map(str, table[flag]))}")
+                errors.append(
+                    f"--{flag.replace('_', '-')}: '{clause}' quotes {sorted(map(str, got))}, but the "
+                    f"paper's value is {sorted(map(str, table[flag]))}"
+                )
     union = set().union(*map(norm, table.values()))
     cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Args")
     for n, line in enumerate(source.splitlines(), 1):
@@ -119,8 +133,10 @@ def check_source(source: str, table: dict) -> list[str]:
         for m in CLAUSE.finditer(line):
             got = {float(x) for x in NUMBER.findall(m["clause"])}  # numbers only: prose is free here
             if not got <= union:
-                errors.append(f"line {n}: '{m.group(0).strip()}' quotes {sorted(map(str, got))}, none of this "
-                              "script's paper values")
+                errors.append(
+                    f"line {n}: '{m.group(0).strip()}' quotes {sorted(map(str, got))}, none of this "
+                    "script's paper values"
+                )
     return errors
 
 
@@ -149,8 +165,15 @@ class Args:
     errors = check_source(src, G2RPO)
     assert [e.split(":")[0] for e in errors[:3]] == ["--resolution", "--guidance-scale", "--lora-rank"], errors
     assert "not in the paper table" in errors[2]
-    assert check_source(src.replace("512 for SD3.5-M", "720, FLUX.1-dev").replace("paper 4.5", "paper: 3.5")
-                        .replace("LoRA rank r (paper: 32)", "none"), G2RPO) == []
+    assert (
+        check_source(
+            src.replace("512 for SD3.5-M", "720, FLUX.1-dev")
+            .replace("paper 4.5", "paper: 3.5")
+            .replace("LoRA rank r (paper: 32)", "none"),
+            G2RPO,
+        )
+        == []
+    )
 
 
 def test_clause_values():

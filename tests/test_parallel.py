@@ -8,6 +8,7 @@ per-script DDP checks (LoRA, the default path: ranks agree on the weights, the S
 runs in the baseline only: what FLUX changes lives in common/ (the backbone, the sharding plan), which the three
 scripts share, and the SD3 runs already take each script's own training section through FSDP.
 """
+
 import dataclasses
 import json
 import os
@@ -19,7 +20,6 @@ import sys
 
 import pytest
 import torch
-
 from helpers import ROOT, read_metrics, run_main, tiny_flags, write_prompts
 
 from common.backbones import ConfigError
@@ -35,7 +35,7 @@ def script_flags(script, model, out, prompts, name):
     flags = tiny_flags(model, out, prompts, name)
     if script == "g2rpo.py":
         i = flags.index("--timestep-fraction")
-        flags = flags[:i] + flags[i + 2:] + ["--branch-steps", "0", "1", "--granularities", "1", "--group-size", "2"]
+        flags = flags[:i] + flags[i + 2 :] + ["--branch-steps", "0", "1", "--granularities", "1", "--group-size", "2"]
     return flags + (CALIB if script == "densegrpo.py" else [])
 
 
@@ -50,16 +50,46 @@ def launch(runs, tmp_path, nodes: int = 1, timeout: int = 600) -> dict:
     worker = [os.path.join(ROOT, "tests", "parallel_worker.py"), str(spec), "--smooth-reward"]
     run = [sys.executable, "-m", "torch.distributed.run"]
     if nodes == 1:
-        procs = [subprocess.Popen([*run, "--standalone", "--nproc-per-node", "2", *worker], stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)]
+        procs = [
+            subprocess.Popen(
+                [*run, "--standalone", "--nproc-per-node", "2", *worker],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+                cwd=ROOT,
+            )
+        ]
     else:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        procs = [subprocess.Popen([*run, "--nnodes", "2", "--node-rank", str(r), "--rdzv-backend", "c10d",
-                                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc-per-node", "1",
-                                   "--local-addr", "127.0.0.1", *worker], stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT) for r in range(nodes)]
+        procs = [
+            subprocess.Popen(
+                [
+                    *run,
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    str(r),
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    f"127.0.0.1:{port}",
+                    "--nproc-per-node",
+                    "1",
+                    "--local-addr",
+                    "127.0.0.1",
+                    *worker,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+                cwd=ROOT,
+            )
+            for r in range(nodes)
+        ]
     outs = [p.communicate(timeout=timeout)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-6000:]
@@ -85,8 +115,20 @@ def assert_close(a: dict, b: dict, base: dict | None = None, atol: float = 1e-4)
 
 
 # ============================================================ one launch of 2 "nodes" x 1 process for all the runs
-LORA = ["--ema-decay", "0.5", "--ema-update-interval", "1", "--beta", "0.04", "--eval-batch-size", "1",
-        "--num-iterations", "2", "--learning-rate", "5e-2"]  # and 3 evaluation prompts: split unevenly over 2 ranks
+LORA = [
+    "--ema-decay",
+    "0.5",
+    "--ema-update-interval",
+    "1",
+    "--beta",
+    "0.04",
+    "--eval-batch-size",
+    "1",
+    "--num-iterations",
+    "2",
+    "--learning-rate",
+    "5e-2",
+]  # and 3 evaluation prompts: split unevenly over 2 ranks
 
 
 @pytest.fixture(scope="module")
@@ -105,33 +147,99 @@ def two_nodes(tiny_sd3, tiny_flux, tmp_path_factory):
         beta = ["--beta", "0.04"] if script == SCRIPTS[0] else []  # the KL reference: the frozen copy, sharded too
         for par in ("ddp", "fsdp"):
             names.append(f"{script}-{par}")
-            runs.append([script, *script_flags(script, tiny_sd3, out, prompts, names[-1]), *full, *beta,
-                         "--num-iterations", its, "--parallel", par])
+            runs.append(
+                [
+                    script,
+                    *script_flags(script, tiny_sd3, out, prompts, names[-1]),
+                    *full,
+                    *beta,
+                    "--num-iterations",
+                    its,
+                    "--parallel",
+                    par,
+                ]
+            )
     split = [*script_flags(SCRIPTS[0], tiny_sd3, out, prompts, "split"), *full, "--beta", "0.04", "--parallel", "fsdp"]
-    runs += [[SCRIPTS[0], *split, "--num-iterations", "2"],
-             [SCRIPTS[0], *split, "--num-iterations", "4", "--resume", str(out / "split")]]
+    runs += [
+        [SCRIPTS[0], *split, "--num-iterations", "2"],
+        [SCRIPTS[0], *split, "--num-iterations", "4", "--resume", str(out / "split")],
+    ]
     names += ["split", "resumed"]
     for kind in ("full", "lora"):
         for par in ("ddp", "fsdp"):
             names.append(f"flux-{kind}-{par}")
-            runs.append([SCRIPTS[0], *tiny_flags(tiny_flux, out, prompts, names[-1]), *FAST, "--parallel", par,
-                         *(["--full-finetune", "--num-iterations", "3"] if kind == "full"
-                           else [*LORA, "--eval-prompts", three])])
+            runs.append(
+                [
+                    SCRIPTS[0],
+                    *tiny_flags(tiny_flux, out, prompts, names[-1]),
+                    *FAST,
+                    "--parallel",
+                    par,
+                    *(
+                        ["--full-finetune", "--num-iterations", "3"]
+                        if kind == "full"
+                        else [*LORA, "--eval-prompts", three]
+                    ),
+                ]
+            )
     # The per-script DDP checks (LoRA, the default path) ride in the same launch: a launch costs its imports.
     from test_flowgrpo_baseline import WINDOW
     from test_g2rpo import _flags as g2rpo_flags
 
     base = tiny_flags(tiny_sd3, out, prompts, "ddp-window")
     i = base.index("--timestep-fraction")
-    runs += [[SCRIPTS[0], *base[:i], *base[i + 2:], "--num-iterations", "3", "--groups-per-iteration", "2",
-              "--group-size", "4", "--rollout-batch-size", "2", "--learning-rate", "1e-2", "--eval-every", "100",
-              *WINDOW],
-             ["g2rpo.py", *g2rpo_flags(tiny_sd3, out, "ddp-g2rpo"), "--num-iterations", "2", "--learning-rate", "1e-2",
-              "--eval-every", "100"],
-             ["densegrpo.py", *tiny_flags(tiny_sd3, out, prompts, "ddp-psi"), "--num-iterations", "2",
-              "--groups-per-iteration", "2", "--group-size", "4", "--rollout-batch-size", "2", "--learning-rate",
-              "1e-2", "--eval-every", "100", "--calibration-iterations", "2", "--calibration-trajectories", "2",
-              "--completion-batch-size", "4"]]
+    runs += [
+        [
+            SCRIPTS[0],
+            *base[:i],
+            *base[i + 2 :],
+            "--num-iterations",
+            "3",
+            "--groups-per-iteration",
+            "2",
+            "--group-size",
+            "4",
+            "--rollout-batch-size",
+            "2",
+            "--learning-rate",
+            "1e-2",
+            "--eval-every",
+            "100",
+            *WINDOW,
+        ],
+        [
+            "g2rpo.py",
+            *g2rpo_flags(tiny_sd3, out, "ddp-g2rpo"),
+            "--num-iterations",
+            "2",
+            "--learning-rate",
+            "1e-2",
+            "--eval-every",
+            "100",
+        ],
+        [
+            "densegrpo.py",
+            *tiny_flags(tiny_sd3, out, prompts, "ddp-psi"),
+            "--num-iterations",
+            "2",
+            "--groups-per-iteration",
+            "2",
+            "--group-size",
+            "4",
+            "--rollout-batch-size",
+            "2",
+            "--learning-rate",
+            "1e-2",
+            "--eval-every",
+            "100",
+            "--calibration-iterations",
+            "2",
+            "--calibration-trajectories",
+            "2",
+            "--completion-batch-size",
+            "4",
+        ],
+    ]
     names += ["ddp-window", "ddp-g2rpo", "ddp-psi"]
     return out, names, launch(runs, out, nodes=2)
 
@@ -201,8 +309,13 @@ def test_fsdp_holds_half_the_parameters_and_optimizer_state_per_rank(two_nodes):
             assert abs(f[key] / d[key] - 0.5) < 0.02, (script, key, f[key], d[key])
         for r in (d, *both):  # the memory model's terms at rest (tests/bench_memory.py): weights 4P / N, Adam 8P / N
             assert r["optimizer_bytes"] == 2 * r["param_bytes"], (script, r)
-        print(script, "per-rank bytes, ddp -> fsdp:", d["param_bytes"] + d["optimizer_bytes"], "->",
-              f["param_bytes"] + f["optimizer_bytes"])
+        print(
+            script,
+            "per-rank bytes, ddp -> fsdp:",
+            d["param_bytes"] + d["optimizer_bytes"],
+            "->",
+            f["param_bytes"] + f["optimizer_bytes"],
+        )
 
 
 def test_fsdp_resume_is_exact_and_loads_in_a_stock_pipeline(two_nodes, tiny_sd3):
@@ -239,10 +352,14 @@ def test_two_nodes_over_loopback_and_flux_fsdp_matches_ddp(two_nodes, tiny_flux)
     assert sorted(res) == [(i, r) for i in range(len(names)) for r in (0, 1)]
     for i, name in enumerate(names):
         assert res[i, 0]["digest"] == res[i, 1]["digest"], name
-    assert_close(*(transformer_weights(out / f"flux-full-{p}" / "checkpoint-3") for p in ("ddp", "fsdp")),
-                 transformer_weights(tiny_flux))
-    a, b = (load_file(str(out / f"flux-lora-{p}" / "checkpoint-2" / "pytorch_lora_weights.safetensors"))
-            for p in ("ddp", "fsdp"))
+    assert_close(
+        *(transformer_weights(out / f"flux-full-{p}" / "checkpoint-3") for p in ("ddp", "fsdp")),
+        transformer_weights(tiny_flux),
+    )
+    a, b = (
+        load_file(str(out / f"flux-lora-{p}" / "checkpoint-2" / "pytorch_lora_weights.safetensors"))
+        for p in ("ddp", "fsdp")
+    )
     # LoRA at lr 5e-2: Adam turns a gradient element at float-noise level, whose sign depends on the reduction order,
     # into a step of up to lr, so the weights differ by more than full fine-tuning's: 6.0e-4 on a weight of 0.056 on
     # the machine of 2026-12-02 (under 1e-4 before), while they moved by 0.09 (the 100x check below still holds)
@@ -253,7 +370,9 @@ def test_two_nodes_over_loopback_and_flux_fsdp_matches_ddp(two_nodes, tiny_flux)
     pipe.load_lora_weights(str(out / "flux-lora-fsdp" / "checkpoint-2"))
     with_lora = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
     pipe.unload_lora_weights()
-    pipe.transformer = FluxTransformer2DModel.from_pretrained(str(out / "flux-full-fsdp" / "checkpoint-3" / "transformer"))
+    pipe.transformer = FluxTransformer2DModel.from_pretrained(
+        str(out / "flux-full-fsdp" / "checkpoint-3" / "transformer")
+    )
     full = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
     assert (with_lora - before).abs().max() > 1e-3 and (full - before).abs().max() > 1e-3
 
@@ -289,12 +408,24 @@ def modules():
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-@pytest.mark.parametrize("change,world,expect", [
-    (dict(parallel="fsdp"), 1, "error: --parallel fsdp shards the model over the ranks of a process group, and "
-                               "`python script.py` starts none: launch it with `torchrun --nproc-per-node N"),
-    (dict(fsdp_offload=True), 1, "error: --fsdp-offload keeps FSDP's shards in host memory: it needs --parallel fsdp"),
-    (dict(parallel="fsdp"), 5, "multiple of 5"),  # 64 images (G²RPO: 3 groups) over 5 ranks
-], ids=["no-torchrun", "offload-without-fsdp", "world-size"])
+@pytest.mark.parametrize(
+    "change,world,expect",
+    [
+        (
+            dict(parallel="fsdp"),
+            1,
+            "error: --parallel fsdp shards the model over the ranks of a process group, and "
+            "`python script.py` starts none: launch it with `torchrun --nproc-per-node N",
+        ),
+        (
+            dict(fsdp_offload=True),
+            1,
+            "error: --fsdp-offload keeps FSDP's shards in host memory: it needs --parallel fsdp",
+        ),
+        (dict(parallel="fsdp"), 5, "multiple of 5"),  # 64 images (G²RPO: 3 groups) over 5 ranks
+    ],
+    ids=["no-torchrun", "offload-without-fsdp", "world-size"],
+)
 def test_bad_parallel_input_is_one_line(modules, monkeypatch, script, change, world, expect):
     monkeypatch.delenv("RANK", raising=False)
     args = dataclasses.replace(modules[script]["Args"](), **change)

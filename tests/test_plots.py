@@ -1,5 +1,6 @@
 """common/plots.py: every chart is a PNG of the promised size, whatever the log holds; grids frame correct
 images green and wrong ones red (read back from the pixels); the before/after image pairs the same prompts."""
+
 import math
 import os
 
@@ -9,8 +10,17 @@ from PIL import Image
 
 from common import toyworld
 from common.evaluation import Panel
-from common.plots import (GREEN, RED, STEP_LABELS, STEP_METRICS, before_after, captioned_grid, learning_curve,
-                          line_plot, step_heatmap)
+from common.plots import (
+    GREEN,
+    RED,
+    STEP_LABELS,
+    STEP_METRICS,
+    before_after,
+    captioned_grid,
+    learning_curve,
+    line_plot,
+    step_heatmap,
+)
 
 pytestmark = pytest.mark.pictures  # run_pictures is what this file tests: not replaced by tests/conftest.py
 
@@ -31,8 +41,15 @@ def history(train=True, evals=True, steps=True, n=12):
         if train:
             h["train/reward_mean"] = 0.4 + 0.01 * it if it != 3 else None  # a gap in the log
         if evals and it % 4 == 0:
-            h.update({"eval/accuracy": 0.4 + 0.01 * it, "eval/accuracy_se": 0.03, "eval/accuracy_single": 0.7,
-                      "eval/accuracy_counting": 0.2 + 0.01 * it, "eval/reward_mean": 0.5})
+            h.update(
+                {
+                    "eval/accuracy": 0.4 + 0.01 * it,
+                    "eval/accuracy_se": 0.03,
+                    "eval/accuracy_single": 0.7,
+                    "eval/accuracy_counting": 0.2 + 0.01 * it,
+                    "eval/reward_mean": 0.5,
+                }
+            )
         if steps:
             for j in range(3):
                 h.update({f"steps/ratio/{j}": 1 + 0.01 * (j - 1) * it, f"steps/kl/{j}": 0.001 * it})
@@ -42,8 +59,13 @@ def history(train=True, evals=True, steps=True, n=12):
 
 def test_line_plot_skips_missing_values(tmp_path):
     path = tmp_path / "l.png"
-    line_plot({"a": ([0, 1, 2], [0.1, None, 0.3]), "b": ([0, 1], [float("nan"), 0.2]), "empty": ([], [])},
-              str(path), "x", "y", "t")
+    line_plot(
+        {"a": ([0, 1, 2], [0.1, None, 0.3]), "b": ([0, 1], [float("nan"), 0.2]), "empty": ([], [])},
+        str(path),
+        "x",
+        "y",
+        "t",
+    )
     assert png_size(path) == (640, 400)
     line_plot({}, str(path), "x", "y", size=(300, 200))
     assert png_size(path) == (300, 200)
@@ -58,17 +80,24 @@ def test_learning_curve_with_or_without_train_and_eval_rows(tmp_path, train, eva
 
 def test_learning_curve_reward_only_evaluation(tmp_path):
     """Real-model runs log eval/reward_mean and no accuracy: the right axis shows the reward."""
-    rows = [{"iteration": i, "train/reward_mean": 0.1 * i, **({"eval/reward_mean": 0.2} if i % 2 else {})}
-            for i in range(5)]
+    rows = [
+        {"iteration": i, "train/reward_mean": 0.1 * i, **({"eval/reward_mean": 0.2} if i % 2 else {})} for i in range(5)
+    ]
     learning_curve(rows, str(tmp_path / "c.png"), "run")
     assert png_size(tmp_path / "c.png") == (900, 520)
 
 
 @pytest.mark.parametrize("metrics", [STEP_METRICS, ("ratio", "kl"), ()])
 def test_step_heatmap_one_panel_per_metric(tmp_path, metrics):
-    rows = [{"iteration": it, "train/reward_mean": 0.5,
-             **{f"steps/{m}/{j}": 1.0 + 0.01 * it * j for m in metrics for j in range(4)}}
-            for it in range(0, 10) if it != 5]  # iteration 5 missing (grey column)
+    rows = [
+        {
+            "iteration": it,
+            "train/reward_mean": 0.5,
+            **{f"steps/{m}/{j}": 1.0 + 0.01 * it * j for m in metrics for j in range(4)},
+        }
+        for it in range(0, 10)
+        if it != 5
+    ]  # iteration 5 missing (grey column)
     path = tmp_path / "h.png"
     titles = step_heatmap(rows, "steps/", str(path), "per-step diagnostics")
     assert titles == [STEP_LABELS[m] for m in metrics]
@@ -77,8 +106,18 @@ def test_step_heatmap_one_panel_per_metric(tmp_path, metrics):
     assert set(STEP_LABELS) == set(STEP_METRICS)  # every logged metric (tests/test_training.py) has its panel title
     # a metric that is the same at every step of every iteration (the KL with beta 0; Flow-GRPO's |advantage|, equal
     # at every step of a trajectory) tells nothing per step: it is named under the panels, not drawn
-    flat = [{"iteration": it, "steps/kl/0": 0.0, "steps/kl/1": 0.0, "steps/abs_adv/0": 0.5 + it, "steps/abs_adv/1": 0.5 + it,
-             "steps/grad_share/0": 0.1 * it, "steps/grad_share/1": 1 - 0.1 * it} for it in range(3)]
+    flat = [
+        {
+            "iteration": it,
+            "steps/kl/0": 0.0,
+            "steps/kl/1": 0.0,
+            "steps/abs_adv/0": 0.5 + it,
+            "steps/abs_adv/1": 0.5 + it,
+            "steps/grad_share/0": 0.1 * it,
+            "steps/grad_share/1": 1 - 0.1 * it,
+        }
+        for it in range(3)
+    ]
     assert step_heatmap(flat, "steps/", str(tmp_path / "f.png"), "t") == [STEP_LABELS["grad_share"]]
     assert png_size(tmp_path / "f.png") == (440, 320 + 40)  # one panel and the line naming the other two
 
@@ -90,7 +129,11 @@ def test_the_learning_curves_running_mean_shows_the_trend_through_the_noise():
     assert running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     noisy = [0.5 + 0.002 * i + (0.1 if i % 2 else -0.1) for i in range(60)]  # a climb hidden by +-0.1 jumps
     smooth = running_mean(noisy, running_window(len(noisy)))
-    assert max(abs(a - b) for a, b in zip(smooth[6:], smooth[7:])) < 0.02 < min(abs(a - b) for a, b in zip(noisy, noisy[1:]))
+    assert (
+        max(abs(a - b) for a, b in zip(smooth[6:], smooth[7:]))
+        < 0.02
+        < min(abs(a - b) for a, b in zip(noisy, noisy[1:]))
+    )
 
 
 def frame_pixels(cell: np.ndarray, color) -> int:
@@ -106,7 +149,7 @@ def test_grid_frames_correct_green_and_wrong_red():
     _, verdicts = toyworld.score(images, prompts)
     assert verdicts.tolist() == [True, False]
     grid = np.asarray(captioned_grid(images, prompts, verdicts.tolist(), [1.0, 0.0], ncol=2))
-    left, right = grid[:, :grid.shape[1] // 2], grid[:, grid.shape[1] // 2:]
+    left, right = grid[:, : grid.shape[1] // 2], grid[:, grid.shape[1] // 2 :]
     ring = 4 * 128 * 3  # the frame around a 128 px image is at least 3 px wide
     assert frame_pixels(left, GREEN) > ring and frame_pixels(left, RED) == 0
     assert frame_pixels(right, RED) > ring and frame_pixels(right, GREEN) == 0
@@ -169,6 +212,8 @@ def test_run_logger_sends_captioned_panels_to_wandb(tmp_path, monkeypatch):
     logger = RunLogger(str(tmp_path), True, True, {}, "p", None, "n")
     logger.log({"iteration": 3}, {"eval/samples": panel.grid(), "eval/panel": panel.captioned()})
     assert logged["step"] == 3 and logged["eval/samples"][0] == "Image"
-    assert [c for _, _, c in logged["eval/panel"]] == ["a photo of a red circle (seed 0): reward 0.50, correct",
-                                                       "a photo of two blue squares (seed 1): reward 0.50, correct"]
+    assert [c for _, _, c in logged["eval/panel"]] == [
+        "a photo of a red circle (seed 0): reward 0.50, correct",
+        "a photo of two blue squares (seed 1): reward 0.50, correct",
+    ]
     assert logged["eval/panel"][0][1] == (128, 128)

@@ -1,15 +1,15 @@
 """The README's "Use what you trained" snippet, run verbatim: it loads the shipped toy model into a stock diffusers
 pipeline, loads a run's LoRA and samples. A zero LoRA (the scripts' initial one) gives bit for bit the evaluation
 sampler's image; a non-zero one changes it."""
+
 import os
 import re
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from helpers import ROOT
+from PIL import Image
 
 SNIPPET = re.compile(r"<!-- snippet:load-lora -->\s*```python\n(.*?)```\s*<!-- /snippet:load-lora -->", re.S)
 
@@ -31,8 +31,9 @@ def save_lora(folder: str, b_std: float) -> None:
     from common.backbones import LORA_TARGETS
 
     tr = SD3Transformer2DModel.from_pretrained(os.path.join(ROOT, "common", "toyworld", "model", "transformer"))
-    tr.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
-                              target_modules=LORA_TARGETS["attention"]))
+    tr.add_adapter(
+        LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=LORA_TARGETS["attention"])
+    )
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in tr.named_parameters():
@@ -63,7 +64,7 @@ def test_readme_snippet_loads_a_lora_into_a_stock_pipeline(tmp_path):
     from common.backbones import load_backbone, sample_ode
 
     code = readme_snippet()
-    prompt = re.search(r'pipe\("([^"]+)"', code).group(1)
+    prompt = re.search(r'pipe\(\s*"([^"]+)"', code).group(1)
     zero = run_snippet(tmp_path / "zero", 0.0)
     trained = run_snippet(tmp_path / "trained", 0.05)
     assert zero.shape == trained.shape == (256, 256, 3)

@@ -70,13 +70,17 @@ def test_mix_and_advantage_mix():
     with pytest.raises(ValueError):
         advantage_mix(adv, torch.tensor([1.0, 2.0, 3.0]))
     assert model.means(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), "eval/") == {
-        "eval/jpeg_compressibility": 2.0, "eval/jpeg_incompressibility": 3.0}
+        "eval/jpeg_compressibility": 2.0,
+        "eval/jpeg_incompressibility": 3.0,
+    }
 
 
 def test_no_heavy_import_until_used():
-    code = ("import sys; from common import rewards as r; r.parse_reward_spec('pickscore:1,hpsv2:1');"
-            "r.build_reward('jpeg_compressibility'); print(any(m in sys.modules for m in "
-            "('transformers', 'open_clip', 'ImageReward', 'common.toyworld')))")
+    code = (
+        "import sys; from common import rewards as r; r.parse_reward_spec('pickscore:1,hpsv2:1');"
+        "r.build_reward('jpeg_compressibility'); print(any(m in sys.modules for m in "
+        "('transformers', 'open_clip', 'ImageReward', 'common.toyworld')))"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -101,8 +105,16 @@ def test_jpeg_sign_and_scale():
 class LaionMLP(nn.Module):  # the layout of improved-aesthetic-predictor's MLP, written independently
     def __init__(self, dim):
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(dim, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-                                    nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
+        self.layers = nn.Sequential(
+            nn.Linear(dim, 1024),
+            nn.Dropout(0.2),
+            nn.Linear(1024, 128),
+            nn.Dropout(0.2),
+            nn.Linear(128, 64),
+            nn.Dropout(0.1),
+            nn.Linear(64, 16),
+            nn.Linear(16, 1),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -116,16 +128,37 @@ def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("reward-ckpts")
     tok = make_clip_tokenizer(model_max_length=16)
     torch.manual_seed(0)
-    model = CLIPModel(CLIPConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=16, bos_token_id=0,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id),
-        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=37,
-                           num_hidden_layers=2, num_attention_heads=4),
-        projection_dim=16))
+    model = CLIPModel(
+        CLIPConfig(
+            text_config=dict(
+                vocab_size=len(tok),
+                hidden_size=32,
+                intermediate_size=37,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=16,
+                bos_token_id=0,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.eos_token_id,
+            ),
+            vision_config=dict(
+                image_size=32,
+                patch_size=8,
+                hidden_size=32,
+                intermediate_size=37,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+            ),
+            projection_dim=16,
+        )
+    )
     proc = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    for name, parts in {"model": (model,), "processor": (tok, proc), "full": (model, tok, proc),
-                        "aesthetic": (model, tok, proc)}.items():
+    for name, parts in {
+        "model": (model,),
+        "processor": (tok, proc),
+        "full": (model, tok, proc),
+        "aesthetic": (model, tok, proc),
+    }.items():
         for part in parts:
             part.save_pretrained(root / name)
     torch.save(LaionMLP(16).state_dict(), root / "aesthetic" / rewards.AESTHETIC_MLP_FILE)
@@ -138,10 +171,12 @@ IMAGEREWARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures
 
 
 def paths_for(name, c):
-    return {"pickscore": {"pickscore": c["model"], "pickscore_processor": c["processor"]},
-            "clipscore": {"clipscore": c["full"]},
-            "aesthetic": {"aesthetic": c["aesthetic"]},
-            "imagereward": {"imagereward": IMAGEREWARD}}[name]
+    return {
+        "pickscore": {"pickscore": c["model"], "pickscore_processor": c["processor"]},
+        "clipscore": {"clipscore": c["full"]},
+        "aesthetic": {"aesthetic": c["aesthetic"]},
+        "imagereward": {"imagereward": IMAGEREWARD},
+    }[name]
 
 
 @pytest.mark.parametrize("name", ["pickscore", "clipscore", "aesthetic", "imagereward"])
@@ -174,8 +209,11 @@ def test_clip_scalings(ckpts):
     pixels = (pixels - mean) / std
     tok = clip.tokenizer(PROMPTS[:4], padding="max_length", max_length=16, truncation=True, return_tensors="pt")
     with torch.no_grad():
-        out = clip.model(input_ids=tok.input_ids.to(DEVICE), attention_mask=tok.attention_mask.to(DEVICE),
-                         pixel_values=pixels.to(DEVICE))
+        out = clip.model(
+            input_ids=tok.input_ids.to(DEVICE),
+            attention_mask=tok.attention_mask.to(DEVICE),
+            pixel_values=pixels.to(DEVICE),
+        )
     torch.testing.assert_close(s[:, 0], out.logits_per_image.diagonal().cpu() / scale, rtol=1e-4, atol=1e-5)
 
 
@@ -240,15 +278,21 @@ def test_imagereward_matches_the_original_package(monkeypatch):
     model = build_reward("imagereward", DEVICE, model_paths={"imagereward": IMAGEREWARD}, batch_size=4)
     reward = model.fns[0]
     prompts = [p for p in expected["prompts"] for _ in range(4)]  # prompt i with images 0..3
-    assert reward.tokenizer(expected["prompts"], padding="max_length", truncation=True,
-                            max_length=35).input_ids == expected["input_ids"]
+    assert (
+        reward.tokenizer(expected["prompts"], padding="max_length", truncation=True, max_length=35).input_ids
+        == expected["input_ids"]
+    )
     s = model(square.repeat(4, 1, 1, 1), prompts)
     assert s.shape == (16, 1) and s.dtype == torch.float32
     want = torch.tensor(expected["scores"]).reshape(16, 1)
     torch.testing.assert_close(s, want, rtol=0, atol=1e-4)
     assert want.std() > 0.1, "the fixture's scores differ enough to tell a wrong model apart"
-    torch.testing.assert_close(model(smooth.repeat(4, 1, 1, 1), prompts),
-                               torch.tensor(expected["smooth_scores"]).reshape(16, 1), rtol=0, atol=1e-2)
+    torch.testing.assert_close(
+        model(smooth.repeat(4, 1, 1, 1), prompts),
+        torch.tensor(expected["smooth_scores"]).reshape(16, 1),
+        rtol=0,
+        atol=1e-2,
+    )
 
 
 def test_imagereward_file_path_and_tokenizer_key(tmp_path, monkeypatch):
@@ -290,6 +334,7 @@ def test_imagereward_wrong_paths_give_one_clear_line(tmp_path):
         build_reward("imagereward", model_paths=paths)
     _one_line(e)
 
+
 def _importable(module):
     try:
         __import__(module)
@@ -304,9 +349,11 @@ def test_hpsv2_loads_tiny_open_clip_checkpoint(monkeypatch, tmp_path):
 
     import open_clip
 
-    cfg = {"embed_dim": 16,
-           "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
-           "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+    cfg = {
+        "embed_dim": 16,
+        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+    }
     (tmp_path / "tiny-hps-test.json").write_text(json.dumps(cfg))
     open_clip.add_model_config(tmp_path / "tiny-hps-test.json")
     monkeypatch.setattr(rewards, "HPSV2_ARCH", "tiny-hps-test")
@@ -315,8 +362,9 @@ def test_hpsv2_loads_tiny_open_clip_checkpoint(monkeypatch, tmp_path):
     x, paths = images(5), {"hpsv2": str(tmp_path)}
     s = build_reward("hpsv2", DEVICE, paths, batch_size=4)(x, PROMPTS[:5])
     assert s.shape == (5, 1) and (s.abs() <= 1).all() and s.std() > 0
-    torch.testing.assert_close(build_reward("hpsv2", DEVICE, paths, batch_size=1)(x, PROMPTS[:5]), s,
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        build_reward("hpsv2", DEVICE, paths, batch_size=1)(x, PROMPTS[:5]), s, rtol=1e-4, atol=1e-5
+    )
     with pytest.raises(RewardLoadError, match="HPS_v2.1_compressed.pt.*xswu/HPSv2"):
         build_reward("hpsv2", model_paths={"hpsv2": str(tmp_path / "nowhere")})
 
@@ -346,8 +394,9 @@ def test_toyworld_coverage_is_won_by_flooding_the_canvas():
     flood = torch.zeros_like(rendered)
     flood[:, 0] = 1  # all red
     s = build_reward("toyworld_coverage")(torch.cat([rendered, flood, torch.zeros_like(rendered)]), [prompt] * 3)
-    share = ((rendered[0, 0] > 0.5) & (rendered[0, 1] < 0.5)).float().mean() + \
-        ((rendered[0, 2] > 0.5) & (rendered[0, 0] < 0.5) & (rendered[0, 1] < 0.5)).float().mean()  # red + blue px
+    share = ((rendered[0, 0] > 0.5) & (rendered[0, 1] < 0.5)).float().mean() + (
+        (rendered[0, 2] > 0.5) & (rendered[0, 0] < 0.5) & (rendered[0, 1] < 0.5)
+    ).float().mean()  # red + blue px
     assert torch.allclose(s[:, 0], torch.stack([share, torch.tensor(1.0), torch.tensor(0.0)]), atol=1e-6)
     assert 0.04 < share < 0.25
     assert score(torch.cat([rendered, flood]), [prompt] * 2)[1].tolist() == [True, False]

@@ -1,5 +1,6 @@
 """The main loop's bookkeeping (common/run.py) on its own: when the loop stops, what a metrics row holds, what a
 checkpoint holds, what the evaluation saves, and the counters of an old checkpoint. No model is loaded: fast."""
+
 import json
 import os
 import sys
@@ -19,9 +20,20 @@ from common.utils import RunLogger  # noqa: E402
 
 
 def make_args(**kw):
-    base = dict(exp_name="t", num_iterations=3, cpu_budget_s=0.0, keep_checkpoints=2, eval_seeds_per_prompt=2,
-                final_eval_seeds_per_prompt=None, guidance_scale=4.5, eval_guidance_scale=None, eval_num_steps=5,
-                shift=None, eval_batch_size=8, resolution=32)
+    base = dict(
+        exp_name="t",
+        num_iterations=3,
+        cpu_budget_s=0.0,
+        keep_checkpoints=2,
+        eval_seeds_per_prompt=2,
+        final_eval_seeds_per_prompt=None,
+        guidance_scale=4.5,
+        eval_guidance_scale=None,
+        eval_num_steps=5,
+        shift=None,
+        eval_batch_size=8,
+        resolution=32,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -50,9 +62,18 @@ def test_a_training_row_holds_the_counters_the_reduced_stats_and_the_phase_times
     run = make_run(tmp_path, counts={"trajectories": 8, "scored_images": 80, "nfe/rollout": 30})
     stats = Stats(num_slots=3)
     steps = torch.tensor([0, 0, 2])
-    stats.add(torch.ones(3), steps, ratio=torch.tensor([1.0, 1.2, 0.8]), ratio_sq=torch.tensor([1.0, 1.44, 0.64]),
-              kl=torch.zeros(3), clipfrac=torch.tensor([0.0, 1.0, 1.0]), policy_loss=torch.ones(3),
-              approx_kl_k2=torch.zeros(3), abs_adv=torch.ones(3), kept=torch.ones(3))
+    stats.add(
+        torch.ones(3),
+        steps,
+        ratio=torch.tensor([1.0, 1.2, 0.8]),
+        ratio_sq=torch.tensor([1.0, 1.44, 0.64]),
+        kl=torch.zeros(3),
+        clipfrac=torch.tensor([0.0, 1.0, 1.0]),
+        policy_loss=torch.ones(3),
+        approx_kl_k2=torch.zeros(3),
+        abs_adv=torch.ones(3),
+        kept=torch.ones(3),
+    )
     stats.add_extremes(torch.ones(3), ratio=torch.tensor([1.0, 1.2, 0.8]))
     stats.keep_first(ratio_dev=torch.tensor(0.25))
     stats.keep_first(ratio_dev=torch.tensor(9.0))  # only the first micro-batch counts
@@ -66,7 +87,9 @@ def test_a_training_row_holds_the_counters_the_reduced_stats_and_the_phase_times
     assert m["ratio/mean"] == pytest.approx(1.0) and m["ratio/max"] == pytest.approx(1.2)
     assert m["ratio/min"] == pytest.approx(0.8) and m["clipfrac"] == pytest.approx(2 / 3)
     assert m["steps/ratio/0"] == pytest.approx(1.1) and m["steps/ratio/2"] == pytest.approx(0.8)
-    assert m["steps/ratio_std/0"] == pytest.approx(0.1, rel=1e-5) and "steps/ratio/1" not in m  # step 1 had no transition
+    assert (
+        m["steps/ratio_std/0"] == pytest.approx(0.1, rel=1e-5) and "steps/ratio/1" not in m
+    )  # step 1 had no transition
     assert m["grad_norm"] == pytest.approx(4.0) and m["train/optimizer_steps"] == 2  # the mean over steps
     assert m["ratio/first_minibatch_max_dev"] == pytest.approx(0.25) and m["train/kept_transitions"] == 3
     assert m["time/rollout_s"] >= 0 and m["time/train_s"] == 0 and "time/cpu_s" in m
@@ -97,7 +120,7 @@ def test_a_checkpoint_holds_the_counters_the_rng_the_args_and_the_script(tmp_pat
         torch.save({"w": w.detach()}, os.path.join(folder, "weights.pt"))
 
     run.checkpoint(4, {"w": w}, optimizer, None, None, save_weights)
-    (it, folder), = list_checkpoints(str(tmp_path))
+    ((it, folder),) = list_checkpoints(str(tmp_path))
     state = load_checkpoint(folder)
     assert it == 4 and state["iteration"] == 4 and state["counts"]["trajectories"] == 5
     assert state["script"] == "script.py" and state["args"]["seed"] == 7 and len(state["rng"]) == 1
@@ -126,21 +149,33 @@ def test_the_evaluation_uses_the_final_seeds_at_the_end_counts_its_nfe_and_saves
     run.evaluate(3, True, None, None, None, prompts, None)
     assert calls == [(2, 4.5), (8, 4.5)]  # periodic: 2 seeds per prompt; final: 8; eval guidance = the rollout's
     assert run.counts["nfe/eval"] == 3 * 2 * 5 + 3 * 8 * 5
-    assert sorted(os.listdir(tmp_path / "samples")) == ["eval_00000.npz", "eval_00000.png", "eval_00003.npz",
-                                                        "eval_00003.png"]
+    assert sorted(os.listdir(tmp_path / "samples")) == [
+        "eval_00000.npz",
+        "eval_00000.png",
+        "eval_00003.npz",
+        "eval_00003.png",
+    ]
     assert run.last_eval == "0.500@3" and run.pictures is not None
 
 
 def test_an_old_checkpoints_images_counter_is_its_scored_images():
-    assert restored_counts({"images": 704, "nfe/rollout": 10}) == {**dict.fromkeys(COUNTERS, 0),
-                                                                   "scored_images": 704, "nfe/rollout": 10}
+    assert restored_counts({"images": 704, "nfe/rollout": 10}) == {
+        **dict.fromkeys(COUNTERS, 0),
+        "scored_images": 704,
+        "nfe/rollout": 10,
+    }
     assert restored_counts(None) == dict.fromkeys(COUNTERS, 0)
 
 
 def test_the_summary_names_the_first_and_last_evaluation():
-    history = [{"iteration": 0, "eval/accuracy": 0.471, "eval/accuracy_se": 0.018}, {"iteration": 1},
-               {"iteration": 30, "eval/accuracy": 0.59, "eval/accuracy_se": 0.017}]
-    assert summary_line(history) == ("held-out eval/accuracy: 0.471 ± 0.018 at iteration 0 -> 0.590 ± 0.017 at "
-                                     "iteration 30")
+    history = [
+        {"iteration": 0, "eval/accuracy": 0.471, "eval/accuracy_se": 0.018},
+        {"iteration": 1},
+        {"iteration": 30, "eval/accuracy": 0.59, "eval/accuracy_se": 0.017},
+    ]
+    assert summary_line(history) == (
+        "held-out eval/accuracy: 0.471 ± 0.018 at iteration 0 -> 0.590 ± 0.017 at iteration 30"
+    )
     assert summary_line([{"iteration": 0, "eval/reward_mean": 0.25}]) == (
-        "held-out eval/reward_mean: 0.250 at iteration 0 -> 0.250 at iteration 0")
+        "held-out eval/reward_mean: 0.250 at iteration 0 -> 0.250 at iteration 0"
+    )

@@ -1,4 +1,5 @@
 """Tests for common/sampler.py: each one recomputes the math independently, so a wrong formula fails."""
+
 import math
 import pathlib
 import sys
@@ -94,14 +95,17 @@ def test_gradient_flows_through_mean_only():
     torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("sigma, sigma_next, sigma_max", [(0.7, 0.6, None), (1.0, 0.96, None), (1.0, 0.96, 0.96),
-                                                          (0.01, 0.0, None), (0.0, 0.0, None)])
+@pytest.mark.parametrize(
+    "sigma, sigma_next, sigma_max",
+    [(0.7, 0.6, None), (1.0, 0.96, None), (1.0, 0.96, 0.96), (0.01, 0.0, None), (0.0, 0.0, None)],
+)
 def test_noise_zero_is_exact_euler(sigma, sigma_next, sigma_max):
     v, x = _inputs()
     dt = torch.tensor(sigma_next, dtype=torch.float32) - torch.tensor(sigma, dtype=torch.float32)
     euler = x + dt * v
     prev, log_prob, mean, std_dev_t = sde_step_with_logprob(
-        v, x, sigma, sigma_next, 0.0, generator=torch.Generator().manual_seed(0), sigma_max=sigma_max)
+        v, x, sigma, sigma_next, 0.0, generator=torch.Generator().manual_seed(0), sigma_max=sigma_max
+    )
     for t in (prev, log_prob, mean, std_dev_t):
         assert torch.isfinite(t).all()
     assert torch.equal(prev, euler) and torch.equal(mean, euler)
@@ -114,7 +118,8 @@ def test_mixed_per_sample_noise_at_sigma_one():
     v, x = _inputs(shape=(2, 4, 5, 6))
     sched = sigma_schedule(10, 3.0)
     prev, log_prob, _, std_dev_t = sde_step_with_logprob(
-        v, x, 1.0, sched[1], torch.tensor([0.0, 0.7]), sigma_max=sched[1], generator=torch.Generator().manual_seed(0))
+        v, x, 1.0, sched[1], torch.tensor([0.0, 0.7]), sigma_max=sched[1], generator=torch.Generator().manual_seed(0)
+    )
     assert torch.isfinite(prev).all() and torch.isfinite(log_prob).all()
     assert torch.equal(prev[0], ode_step(v, x, 1.0, sched[1])[0])
     assert log_prob[0] == 0 and log_prob[1] != 0
@@ -156,13 +161,21 @@ def test_per_sample_tensors_equal_loop_over_floats():
     other = torch.randn(SHAPE, generator=torch.Generator().manual_seed(7))
     sched = sigma_schedule(10, 3.0)
     sigma, sigma_next, a = sched[[0, 4, 8]], sched[[1, 5, 9]], torch.tensor([0.7, 0.0, 0.9])
-    _, log_prob, mean, std_dev_t = sde_step_with_logprob(v, x, sigma, sigma_next, a, prev_sample=other,
-                                                         sigma_max=sched[1])
+    _, log_prob, mean, std_dev_t = sde_step_with_logprob(
+        v, x, sigma, sigma_next, a, prev_sample=other, sigma_max=sched[1]
+    )
     ode, x0 = ode_step(v, x, sigma, sigma_next), x0_prediction(v, x, sigma)
     for i in range(3):
         sl = slice(i, i + 1)
-        _, lp_i, mean_i, std_i = sde_step_with_logprob(v[sl], x[sl], sigma[i].item(), sigma_next[i].item(),
-                                                       a[i].item(), prev_sample=other[sl], sigma_max=sched[1].item())
+        _, lp_i, mean_i, std_i = sde_step_with_logprob(
+            v[sl],
+            x[sl],
+            sigma[i].item(),
+            sigma_next[i].item(),
+            a[i].item(),
+            prev_sample=other[sl],
+            sigma_max=sched[1].item(),
+        )
         torch.testing.assert_close(log_prob[sl], lp_i)
         torch.testing.assert_close(mean[sl], mean_i)
         torch.testing.assert_close(std_dev_t.flatten()[i], std_i.flatten()[0])
@@ -182,7 +195,6 @@ def test_x0_prediction_recovers_data():
     torch.testing.assert_close(x0_prediction(eps - x0, (1 - s) * x0 + s * eps, sigma), x0, rtol=1e-5, atol=1e-5)
 
 
-
 # --------------------------------------------------------------------------- CPS step (E6)
 
 
@@ -199,8 +211,9 @@ def test_cps_step_matches_formulas_and_released_log_prob():
     v, x = _inputs()
     sigma, sigma_next, a = torch.tensor([1.0, 0.5, 0.2]), torch.tensor([0.9, 0.45, 0.1]), 0.8
     mean_ref, std_ref = _reference_cps(v, x, sigma, sigma_next, a)
-    prev, log_prob, mean, std = sde_step_with_logprob(v, x, sigma, sigma_next, a, sde_type="cps",
-                                                      generator=torch.Generator().manual_seed(3))
+    prev, log_prob, mean, std = sde_step_with_logprob(
+        v, x, sigma, sigma_next, a, sde_type="cps", generator=torch.Generator().manual_seed(3)
+    )
     torch.testing.assert_close(mean, mean_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(std, std_ref)  # the step std itself: no sqrt|dt| factor, finite at sigma = 1
     eps = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
@@ -213,11 +226,11 @@ def test_cps_step_matches_formulas_and_released_log_prob():
     lp_new = sde_step_with_logprob(v_new, x, sigma, sigma_next, a, prev_sample=prev, sde_type="cps")[1]
     mean_new, _ = _reference_cps(v_new, x, sigma, sigma_next, a)
     normal = lambda m: torch.distributions.Normal(m, std_ref).log_prob(prev).mean(DIMS)  # noqa: E731
-    torch.testing.assert_close(lp_new - log_prob, 2 * std_ref.flatten() ** 2 * (normal(mean_new) - normal(mean_ref)),
-                               rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(
+        lp_new - log_prob, 2 * std_ref.flatten() ** 2 * (normal(mean_new) - normal(mean_ref)), rtol=1e-3, atol=1e-6
+    )
     # the same v scores its own sample to the same number: ratio exactly 1
-    assert torch.equal(sde_step_with_logprob(v, x, sigma, sigma_next, a, prev_sample=prev, sde_type="cps")[1],
-                       log_prob)
+    assert torch.equal(sde_step_with_logprob(v, x, sigma, sigma_next, a, prev_sample=prev, sde_type="cps")[1], log_prob)
     with pytest.raises(ValueError, match="sde_type"):
         sde_step_with_logprob(v, x, 0.5, 0.4, 0.8, sde_type="ddim")
 
@@ -225,8 +238,9 @@ def test_cps_step_matches_formulas_and_released_log_prob():
 @pytest.mark.parametrize("sigma, sigma_next", [(0.7, 0.6), (1.0, 0.96), (0.01, 0.0), (0.0, 0.0)])
 def test_cps_noise_zero_is_exact_euler(sigma, sigma_next):
     v, x = _inputs()
-    prev, log_prob, mean, std = sde_step_with_logprob(v, x, sigma, sigma_next, 0.0, sde_type="cps",
-                                                      generator=torch.Generator().manual_seed(0))
+    prev, log_prob, mean, std = sde_step_with_logprob(
+        v, x, sigma, sigma_next, 0.0, sde_type="cps", generator=torch.Generator().manual_seed(0)
+    )
     euler = ode_step(v, x, sigma, sigma_next)
     assert torch.equal(prev, euler) and torch.equal(mean, euler)
     assert torch.equal(log_prob, torch.zeros(3)) and torch.all(std == 0)
@@ -236,8 +250,9 @@ def test_cps_per_sample_noise_levels():
     """Rows with a = 0 (Euler), 0.8 and 1 (all of sigma_next fresh noise: mean = (1 - sigma_next) x0_hat), at sigma = 1."""
     v, x = _inputs()
     a = torch.tensor([0.0, 0.8, 1.0])
-    prev, log_prob, mean, std = sde_step_with_logprob(v, x, 1.0, 0.9, a, sde_type="cps",
-                                                      generator=torch.Generator().manual_seed(0))
+    prev, log_prob, mean, std = sde_step_with_logprob(
+        v, x, 1.0, 0.9, a, sde_type="cps", generator=torch.Generator().manual_seed(0)
+    )
     for t in (prev, log_prob, mean, std):
         assert torch.isfinite(t).all()
     assert torch.equal(prev[0], ode_step(v, x, 1.0, 0.9)[0]) and log_prob[0] == 0 and log_prob[1] < 0
@@ -248,8 +263,9 @@ def test_cps_per_sample_noise_levels():
 def test_cps_gradient_flows_through_mean_only():
     v, x = _inputs()
     v.requires_grad_(True)
-    prev, log_prob, _, _ = sde_step_with_logprob(v, x, 0.7, 0.6, 0.8, sde_type="cps",
-                                                 generator=torch.Generator().manual_seed(0))
+    prev, log_prob, _, _ = sde_step_with_logprob(
+        v, x, 0.7, 0.6, 0.8, sde_type="cps", generator=torch.Generator().manual_seed(0)
+    )
     (grad,) = torch.autograd.grad(log_prob.sum(), v)
     mean_ref, _ = _reference_cps(v, x, 0.7, 0.6, 0.8)
     (expected,) = torch.autograd.grad(-((prev.detach() - mean_ref) ** 2).mean(DIMS).sum(), v)
@@ -266,6 +282,7 @@ def test_gaussian_kl_is_exact_for_cps():
     _, _, mean_ref, _ = sde_step_with_logprob(v_ref, x, sigma, sigma_next, 0.8, sde_type="cps", prev_sample=x)
     p, q = torch.distributions.Normal(mean, std), torch.distributions.Normal(mean_ref, std)
     torch.testing.assert_close(gaussian_kl(mean, mean_ref, std), torch.distributions.kl_divergence(p, q).mean(DIMS))
+
 
 # --------------------------------------------------------------------------- KL
 
@@ -305,8 +322,13 @@ def test_sigma_schedule_matches_diffusers_flux(num_steps, image_seq_len):
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
     scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-        base_image_seq_len=256, max_image_seq_len=4096)
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
     mu = calculate_shift(image_seq_len, 256, 4096, 0.5, 1.15)
     # what FluxPipeline passes
     scheduler.set_timesteps(num_steps, sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
@@ -317,8 +339,25 @@ def test_sigma_schedule_matches_diffusers_flux(num_steps, image_seq_len):
 
 # The released G2RPO / DanceGRPO grid, T = 16, shift 3, by hand: sigma_i = 3 s / (1 + 2 s) with s = 1 - i/16, e.g.
 # sigma_7 = (27/16) / (34/16) = 27/34 (the reference's table: 1.0, .9783, .9545, ..., .3, .1667, 0).
-OFFICIAL_16 = [1, 45 / 46, 42 / 44, 39 / 42, 36 / 40, 33 / 38, 30 / 36, 27 / 34, 24 / 32, 21 / 30, 18 / 28, 15 / 26,
-               12 / 24, 9 / 22, 6 / 20, 3 / 18, 0]
+OFFICIAL_16 = [
+    1,
+    45 / 46,
+    42 / 44,
+    39 / 42,
+    36 / 40,
+    33 / 38,
+    30 / 36,
+    27 / 34,
+    24 / 32,
+    21 / 30,
+    18 / 28,
+    15 / 26,
+    12 / 24,
+    9 / 22,
+    6 / 20,
+    3 / 18,
+    0,
+]
 
 
 def test_static_shift_schedule_is_the_released_g2rpo_grid():
@@ -369,8 +408,6 @@ def _ode(v, x, s, s_next, sigma_max, g):
     return ode_step(v, x, s, s_next)
 
 
-
-
 def _sde_without_correction(v, x, s, s_next, sigma_max, g):
     """The common mistake: Euler drift v plus noise, without the score term that compensates the noise."""
     std_dev_t = sde_step_with_logprob(v, x, s, s_next, 0.7, sigma_max=sigma_max, prev_sample=x)[3]
@@ -402,7 +439,6 @@ def test_marginals_preserved(step, num_steps, shift):
 def test_marginal_check_detects_wrong_drift(wrong_step):
     _, var = _run_chain(wrong_step, 100, 1.0)
     assert abs(var - S**2) > 5 * TOL_VAR, var
-
 
 
 # CPS (E6) keeps something else than the SDE: the coefficients of the forward process given x0. Write the state as
@@ -488,15 +524,18 @@ def test_cps_with_the_exact_velocity_shrinks_the_marginal(num_steps, shift):
     assert abs(var - var_exact) < TOL_VAR, (var, var_exact)
     assert var_exact < S**2 - 0.08
 
+
 # --------------------------------------------------------------------------- ODE along per-row paths
 
 
 def _row_velocity(calls):
     """A fake model whose output depends nonlinearly on the row's state, its sigma and its row id; counts rows."""
+
     def velocity(x, sigma, rows):
         calls.append(len(x))
         s = sigma.reshape(-1, 1, 1, 1)
         return torch.tanh(x) * (1 + s) + 0.1 * rows.to(torch.float32).reshape(-1, 1, 1, 1) * s**2
+
     return velocity
 
 
@@ -505,7 +544,7 @@ def _paths(seed=0, n=11):
     g = torch.Generator().manual_seed(seed)
     grid = sigma_schedule(10, 3.0)
     out = []
-    for m in range(n):
+    for _ in range(n):
         k = int(torch.randint(0, 11, (1,), generator=g))
         idx = sorted(set([k, 10] + torch.randint(k, 11, (4,), generator=g).tolist()))
         out.append(grid[idx])
@@ -522,10 +561,10 @@ def test_ode_along_paths_equals_rows_one_by_one(batch_size, reuse):
     calls = []
     out, nfe, n_calls = ode_along_paths(_row_velocity(calls), x, paths, batch_size, first_velocity=first)
     for m, p in enumerate(paths):  # the reference: row m alone, scalar sigmas, plain Euler steps (E1)
-        y = x[m:m + 1]
+        y = x[m : m + 1]
         for a, b in zip(p[:-1], p[1:]):
             y = y + (b - a) * _row_velocity([])(y, a.reshape(1), torch.tensor([m]))
-        torch.testing.assert_close(out[m:m + 1], y, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out[m : m + 1], y, rtol=1e-6, atol=1e-6)
     steps = sum(len(p) - 1 for p in paths)
     reused = sum(len(p) > 1 for p in paths) if reuse else 0
     assert nfe == sum(calls) == steps - reused  # a reused first step costs no evaluation
@@ -585,7 +624,7 @@ def test_ratio_norm_recentres_the_ratio_and_equalises_its_spread_across_steps():
         raw, mu, mu_old, std = _step(0.2, sig, sig_next)
         normed = ratio_norm(raw, mu, mu_old, std, torch.tensor(sig), torch.tensor(sig_next))
         s = float(std.reshape(-1)[0]) * (sig - sig_next) ** 0.5
-        bias, se = ((mu - mu_old) ** 2).mean(1) / (2 * s ** 2), raw.std() / len(raw) ** 0.5  # se: MC error of a mean
+        bias, se = ((mu - mu_old) ** 2).mean(1) / (2 * s**2), raw.std() / len(raw) ** 0.5  # se: MC error of a mean
         assert bias.mean() > 10 * se and abs(raw.mean() + bias.mean()) < 4 * se  # the raw mean shift, as derived
         assert abs(normed.mean()) < 4 * normed.std() / len(normed) ** 0.5  # zero-mean within MC error
         out[name] = (raw.std().item(), normed.std().item())

@@ -1,6 +1,7 @@
 """The three scripts share their training section (and everything after it) and the helper that scores a stored
 step, line for line: only the rollout and the algorithm's Args differ, so `diff flowgrpo_baseline.py g2rpo.py` shows
 the algorithm and nothing else."""
+
 import os
 
 import pytest
@@ -18,12 +19,12 @@ def read(name):
 
 def training_tail(text):
     assert TRAINING in text, "lost its TRAINING banner"
-    return text[text.index(TRAINING):]
+    return text[text.index(TRAINING) :]
 
 
 def log_prob_block(text):
     assert LOG_PROB in text and END_OF_SHARED in text, "lost its SHARED log-prob banners"
-    return text[text.index(LOG_PROB):text.index(END_OF_SHARED)]
+    return text[text.index(LOG_PROB) : text.index(END_OF_SHARED)]
 
 
 @pytest.mark.parametrize("script", ["g2rpo.py", "densegrpo.py"])

@@ -27,12 +27,22 @@ def test_parse_fields():
     assert tw.parse("a photo of four cyan triangles").objects == (("cyan", "triangle", 4),)
 
 
-@pytest.mark.parametrize("bad", [
-    "", "a photo of a purple circle", "a photo of a red hexagon", "a photo of five red circles",
-    "a photo of two red circle", "a photo of a red circle and a red circle",
-    "a photo of a red circle left of a red circle", "a photo of a red circle near a blue square",
-    "A photo of a red circle", "a photo of a red circle ", "a photo of one red circle",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "a photo of a purple circle",
+        "a photo of a red hexagon",
+        "a photo of five red circles",
+        "a photo of two red circle",
+        "a photo of a red circle and a red circle",
+        "a photo of a red circle left of a red circle",
+        "a photo of a red circle near a blue square",
+        "A photo of a red circle",
+        "a photo of a red circle ",
+        "a photo of one red circle",
+    ],
+)
 def test_parse_rejects_prompts_outside_the_grammar(bad):
     with pytest.raises(ValueError):
         tw.parse(bad)
@@ -42,7 +52,9 @@ def test_parse_rejects_prompts_outside_the_grammar(bad):
 def test_prompt_files_match_regeneration_and_split(tmp_path):
     tw.write_prompt_files(tmp_path)
     for name in ("prompts_train.txt", "prompts_train_balanced.txt", "prompts_test.txt"):
-        assert (tw.PROMPT_DIR / name).read_text() == (tmp_path / name).read_text(), f"{name}: rerun write_prompt_files()"
+        assert (tw.PROMPT_DIR / name).read_text() == (tmp_path / name).read_text(), (
+            f"{name}: rerun write_prompt_files()"
+        )
     train, test = tw.load_prompts(tw.TRAIN_FILE), tw.load_prompts(tw.TEST_FILE)
     # the RL default mix: the training prompts only, every one of them, every category on the same number of lines,
     # and within a category no prompt more than once more often than another
@@ -102,8 +114,9 @@ def _matched_set(n_train_per_category=100):
     train = defaultdict(list)
     for p in tw.load_prompts(tw.TRAIN_FILE):
         train[tw.category_of(p)].append(p)
-    prompts = tw.load_prompts(tw.TEST_FILE) + [rng.choice(train[c]) for c in tw.CATEGORIES
-                                               for _ in range(n_train_per_category)]
+    prompts = tw.load_prompts(tw.TEST_FILE) + [
+        rng.choice(train[c]) for c in tw.CATEGORIES for _ in range(n_train_per_category)
+    ]
     return prompts, tw.render_batch(prompts, range(len(prompts)))
 
 
@@ -126,8 +139,12 @@ def contradict(prompt: str, kind: str) -> str:
     return tw.Spec(spec.category, tuple(objects), spec.relation).prompt
 
 
-KINDS = {"single": ("colour", "shape"), "counting": ("colour", "shape", "count"),
-         "two_object": ("colour", "shape"), "position": ("colour", "shape", "relation")}
+KINDS = {
+    "single": ("colour", "shape"),
+    "counting": ("colour", "shape", "count"),
+    "two_object": ("colour", "shape"),
+    "position": ("colour", "shape", "relation"),
+}
 
 
 def test_scorer_accepts_renders_of_their_own_prompt():
@@ -146,7 +163,9 @@ def test_scorer_rejects_contradicting_prompts():
     wrong = [q for q, _ in pairs]
     assert all(q != p for q, p in zip(wrong, prompts))
     reward, correct = tw.score(images, wrong)
-    per_kind = {k: float(np.mean([r for r, (_, kk) in zip(reward, pairs) if kk == k])) for k in KINDS["position"] + ("count",)}
+    per_kind = {
+        k: float(np.mean([r for r, (_, kk) in zip(reward, pairs) if kk == k])) for k in KINDS["position"] + ("count",)
+    }
     print("contradicting: mean reward", reward.mean(), "accuracy", correct.mean(), "per kind", per_kind)
     assert reward.mean() <= 0.15 and correct.mean() <= 0.02, per_kind
     assert per_kind["colour"] <= 0.1 and per_kind["relation"] <= 0.1
@@ -165,8 +184,12 @@ def test_reward_is_dense_and_ordered():
     """For a two-object prompt, closer images earn more: correct > one wrong shape > one object missing >
     one wrong colour > blank."""
     prompt = "a photo of a red circle and a blue square"
-    variants = [prompt, "a photo of a red circle and a blue circle", "a photo of a red circle",
-                "a photo of a red circle and a green square"]
+    variants = [
+        prompt,
+        "a photo of a red circle and a blue circle",
+        "a photo of a red circle",
+        "a photo of a red circle and a green square",
+    ]
     images = np.concatenate([tw.render_batch(variants, [3] * 4), np.zeros((1, 32, 32, 3), np.uint8)])
     reward, correct = tw.score(images, [prompt] * 5)
     assert correct.tolist() == [True, False, False, False, False]

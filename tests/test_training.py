@@ -1,11 +1,12 @@
 """The plumbing of the shared training section (common/training.py): the transitions contract, the micro-batch plan,
 the metric reduction, the EMA schedule, and the count of optimizer steps in a real run."""
+
 import pytest
 import torch
+from helpers import read_metrics, run_main, tiny_flags, write_prompts
 
 from common.plots import STEP_METRICS
 from common.training import EMA, Stats, check_transitions, plan_updates
-from helpers import read_metrics, run_main, tiny_flags, write_prompts
 
 
 # ---------------------------------------------------------------------------------------- EMA
@@ -125,10 +126,18 @@ def _transitions(n=3, T=2, shape=(4,)):
     sigmas = torch.tensor([1.0, 0.6, 0.2, 0.0])
     chain = torch.randn(T + 1, n, *shape)
     step, traj = torch.arange(T).repeat_interleave(n), torch.arange(n).repeat(T)
-    return {"latents": chain[:T].flatten(0, 1), "next_latents": chain[1:].flatten(0, 1),
-            "log_prob": torch.zeros(n * T), "sigma": sigmas[step], "sigma_next": sigmas[step + 1],
-            "noise_level": torch.full((n * T,), 0.7), "advantage": torch.randn(n * T), "prompt_index": traj,
-            "step_index": step, "trajectory": traj}, sigmas
+    return {
+        "latents": chain[:T].flatten(0, 1),
+        "next_latents": chain[1:].flatten(0, 1),
+        "log_prob": torch.zeros(n * T),
+        "sigma": sigmas[step],
+        "sigma_next": sigmas[step + 1],
+        "noise_level": torch.full((n * T,), 0.7),
+        "advantage": torch.randn(n * T),
+        "prompt_index": traj,
+        "step_index": step,
+        "trajectory": traj,
+    }, sigmas
 
 
 def test_check_transitions_accepts_a_valid_set_and_catches_order_mistakes():
@@ -160,9 +169,23 @@ def test_check_transitions_accepts_a_valid_set_and_catches_order_mistakes():
 @pytest.mark.parametrize("n_opt", [1, 5])  # the old ceil rule made 4 of 5
 def test_optimizer_steps_per_iteration_is_honoured(tiny_sd3, tmp_path, n_opt):
     prompts = write_prompts(tmp_path / "p.txt", ["a photo of a red circle", "a photo of two blue squares"])
-    run_main("flowgrpo_baseline.py", *tiny_flags(tiny_sd3, tmp_path, prompts), "--num-iterations", "1",
-             "--eval-every", "100", "--group-size", "4", "--rollout-batch-size", "4", "--train-batch-size", "1",
-             "--optimizer-steps-per-iteration", str(n_opt), "--no-drop-zero-advantage")
+    run_main(
+        "flowgrpo_baseline.py",
+        *tiny_flags(tiny_sd3, tmp_path, prompts),
+        "--num-iterations",
+        "1",
+        "--eval-every",
+        "100",
+        "--group-size",
+        "4",
+        "--rollout-batch-size",
+        "4",
+        "--train-batch-size",
+        "1",
+        "--optimizer-steps-per-iteration",
+        str(n_opt),
+        "--no-drop-zero-advantage",
+    )
     m = read_metrics(tmp_path / "run")[0]
     assert m["train/optimizer_steps"] == n_opt  # 8 images x 2 trained steps = 16 micro-batches of 1
     assert m["nfe/train_forward"] == m["nfe/train_backward"] == 16
@@ -196,8 +219,8 @@ def test_tied_groups_get_exactly_zero_advantage():
             for global_std in (True, False):
                 a = flowgrpo_baseline.group_advantages(rewards, group, global_std, 1e-4)
                 assert a.dtype == torch.float32
-                assert torch.equal(a[:G], torch.zeros(G)) and torch.equal(a[2 * G:], torch.zeros(G)), (value, G)
-                assert (a[G:2 * G] != 0).sum() >= G - 1  # the varied group still has its advantages
+                assert torch.equal(a[:G], torch.zeros(G)) and torch.equal(a[2 * G :], torch.zeros(G)), (value, G)
+                assert (a[G : 2 * G] != 0).sum() >= G - 1  # the varied group still has its advantages
 
 
 def test_cfg_gradient_goes_through_both_branches_unless_detached(tiny_sd3):
@@ -229,9 +252,15 @@ def test_cfg_gradient_goes_through_both_branches_unless_detached(tiny_sd3):
     both = grad(lambda: bb.velocity(x, 0.7, emb, w))
     cond_only = grad(lambda: bb.velocity(x, 0.7, emb, w, detach_uncond=True))
     g_c = grad(lambda: bb.velocity(x, 0.7, emb, 1.0))  # the conditional branch alone
-    g_u = grad(lambda: bb.transformer(hidden_states=x, timestep=torch.full((1,), 700.0),
-                                      encoder_hidden_states=emb.neg_embeds, pooled_projections=emb.neg_pooled,
-                                      return_dict=False)[0].float())
+    g_u = grad(
+        lambda: bb.transformer(
+            hidden_states=x,
+            timestep=torch.full((1,), 700.0),
+            encoder_hidden_states=emb.neg_embeds,
+            pooled_projections=emb.neg_pooled,
+            return_dict=False,
+        )[0].float()
+    )
     torch.testing.assert_close(both, w * g_c - (w - 1) * g_u, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(cond_only, w * g_c, rtol=1e-4, atol=1e-6)
     assert (both - cond_only).norm() > 1e-3 * both.norm()

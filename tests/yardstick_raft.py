@@ -120,13 +120,17 @@ if __name__ == "__main__":
         train_prompts = toyworld.load_prompts(args.prompts_file)
         eval_prompts = toyworld.load_prompts(args.eval_prompts)
     except (ValueError, OSError) as e:
-        raise ConfigError(str(e))
+        raise ConfigError(str(e)) from None
     if not all(map(toyworld.in_grammar, train_prompts + eval_prompts)):
-        raise ConfigError("the yardstick scores with the toy reward: every training and evaluation prompt must be in "
-                          "the toy grammar (common/toyworld/prompts.py)")
+        raise ConfigError(
+            "the yardstick scores with the toy reward: every training and evaluation prompt must be in "
+            "the toy grammar (common/toyworld/prompts.py)"
+        )
     if args.group_size < 2 or args.fm_draws < 1:
-        raise ConfigError(f"--group-size {args.group_size} / --fm-draws {args.fm_draws}: need a group of at least 2 "
-                          "and at least one draw per kept image")
+        raise ConfigError(
+            f"--group-size {args.group_size} / --fm-draws {args.fm_draws}: need a group of at least 2 "
+            "and at least one draw per kept image"
+        )
     check_model_path(args.model_path)
     final_seeds = args.final_eval_seeds_per_prompt or args.eval_seeds_per_prompt
     seed_everything(args.seed)
@@ -138,8 +142,14 @@ if __name__ == "__main__":
     from peft.utils import get_peft_model_state_dict
 
     transformer.requires_grad_(False)
-    transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian",
-                                       target_modules=LORA_TARGETS["all-linear"]))  # as the scripts: a no-op at start
+    transformer.add_adapter(
+        LoraConfig(
+            r=args.lora_rank,
+            lora_alpha=args.lora_alpha,
+            init_lora_weights="gaussian",
+            target_modules=LORA_TARGETS["all-linear"],
+        )
+    )  # as the scripts: a no-op at start
     params = [p for p in transformer.parameters() if p.requires_grad]
     for p in params:
         p.data = p.data.float()
@@ -157,8 +167,18 @@ if __name__ == "__main__":
         metrics = {"iteration": iteration}
         if final or iteration % args.eval_every == 0:
             seeds = final_seeds if final else args.eval_seeds_per_prompt
-            m, grid = evaluate(backbone, reward_model, None, eval_prompts, args.eval_num_steps, None, 1.0, seeds,
-                               args.eval_batch_size, res)
+            m, grid = evaluate(
+                backbone,
+                reward_model,
+                None,
+                eval_prompts,
+                args.eval_num_steps,
+                None,
+                1.0,
+                seeds,
+                args.eval_batch_size,
+                res,
+            )
             m.setdefault("eval/accuracy_se", accuracy_se(m, eval_prompts, seeds))
             count["eval"] += len(eval_prompts) * seeds * args.eval_num_steps
             metrics.update(m)
@@ -177,8 +197,9 @@ if __name__ == "__main__":
                 x = backbone.initial_noise(n_img, res, res, generator=gen)
                 for j in range(args.num_steps):
                     v = backbone.velocity(x, sigmas[j], emb, 1.0)
-                    x = sde_step_with_logprob(v, x, sigmas[j], sigmas[j + 1], args.noise_level, generator=gen,
-                                              sigma_max=sigmas[1])[0]
+                    x = sde_step_with_logprob(
+                        v, x, sigmas[j], sigmas[j + 1], args.noise_level, generator=gen, sigma_max=sigmas[1]
+                    )[0]
                 images = backbone.decode(x, res, res)
             rewards, correct = map(torch.as_tensor, toyworld.score(images, prompts))
             rewards = rewards.float()
@@ -200,19 +221,37 @@ if __name__ == "__main__":
                 optimizer.zero_grad(set_to_none=True)
                 count["train_forward"] += len(kept)
                 count["train_backward"] += len(kept)
-            metrics.update({"train/reward_mean": rewards.mean().item(), "train/correct_frac": correct.float().mean()
-                            .item(), "train/kept": int(len(kept)) // args.fm_draws, "train/loss": loss.item()})
-        metrics.update({"nfe": sum(count[k] for k in ("rollout", "completion", "train_forward")),  # as training_nfe
-                        **{f"nfe/{k}": v for k, v in count.items()},
-                        "trajectories": images_seen, "scored_images": images_seen, "time/cpu_s": time.process_time() - cpu0,
-                        "time/elapsed_s": time.time() - t0})
+            metrics.update(
+                {
+                    "train/reward_mean": rewards.mean().item(),
+                    "train/correct_frac": correct.float().mean().item(),
+                    "train/kept": int(len(kept)) // args.fm_draws,
+                    "train/loss": loss.item(),
+                }
+            )
+        metrics.update(
+            {
+                "nfe": sum(count[k] for k in ("rollout", "completion", "train_forward")),  # as training_nfe
+                **{f"nfe/{k}": v for k, v in count.items()},
+                "trajectories": images_seen,
+                "scored_images": images_seen,
+                "time/cpu_s": time.process_time() - cpu0,
+                "time/elapsed_s": time.time() - t0,
+            }
+        )
         if final:
             metrics["final"] = True
         if final or (iteration + 1) % args.save_every == 0:
             torch.save(get_peft_model_state_dict(transformer), os.path.join(run_dir, "lora.pt"))
         logger.log(metrics)
-        print({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()
-               if k in ("iteration", "eval/accuracy", "train/reward_mean", "train/kept", "time/cpu_s")}, flush=True)
+        print(
+            {
+                k: round(v, 4) if isinstance(v, float) else v
+                for k, v in metrics.items()
+                if k in ("iteration", "eval/accuracy", "train/reward_mean", "train/kept", "time/cpu_s")
+            },
+            flush=True,
+        )
         if final:
             break
     print(f"run folder: {run_dir}")

@@ -8,10 +8,58 @@
 data), `scorer.py` is the reward (a pixel-exact GenEval stand-in). See each module's docstring.
 """
 
-from .prompts import (CATEGORIES, COLORS, NUMBERS, OPPOSITE, PROMPT_DIR, RELATIONS, SHAPES, Spec, all_prompts,
-                      balanced_mix, category_of, in_grammar, load_prompts, parse, split_prompts, write_prompt_files)
+from .prompts import (
+    CATEGORIES,
+    COLORS,
+    NUMBERS,
+    OPPOSITE,
+    PROMPT_DIR,
+    RELATIONS,
+    SHAPES,
+    Spec,
+    all_prompts,
+    balanced_mix,
+    category_of,
+    in_grammar,
+    load_prompts,
+    parse,
+    split_prompts,
+    write_prompt_files,
+)
 from .render import RESOLUTION, render, render_array, render_batch
 from .scorer import color_coverage, detect, image_grid, relation_holds, score, to_uint8
+
+__all__ = [  # the toy world's public names, re-exported from its modules
+    "CATEGORIES",
+    "COLORS",
+    "NUMBERS",
+    "OPPOSITE",
+    "PROMPT_DIR",
+    "RELATIONS",
+    "SHAPES",
+    "Spec",
+    "all_prompts",
+    "balanced_mix",
+    "category_of",
+    "in_grammar",
+    "load_prompts",
+    "parse",
+    "split_prompts",
+    "write_prompt_files",
+    "RESOLUTION",
+    "render",
+    "render_array",
+    "render_batch",
+    "color_coverage",
+    "detect",
+    "image_grid",
+    "relation_holds",
+    "score",
+    "to_uint8",
+    "TRAIN_FILE",
+    "TRAIN_MIX_FILE",
+    "TEST_FILE",
+]
 
 TRAIN_FILE = PROMPT_DIR / "prompts_train.txt"  # every training prompt once (the pretraining pool)
 TRAIN_MIX_FILE = PROMPT_DIR / "prompts_train_balanced.txt"  # the same, repeated so categories are equal (RL default)

@@ -74,7 +74,7 @@ def render_dataset(prompts: list[str], n: int, seed: int, workers: int) -> tuple
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(prompts), n)
     seeds = rng.integers(0, 2**31 - 1, n)
-    chunks = [([prompts[i] for i in idx[s:s + 4096]], seeds[s:s + 4096].tolist()) for s in range(0, n, 4096)]
+    chunks = [([prompts[i] for i in idx[s : s + 4096]], seeds[s : s + 4096].tolist()) for s in range(0, n, 4096)]
     with Pool(workers) as pool:
         images = np.concatenate(pool.map(_render_chunk, chunks))
     return images, idx
@@ -103,8 +103,10 @@ def train_vae(images_u8: torch.Tensor, prompts: list[str], args, device) -> torc
         rec = ((vae.decode(vae.encode(x).latent_dist.mode()).sample + 1) / 2).clamp(0, 1).cpu()
         _, ok_rec = toyworld.score(rec, prompts[:512])
         _, ok_src = toyworld.score(images_u8[:512].cpu().numpy(), prompts[:512])
-    print(f"vae: strict accuracy of {len(rec)} reconstructions {ok_rec.mean():.3f} (renders {ok_src.mean():.3f})",
-          flush=True)
+    print(
+        f"vae: strict accuracy of {len(rec)} reconstructions {ok_rec.mean():.3f} (renders {ok_src.mean():.3f})",
+        flush=True,
+    )
     return vae
 
 
@@ -112,7 +114,7 @@ def train_vae(images_u8: torch.Tensor, prompts: list[str], args, device) -> torc
 def encode_latents(vae, images_u8, device, set_stats: bool = True) -> torch.Tensor:
     out = []
     for s in range(0, len(images_u8), 4096):
-        x = images_u8[s:s + 4096].to(device).permute(0, 3, 1, 2).float() / 127.5 - 1
+        x = images_u8[s : s + 4096].to(device).permute(0, 3, 1, 2).float() / 127.5 - 1
         out.append(vae.encode(x).latent_dist.mode())
     z = torch.cat(out)
     if set_stats:  # SD3 convention: model latents = (z - shift_factor) * scaling_factor: zero mean, unit std
@@ -123,8 +125,18 @@ def encode_latents(vae, images_u8, device, set_stats: bool = True) -> torch.Tens
 def evaluate(backbone: Backbone, steps: int, cfg: float, batch: int = 256) -> tuple[dict, object]:
     """The RL scripts' evaluation (common/evaluation.py: the test prompts, 2 fixed seeds each, ODE, strict accuracy),
     with short keys for the log: accuracy, reward and one accuracy per category; and its captioned grid."""
-    m, grid = evaluate_prompts(backbone, build_reward("toyworld"), None, toyworld.load_prompts(toyworld.TEST_FILE),
-                               steps, None, cfg, 2, batch, toyworld.RESOLUTION)
+    m, grid = evaluate_prompts(
+        backbone,
+        build_reward("toyworld"),
+        None,
+        toyworld.load_prompts(toyworld.TEST_FILE),
+        steps,
+        None,
+        cfg,
+        2,
+        batch,
+        toyworld.RESOLUTION,
+    )
     per_cat = {c: m[f"eval/accuracy_{c}"] for c in toyworld.CATEGORIES}
     return dict(accuracy=m["eval/accuracy"], reward=m["eval/reward_mean"], **per_cat), grid
 
@@ -144,11 +156,18 @@ def main():
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--eval-steps", type=int, default=20)
     ap.add_argument("--eval-cfg", type=float, default=1.0, help="guidance used to pick the checkpoint (the RL default)")
-    ap.add_argument("--target-accuracy", type=float, default=0.35,
-                    help="stop at the first checkpoint at or above this strict test accuracy")
+    ap.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=0.35,
+        help="stop at the first checkpoint at or above this strict test accuracy",
+    )
     ap.add_argument("--workers", type=int, default=os.cpu_count())
-    ap.add_argument("--prompts", default=str(toyworld.TRAIN_MIX_FILE),
-                    help="scene prompts, drawn uniformly over lines (default: the category-balanced training mix)")
+    ap.add_argument(
+        "--prompts",
+        default=str(toyworld.TRAIN_MIX_FILE),
+        help="scene prompts, drawn uniformly over lines (default: the category-balanced training mix)",
+    )
     ap.add_argument("--init", default=None, help="continue from this saved toy model (its VAE is kept)")
     args = ap.parse_args()
 
@@ -159,8 +178,10 @@ def main():
     train_prompts = toyworld.load_prompts(args.prompts)
     test_prompts = toyworld.load_prompts(toyworld.TEST_FILE)
     if set(train_prompts) & set(test_prompts):
-        ap.error(f"--prompts {args.prompts} contains test prompts; pass training prompts only "
-                 f"(e.g. {toyworld.TRAIN_MIX_FILE})")
+        ap.error(
+            f"--prompts {args.prompts} contains test prompts; pass training prompts only "
+            f"(e.g. {toyworld.TRAIN_MIX_FILE})"
+        )
 
     images, prompt_idx = render_dataset(train_prompts, args.num_images, args.seed, args.workers)
     print(f"rendered {len(images)} scenes in {time.time() - t_start:.1f}s", flush=True)
@@ -170,22 +191,48 @@ def main():
     vae = init.vae if init else train_vae(images_u8, [train_prompts[k] for k in prompt_idx[:512]], args, device)
     latent_hw = toyworld.RESOLUTION // (2 ** (len(vae.config.block_out_channels) - 1))
     z = encode_latents(vae, images_u8, device, set_stats=init is None)
-    print(f"vae done at {time.time() - t_start:.1f}s; latents {tuple(z.shape)} shift "
-          f"{vae.config.shift_factor:.4f} scale {vae.config.scaling_factor:.4f}", flush=True)
+    print(
+        f"vae done at {time.time() - t_start:.1f}s; latents {tuple(z.shape)} shift "
+        f"{vae.config.shift_factor:.4f} scale {vae.config.scaling_factor:.4f}",
+        flush=True,
+    )
 
-    pipe = init or build_sd3(seed=args.seed, vae=vae.cpu(), latent_channels=4, num_layers=6, heads=4, head_dim=32,
-                             patch_size=2, clip_dim=64, clip_layers=3, t5_dim=None, max_len=16, words=toy_words(),
-                             transformer_kwargs=dict(sample_size=latent_hw, pos_embed_max_size=16)).to(device)
+    pipe = init or build_sd3(
+        seed=args.seed,
+        vae=vae.cpu(),
+        latent_channels=4,
+        num_layers=6,
+        heads=4,
+        head_dim=32,
+        patch_size=2,
+        clip_dim=64,
+        clip_layers=3,
+        t5_dim=None,
+        max_len=16,
+        words=toy_words(),
+        transformer_kwargs=dict(sample_size=latent_hw, pos_embed_max_size=16),
+    ).to(device)
     trainables = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
     params = [p for m in trainables for p in m.parameters()]
-    print(f"transformer {sum(p.numel() for p in pipe.transformer.parameters())/1e6:.2f}M params, text encoders "
-          f"{sum(p.numel() for m in trainables[1:] for p in m.parameters())/1e6:.2f}M", flush=True)
+    print(
+        f"transformer {sum(p.numel() for p in pipe.transformer.parameters()) / 1e6:.2f}M params, text encoders "
+        f"{sum(p.numel() for m in trainables[1:] for p in m.parameters()) / 1e6:.2f}M",
+        flush=True,
+    )
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     ema = [copy.deepcopy(m).requires_grad_(False) for m in trainables]
     # Same VAE, scheduler and tokenizers; the transformer and text encoders are the EMA copies.
-    ema_pipe = type(pipe)(transformer=ema[0], text_encoder=ema[1], text_encoder_2=ema[2], vae=pipe.vae,
-                          scheduler=pipe.scheduler, tokenizer=pipe.tokenizer, tokenizer_2=pipe.tokenizer_2,
-                          text_encoder_3=None, tokenizer_3=None)
+    ema_pipe = type(pipe)(
+        transformer=ema[0],
+        text_encoder=ema[1],
+        text_encoder_2=ema[2],
+        vae=pipe.vae,
+        scheduler=pipe.scheduler,
+        tokenizer=pipe.tokenizer,
+        tokenizer_2=pipe.tokenizer_2,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
     ema_backbone = Backbone(ema_pipe, "sd3", device, torch.float32, max_sequence_length=1)
 
     history, chosen, t_train = [], None, time.time()
@@ -193,13 +240,15 @@ def main():
         i = torch.randint(0, len(z), (args.batch_size,), device=device)
         x0 = z[i]
         prompts = [train_prompts[k] if torch.rand(()) > 0.1 else "" for k in prompt_idx[i.cpu().numpy()]]
-        emb, _, pooled, _ = pipe.encode_prompt(prompts, None, None, device=device, do_classifier_free_guidance=False,
-                                               max_sequence_length=1)
+        emb, _, pooled, _ = pipe.encode_prompt(
+            prompts, None, None, device=device, do_classifier_free_guidance=False, max_sequence_length=1
+        )
         t = torch.sigmoid(torch.randn(len(x0), device=device))
         eps = torch.randn_like(x0)
         xt = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
-        v = pipe.transformer(hidden_states=xt, timestep=t * 1000, encoder_hidden_states=emb,
-                             pooled_projections=pooled, return_dict=False)[0]
+        v = pipe.transformer(
+            hidden_states=xt, timestep=t * 1000, encoder_hidden_states=emb, pooled_projections=pooled, return_dict=False
+        )[0]
         loss = F.mse_loss(v, eps - x0)
         for g in opt.param_groups:
             g["lr"] = args.lr * min(1.0, step / 200)
@@ -231,8 +280,17 @@ def main():
     ema_pipe.save_pretrained(args.out)
     grid.save(os.path.join(args.out, "eval_grid.png"))
     with open(os.path.join(args.out, "pretrain_log.json"), "w") as f:
-        json.dump(dict(args=vars(args), device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                       total_s=round(time.time() - t_start, 1), chosen=chosen, history=history), f, indent=1)
+        json.dump(
+            dict(
+                args=vars(args),
+                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                total_s=round(time.time() - t_start, 1),
+                chosen=chosen,
+                history=history,
+            ),
+            f,
+            indent=1,
+        )
     print(f"saved {args.out}; chosen {chosen}; total {time.time() - t_start:.1f}s", flush=True)
 
 

@@ -19,8 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 COLORS = {
-    "red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255),
-    "yellow": (255, 255, 0), "magenta": (255, 0, 255), "cyan": (0, 255, 255),
+    "red": (255, 0, 0),
+    "green": (0, 255, 0),
+    "blue": (0, 0, 255),
+    "yellow": (255, 255, 0),
+    "magenta": (255, 0, 255),
+    "cyan": (0, 255, 255),
 }
 SHAPES = ("circle", "square", "triangle")
 CATEGORIES = ("single", "counting", "two_object", "position")
@@ -60,7 +64,7 @@ class Spec:
         if self.category == "counting":
             word = {v: k for k, v in NUMBERS.items()}[n0]
             return f"a photo of {word} {c0} {s0}s"
-        (c1, s1, _), = rest
+        ((c1, s1, _),) = rest
         middle = "and" if self.category == "two_object" else self.relation
         return f"a photo of a {c0} {s0} {middle} a {c1} {s1}"
 
@@ -140,20 +144,26 @@ def split_prompts() -> tuple[list[str], list[str]]:
     while True:
         held = set(rng.sample(counting, TEST_COUNTS["counting"]))
         train = [parse(p).objects[0] for p in counting if p not in held]
-        if all(len({key(o) for o in train}) == n for key, n in
-               [(lambda o: o[:2], 18), (lambda o: (o[2], o[0]), 18), (lambda o: (o[2], o[1]), 9)]):
+        if all(
+            len({key(o) for o in train}) == n
+            for key, n in [(lambda o: o[:2], 18), (lambda o: (o[2], o[0]), 18), (lambda o: (o[2], o[1]), 9)]
+        ):
             break
     test["counting"] = [p for p in counting if p in held]
 
     pairs = [frozenset(ab) for ab in itertools.combinations(itertools.product(COLORS, SHAPES), 2)]
     held_pairs = set(rng.sample(pairs, TEST_COUNTS["two_object"] // 2))
-    test["two_object"] = [p for p in all_prompts("two_object")
-                          if frozenset(o[:2] for o in parse(p).objects) in held_pairs]
+    test["two_object"] = [
+        p for p in all_prompts("two_object") if frozenset(o[:2] for o in parse(p).objects) in held_pairs
+    ]
     axis = {"left of": "x", "right of": "x", "above": "y", "below": "y"}
     groups = [(pair, ax) for pair in pairs for ax in "xy"]
     held_groups = set(rng.sample(groups, TEST_COUNTS["position"] // 4))
-    test["position"] = [p for p in all_prompts("position")
-                        if (frozenset(o[:2] for o in parse(p).objects), axis[parse(p).relation]) in held_groups]
+    test["position"] = [
+        p
+        for p in all_prompts("position")
+        if (frozenset(o[:2] for o in parse(p).objects), axis[parse(p).relation]) in held_groups
+    ]
 
     test_all = [p for c in CATEGORIES for p in test[c]]
     held_set = set(test_all)

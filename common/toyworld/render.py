@@ -52,8 +52,10 @@ def _layout(spec, rng: random.Random, res: int):
             size = lo + int(rng.random() * (hi - lo + 1))  # = rng.randint(lo, hi), but ~10x faster
             for _ in range(50):
                 y, x = int(rng.random() * (res - size + 1)), int(rng.random() * (res - size + 1))
-                if all(x + size + GAP <= px or px + ps + GAP <= x or y + size + GAP <= py or py + ps + GAP <= y
-                       for _, _, ps, py, px in placed):
+                if all(
+                    x + size + GAP <= px or px + ps + GAP <= x or y + size + GAP <= py or py + ps + GAP <= y
+                    for _, _, ps, py, px in placed
+                ):
                     placed.append((color, shape, size, y, x))
                     break
             else:
@@ -64,8 +66,9 @@ def _layout(spec, rng: random.Random, res: int):
             (_, sa, za, ya, xa), (_, sb, zb, yb, xb) = placed
             _, cya, cxa = shape_mask(sa, za)
             _, cyb, cxb = shape_mask(sb, zb)
-            if not relation_holds(spec.relation, (ya + cya, xa + cxa), (za, za), (yb + cyb, xb + cxb), (zb, zb),
-                                  margin=True):
+            if not relation_holds(
+                spec.relation, (ya + cya, xa + cxa), (za, za), (yb + cyb, xb + cxb), (zb, zb), margin=True
+            ):
                 continue
         return placed
     raise RuntimeError(f"could not lay out {spec.prompt!r}")  # does not happen at 32 px
@@ -76,7 +79,7 @@ def render_array(prompt: str, seed: int, res: int = RESOLUTION) -> np.ndarray:
     spec = parse(prompt)
     image = np.zeros((res, res, 3), np.uint8)
     for color, shape, size, y, x in _layout(spec, random.Random(f"{prompt}|{int(seed)}"), res):
-        image[y:y + size, x:x + size][shape_mask(shape, size)[0]] = _RGB[color]
+        image[y : y + size, x : x + size][shape_mask(shape, size)[0]] = _RGB[color]
     return image
 
 
@@ -93,4 +96,3 @@ def render_batch(prompts, seeds) -> np.ndarray:
     for i, (p, s) in enumerate(zip(prompts, seeds)):
         out[i] = render_array(p, s)
     return out
-

@@ -22,11 +22,11 @@ import numpy as np
 
 from .prompts import COLORS, SHAPES, parse
 
-MIN_AREA = 5          # px at 32x32 (scaled with the image area)
+MIN_AREA = 5  # px at 32x32 (scaled with the image area)
 # Shape thresholds, calibrated on renders (fill: circle 0.75-0.81, square 1.0, triangle 0.50-0.58; centroid
 # height: 0.5, 0.5, 0.64-0.67) and on renders blurred through a 16x16 bottleneck, a stand-in for generated
 # images (circle fill 0.67-0.84 and height <= 0.54; triangle fill up to 0.8 but height >= 0.55).
-SQUARE_FILL = 0.87    # fill >= this: square
+SQUARE_FILL = 0.87  # fill >= this: square
 TRIANGLE_FILL = 0.62  # otherwise, fill < this or centroid height >= TRIANGLE_LOW: triangle; else circle
 TRIANGLE_LOW = 0.555
 POSITION_THRESHOLD = 0.1  # GenEval's value
@@ -62,8 +62,9 @@ def to_uint8(images) -> np.ndarray:
     """uint8 [B, H, W, 3] from: uint8 [B,H,W,3]; float array / torch tensor in [0, 1] as [B,3,H,W] or
     [B,H,W,3]; or a list of PIL images (a single image without the batch axis is accepted too)."""
     if isinstance(images, (list, tuple)):
-        images = np.stack([np.asarray(im.convert("RGB")) if hasattr(im, "convert") else to_uint8(im)[0]
-                           for im in images])
+        images = np.stack(
+            [np.asarray(im.convert("RGB")) if hasattr(im, "convert") else to_uint8(im)[0] for im in images]
+        )
     if hasattr(images, "detach"):  # torch tensor, without importing torch
         images = images.detach().cpu().float().numpy()
     x = np.asarray(images)
@@ -119,12 +120,24 @@ def components(cls: np.ndarray, min_area: int):
     roots, inv = np.unique(flat[idx], return_inverse=True)
     ys, xs = idx // w % h, idx % w
     area = np.bincount(inv, minlength=len(roots))
-    y0 = np.full(len(roots), h); x0 = np.full(len(roots), w); y1 = np.zeros(len(roots), int); x1 = y1.copy()
-    np.minimum.at(y0, inv, ys); np.minimum.at(x0, inv, xs); np.maximum.at(y1, inv, ys); np.maximum.at(x1, inv, xs)
+    y0, x0 = np.full(len(roots), h), np.full(len(roots), w)  # each component's bounding box
+    y1, x1 = np.zeros(len(roots), int), np.zeros(len(roots), int)
+    np.minimum.at(y0, inv, ys)
+    np.minimum.at(x0, inv, xs)
+    np.maximum.at(y1, inv, ys)
+    np.maximum.at(x1, inv, xs)
     keep = area >= min_area
-    return dict(image=(roots // (h * w))[keep], color=cls.reshape(-1)[roots][keep], area=area[keep],
-                cy=(np.bincount(inv, ys, len(roots)) / area)[keep], cx=(np.bincount(inv, xs, len(roots)) / area)[keep],
-                y0=y0[keep], x0=x0[keep], h=(y1 - y0 + 1)[keep], w=(x1 - x0 + 1)[keep])
+    return dict(
+        image=(roots // (h * w))[keep],
+        color=cls.reshape(-1)[roots][keep],
+        area=area[keep],
+        cy=(np.bincount(inv, ys, len(roots)) / area)[keep],
+        cx=(np.bincount(inv, xs, len(roots)) / area)[keep],
+        y0=y0[keep],
+        x0=x0[keep],
+        h=(y1 - y0 + 1)[keep],
+        w=(x1 - x0 + 1)[keep],
+    )
 
 
 def classify_shapes(comp) -> np.ndarray:
@@ -143,9 +156,15 @@ def detect(images) -> list[list[dict]]:
     shape = classify_shapes(comp)
     out = [[] for _ in range(b)]
     for i in range(len(shape)):
-        out[comp["image"][i]].append(dict(
-            color=_NAMES[comp["color"][i] - 1], shape=SHAPES[shape[i]], area=int(comp["area"][i]),
-            centroid=(comp["cy"][i], comp["cx"][i]), dims=(int(comp["h"][i]), int(comp["w"][i]))))
+        out[comp["image"][i]].append(
+            dict(
+                color=_NAMES[comp["color"][i] - 1],
+                shape=SHAPES[shape[i]],
+                area=int(comp["area"][i]),
+                centroid=(comp["cy"][i], comp["cx"][i]),
+                dims=(int(comp["h"][i]), int(comp["w"][i])),
+            )
+        )
     return out
 
 
@@ -162,7 +181,7 @@ def score_objects(objects: list[dict], prompt: str) -> tuple[float, bool]:
     for (c, s), k in wanted.items():
         n = found[(c, s)]
         m = per_color[c] - sum(found[key] for key in wanted if key[0] == c)  # colour right, no wanted shape
-        ratio = lambda a: min(a, k) / max(a, k)  # noqa: E731
+        ratio = lambda a, k=k: min(a, k) / max(a, k)  # noqa: E731
         credits.append(1.0 if n == k else 0.5 * ratio(n) if n else 0.25 * ratio(m) if m > 0 else 0.0)
     extras = sum(max(0, d - wanted_color[c]) for c, d in per_color.items())
     relation_ok = True
@@ -170,8 +189,11 @@ def score_objects(objects: list[dict], prompt: str) -> tuple[float, bool]:
         (ca, sa, _), (cb, sb, _) = spec.objects
         a = max((o for o in objects if (o["color"], o["shape"]) == (ca, sa)), key=lambda o: o["area"], default=None)
         b = max((o for o in objects if (o["color"], o["shape"]) == (cb, sb)), key=lambda o: o["area"], default=None)
-        relation_ok = a is not None and b is not None and relation_holds(
-            spec.relation, a["centroid"], a["dims"], b["centroid"], b["dims"])
+        relation_ok = (
+            a is not None
+            and b is not None
+            and relation_holds(spec.relation, a["centroid"], a["dims"], b["centroid"], b["dims"])
+        )
     s = np.mean(credits) / (1 + extras) * (1.0 if relation_ok else 0.25)
     return float(s * s), bool(found == wanted and relation_ok)
 
@@ -231,5 +253,5 @@ def image_grid(images, nrow: int, scale: int = 4, gap: int = 1):
     grid = np.full((rows * (h + gap) + gap, nrow * (w + gap) + gap, 3), 96, np.uint8)
     for i in range(b):
         r, c = divmod(i, nrow)
-        grid[gap + r * (h + gap):gap + r * (h + gap) + h, gap + c * (w + gap):gap + c * (w + gap) + w] = x[i]
+        grid[gap + r * (h + gap) : gap + r * (h + gap) + h, gap + c * (w + gap) : gap + c * (w + gap) + w] = x[i]
     return Image.fromarray(grid)
