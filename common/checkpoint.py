@@ -441,17 +441,88 @@ def check_writable(folder: str, flag: str = "--output-dir") -> None:
         ) from None
 
 
+LOCK_FILE = ".lock"  # {run_dir}/.lock: flock-ed by the one process that writes the run folder
+# What a run writes into its folder: a folder holding any of these holds a run. (A launcher's own files beside them,
+# such as the comparison harness's harness.json and stdout.log, are not a run.)
+RUN_OUTPUTS = (
+    "args.json",
+    "metrics.jsonl",
+    "psi.json",
+    "psi.png",
+    "samples",
+    "wandb",
+    "checkpoint-*",
+    ".checkpoint-*",
+    "learning_curve.png",
+    "steps_heatmap.png",
+    "before_after.png",
+)
+_held: dict[str, object] = {}  # run folder -> its open, locked .lock file (this process owns the folder)
+
+
+def hold_run_folder(run_dir: str) -> None:
+    """One owner per run folder: an exclusive, non-blocking flock on {run_dir}/.lock, held until `release_run_folder`
+    or the end of the process (the kernel drops it at any exit, SIGKILL included, so a crash leaves no stale lock).
+    A second process on the same folder stops here, in one line, before it has written anything. Needs a file system
+    whose flock works across the processes that share it (local disks; NFS with its lock service)."""
+    import fcntl
+
+    if run_dir in _held:
+        return
+    f = open(os.path.join(run_dir, LOCK_FILE), "a+")  # held open for the life of the run
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        owner = f.read().strip() or "?"
+        f.close()
+        raise ConfigError(
+            f"the run folder {run_dir} is being written by another process (pid {owner}): wait for it to end, or "
+            "pass another --run-name (or --output-dir); nothing was written"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _held[run_dir] = f
+
+
+def release_run_folder(run_dir: str) -> None:
+    f = _held.pop(run_dir, None)
+    if f is not None:
+        f.close()  # closing the file drops the flock
+
+
+def run_outputs(run_dir: str) -> list[str]:
+    """The names in `run_dir` that a run wrote (RUN_OUTPUTS), sorted."""
+    import fnmatch
+
+    names = os.listdir(run_dir) if os.path.isdir(run_dir) else []
+    return sorted(n for n in names if any(fnmatch.fnmatch(n, p) for p in RUN_OUTPUTS))
+
+
 def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, str | None]:
     """(run folder, checkpoint folder to resume or None), checked before any model is loaded.
 
-    Without --resume: {output_dir}/{run_name}, created and probed for writing. With --resume: the verified
-    checkpoint, and its run folder, unless the experiment-defining arguments differ: then one ConfigError line, or,
-    with --resume-override, a NEW run folder (args.resumed_from records the checkpoint; the old run is untouched).
+    Without --resume: {output_dir}/{run_name}, created and probed for writing; a folder that already holds a run is
+    refused (continue it with --resume). With --resume: the verified checkpoint, and its run folder, unless the
+    experiment-defining arguments differ: then one ConfigError line, or, with --resume-override, a NEW run folder
+    (args.resumed_from records the checkpoint; the old run is untouched). Rank 0 holds the folder it will write
+    (`hold_run_folder`) from here on: a second process on it stops in one line.
     """
     if not args.resume:
         run_dir = os.path.join(args.output_dir, _same_on_all_ranks(args.run_name or default_run_name(args)))
         if is_main:
             check_writable(run_dir)
+            hold_run_folder(run_dir)
+            found = run_outputs(run_dir)
+            if found:
+                release_run_folder(run_dir)
+                raise ConfigError(
+                    f"the run folder {run_dir} already holds a run ({', '.join(found[:4])}"
+                    f"{', ...' if len(found) > 4 else ''}): continue it with --resume {run_dir}, or pass another "
+                    "--run-name; nothing in it was changed"
+                )
         return run_dir, None
     ckpt = find_resume_checkpoint(args.resume, log=print if is_main else (lambda *_: None))
     marker = read_marker(ckpt)
@@ -478,6 +549,8 @@ def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, 
         )
     args.resumed_from = ckpt
     if not args.resume_override:
+        if is_main:
+            hold_run_folder(source_run)
         return source_run, ckpt
     run_dir = os.path.join(args.output_dir, _same_on_all_ranks(args.run_name or default_run_name(args)))
     if os.path.abspath(run_dir) == source_run:
@@ -492,6 +565,7 @@ def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, 
                 "another --run-name"
             )
         check_writable(run_dir)
+        hold_run_folder(run_dir)
         for name in RUN_FILES:
             if os.path.isfile(os.path.join(source_run, name)):
                 shutil.copy2(os.path.join(source_run, name), os.path.join(run_dir, name))

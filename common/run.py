@@ -35,7 +35,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from common import plots
-from common.checkpoint import rng_state, save_checkpoint, trainer_state
+from common.checkpoint import release_run_folder, rng_state, save_checkpoint, trainer_state
 from common.evaluation import evaluate
 from common.parallel import is_sharded, weights_digest
 from common.training import ema_weights
@@ -225,6 +225,7 @@ class Run:
             print(f"{summary_line(history)}; run folder: {self.dir}")
         self.bar.close()
         self.logger.close()
+        release_run_folder(self.dir)
         if self.world_size > 1:
             dist.barrier()  # leave together: tearing gloo down while a peer still runs can abort that peer
             dist.destroy_process_group()

@@ -1,0 +1,91 @@
+"""One owner per run folder (issue #38, class 1): a folder that already holds a run is refused without --resume, and
+a run holds its folder with an exclusive lock, so two processes never write one folder. Real processes throughout:
+two training scripts started together on one folder, a holder killed with SIGKILL, a second run on a finished one."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from helpers import ROOT, read_metrics, run_main, tiny_flags, write_prompts
+
+SCRIPT = "flowgrpo_baseline.py"
+HOLD = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[2])
+    from common.checkpoint import hold_run_folder
+    hold_run_folder(sys.argv[1])
+    print("held", flush=True)
+    time.sleep(120)
+""")
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    return write_prompts(tmp_path / "prompts.txt", ["a photo of a red circle", "a photo of two blue squares"])
+
+
+def holder(run_dir):
+    os.makedirs(run_dir, exist_ok=True)
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir), ROOT], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def start(tiny_sd3, tmp_path, prompts_file):
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    cmd = [sys.executable, os.path.join(ROOT, SCRIPT), *tiny_flags(tiny_sd3, tmp_path, prompts_file, "shared")]
+    return subprocess.Popen(
+        [*cmd, "--num-iterations", "1"], env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+
+
+def test_two_scripts_started_on_one_folder_one_runs_the_other_stops_in_one_line(tiny_sd3, tmp_path, prompts_file):
+    a, b = start(tiny_sd3, tmp_path, prompts_file), start(tiny_sd3, tmp_path, prompts_file)
+    (_, err_a), (_, err_b) = a.communicate(timeout=300), b.communicate(timeout=300)
+    codes = sorted([a.returncode, b.returncode])
+    assert codes == [0, 1], (err_a[-2000:], err_b[-2000:])
+    loser = err_a if a.returncode else err_b
+    lines = [line for line in loser.strip().splitlines() if line.strip()]
+    assert "Traceback" not in loser and len(lines) == 1, loser
+    assert "being written by another process" in lines[0] or "already holds a run" in lines[0]
+    m = read_metrics(tmp_path / "shared")  # the winner's run, whole and alone
+    assert [r["iteration"] for r in m] == [0, 1]
+
+
+def test_a_folder_held_by_a_live_process_is_refused_before_the_model_loads(tiny_sd3, tmp_path, prompts_file):
+    run = tmp_path / "run"
+    p = holder(run)
+    try:
+        with pytest.raises(SystemExit, match=rf"being written by another process \(pid {p.pid}\)"):
+            run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file), "--num-iterations", "1")
+        assert sorted(os.listdir(run)) == [".lock"]  # nothing written
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_the_lock_of_a_killed_run_is_gone_with_it(tmp_path):
+    from common.checkpoint import hold_run_folder, release_run_folder
+
+    run = str(tmp_path / "run")
+    p = holder(run)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    hold_run_folder(run)  # a SIGKILL leaves no stale lock
+    release_run_folder(run)
+
+
+def test_a_second_run_on_a_finished_run_is_refused_and_the_first_is_untouched(tiny_sd3, tmp_path, prompts_file):
+    flags = [*tiny_flags(tiny_sd3, tmp_path, prompts_file), "--num-iterations", "1"]
+    run_main(SCRIPT, *flags)
+    run = tmp_path / "run"
+    before = {n: (run / n).read_bytes() for n in ("metrics.jsonl", "args.json")}
+    with pytest.raises(SystemExit, match=r"already holds a run \(args.json, checkpoint-1, metrics.jsonl, samples\)"):
+        run_main(SCRIPT, *flags, "--learning-rate", "1e-3")
+    assert {n: (run / n).read_bytes() for n in before} == before
+    assert sorted(n for n in os.listdir(run) if n.startswith("checkpoint-")) == ["checkpoint-1"]
+    run_main(SCRIPT, *flags[:-2], "--num-iterations", "2", "--resume", str(run))  # what the message says works
+    assert [r["iteration"] for r in read_metrics(run)] == [0, 1, 2]
