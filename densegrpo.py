@@ -43,7 +43,7 @@ from common.training import (
     optimizer_step,
     plan_updates,
 )
-from common.utils import RunLogger, all_gather_cat, seed_everything, setup_distributed, truncate_metrics
+from common.utils import RunLogger, all_gather_cat, atomic_write, seed_everything, setup_distributed, truncate_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOY_MODEL = os.path.join(HERE, "common", "toyworld", "model")
@@ -550,8 +550,7 @@ def load_psi(path: str, num_steps: int, psi_scale: str, sde_type: str = "sde") -
 
 def save_psi(run_dir: str, info: dict, psi0: torch.Tensor, average: int) -> None:
     """psi.json (reused with --psi-file) and psi.png: psi(t) and the fraction of positive DeltaR_t in calibration."""
-    with open(os.path.join(run_dir, "psi.json"), "w") as f:
-        json.dump(info, f, indent=1)
+    atomic_write(os.path.join(run_dir, "psi.json"), json.dumps(info, indent=1))  # never half a file
     T, last = len(info["psi"]), info["history"][-average:]
     ts = list(range(T, 0, -1))  # paper timestep of code step j
     series = {"psi(t) calibrated": (ts, info["psi"]), "psi(t) initial": (ts, psi0.tolist())}

@@ -127,8 +127,7 @@ class RunLogger:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(config, f, indent=1, default=str)
+        atomic_write(os.path.join(run_dir, "args.json"), json.dumps(config, indent=1, default=str))
         if track:
             import wandb  # lazy: only runs that ask for wandb pay for it (WANDB_MODE=offline works)
 
@@ -150,24 +149,56 @@ class RunLogger:
             self.wandb.log({**metrics, **extra}, step=metrics["iteration"])
 
     def history(self) -> list[dict]:
-        if not os.path.exists(self.path):
-            return []
-        with open(self.path) as f:
-            return [json.loads(line) for line in f if line.strip()]
+        return read_metrics_lines(self.path)[0]
 
     def close(self):
         if self.wandb is not None:
             self.wandb.finish()
 
 
-def truncate_metrics(run_dir: str, iteration: int) -> None:
-    """On resume, drop metric lines of iterations >= the checkpoint's (they will be produced again)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
+def atomic_write(path: str, text: str) -> None:
+    """Replace the file at `path` by `text` so that a kill or a full disk at any instant leaves either the old file or
+    the new one, whole: write a temporary file beside it, flush it to the disk, then rename it over the old one (one
+    atomic rename on POSIX). A failure removes the temporary file and raises."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def read_metrics_lines(path: str) -> tuple[list[dict], int]:
+    """(the rows of a metrics.jsonl, how many lines could not be read): a kill or a full disk in the middle of an
+    append leaves a cut last line, which is not a row."""
+    rows, bad = [], 0
     if os.path.exists(path):
         with open(path) as f:
-            keep = [line for line in f if line.strip() and json.loads(line)["iteration"] < iteration]
-        with open(path, "w") as f:
-            f.writelines(keep)
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    bad += 1
+    return rows, bad
+
+
+def truncate_metrics(run_dir: str, iteration: int) -> None:
+    """On resume, drop metric lines of iterations >= the checkpoint's (they will be produced again), and a line cut by
+    a kill or a full disk; the file is replaced atomically, so a kill during this never loses the earlier rows."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return
+    rows, bad = read_metrics_lines(path)
+    if bad:
+        print(f"{path}: dropped {bad} unreadable line(s), cut by a kill or a full disk mid-write", flush=True)
+    atomic_write(path, "".join(json.dumps(r) + "\n" for r in rows if r["iteration"] < iteration))
 
 
 class Timer:
