@@ -100,11 +100,18 @@ def read(out: str) -> dict:
     return result
 
 
+def growth(norms: dict) -> str:
+    """How much larger the last trained step's gradient norm is than the first's."""
+    v = list(norms.values())
+    return f"{v[-1] / v[0]:.0f}x" if v and v[0] > 0 else "—"
+
+
 def report(out: str) -> str:
     data = read(out)
     lines = [
-        "| recipe | iterations | share of steps 0-4 | share of steps 5-8 | share per step (0 = noisiest) |",
-        "|---|---|---|---|---|",
+        "| recipe | iterations | share of steps 0-4 | share of steps 5-8 | share per step (0 = noisiest) "
+        "| |g_j|, last trained step / first |",
+        "|---|---|---|---|---|---|",
     ]
     for name, e in data.items():
         s = e["share"]
@@ -112,7 +119,7 @@ def report(out: str) -> str:
         lines.append(
             f"| {name} | {e['iterations']} | {early:.2f} | {late:.2f} | "
             + " ".join(f"{j}:{v:+.2f}" for j, v in s.items())
-            + " |"
+            + f" | {growth(e['norm'])} |"
         )
     dense = data.get("DenseGRPO default (9 steps)")
     if dense and dense["dR_abs"]:
@@ -141,11 +148,13 @@ def figure(data: dict, path: str) -> None:
         s = data[name]["share"]
         ax.bar([j - 0.4 + width * (n + 0.5) for j in s], list(s.values()), width, label=name)
     ax.axhline(0, color="0.3", lw=0.8)
-    ax.set_xticks(range(10))
+    low = min([0.0, *[v for e in data.values() for v in e["share"].values()]])
+    ax.set_ylim(low - 0.02, 1.08)  # room above the bars for the legend
+    ax.set_xticks(range(1 + max([j for e in data.values() for j in e["share"]] or [0])))
     ax.set_xlabel("trained step j (0 = the noisiest, first step of the rollout)")
     ax.set_ylabel("share of the iteration's gradient, g_j . g / |g|^2")
     ax.set_title("where the update comes from (mean over the measured iterations)")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", ncols=2, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
     dense = data.get("DenseGRPO default (9 steps)")
     if dense and dense["dR_abs"]:
