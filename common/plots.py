@@ -169,13 +169,18 @@ def running_mean(ys: list[float], w: int) -> list[float]:
     return [(c[i + 1] - c[max(0, i + 1 - w)]) / (i + 1 - max(0, i + 1 - w)) for i in range(len(ys))]
 
 
+def _differ(vs: list[float]) -> bool:
+    """Values that differ by more than float noise (1e-6 relative: an on-policy ratio is 1 +- 1e-9)."""
+    return max(vs) - min(vs) > 1e-6 * max(1.0, abs(max(vs)), abs(min(vs)))
+
+
 def varies_over_steps(cells: dict[tuple[int, int], float]) -> bool:
     """Does a per-step metric differ between the steps of some iteration? (Flow-GRPO's |advantage| is the same at
     every step of a trajectory, the ratio is 1 at every step on-policy, the KL 0 with beta 0: nothing to see.)"""
     by_it: dict[int, list[float]] = {}
     for (_, i), v in cells.items():
         by_it.setdefault(i, []).append(v)
-    return any(len(vs) > 1 and max(vs) - min(vs) > 1e-9 * max(1.0, abs(max(vs))) for vs in by_it.values())
+    return any(len(vs) > 1 and _differ(vs) for vs in by_it.values())
 
 
 def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, panel_px=(440, 320)) -> list[str]:
@@ -202,8 +207,8 @@ def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, pa
     flat = []  # the panels not drawn: the same at every step
     for m in present:
         if m not in metrics:
-            values = set(cells[m].values())
-            flat.append(STEP_LABELS.get(m, m) + (f" ({values.pop():.3g})" if len(values) == 1 else ""))
+            values = list(cells[m].values())
+            flat.append(STEP_LABELS.get(m, m) + ("" if _differ(values) else f" ({values[0]:.3g})"))
     ncols = min(3, max(1, len(metrics)))
     nrows = max(1, math.ceil(len(metrics) / ncols))
     fig = _figure(panel_px[0] * ncols, panel_px[1] * nrows + (40 if flat else 0), layout="constrained")
