@@ -389,13 +389,53 @@ def _json(d: dict) -> dict:
     return json.loads(json.dumps(d, default=str))  # tuples -> lists, as the marker stores them
 
 
+# Flags that name a file or a folder: compared by what they point to, not by how the path is spelled.
+PATH_FLAGS = ("model_path", "prompts_file", "eval_prompts", "psi_file")
+
+
+def path_fingerprint(path: str) -> str | None:
+    """What a path flag means, for comparing two spellings: a file's sha256; a folder's list of (relative name, size)
+    and the content of its .json files (a model folder's configs: reading every weight of a 10 GB model would be too
+    slow); None if the path does not exist."""
+    if os.path.isfile(path):
+        return _sha256(path)
+    if not os.path.isdir(path):
+        return None
+    h = hashlib.sha256()
+    for root, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            h.update(f"{os.path.relpath(full, path)}:{os.path.getsize(full)}".encode())
+            if name.endswith(".json"):
+                with open(full, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
+
+
+def same_path_meaning(a, b) -> bool:
+    """Two values of a path flag name the same thing: equal, the same file once resolved, or the same content (the
+    same run resumed from a second clone of the repository)."""
+    if a == b:
+        return True
+    if not isinstance(a, str) or not isinstance(b, str):
+        return False
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    fa = path_fingerprint(a)
+    return fa is not None and fa == path_fingerprint(b)
+
+
 def changed_flags(saved: dict, now: dict) -> list[tuple[str, object, object]]:
-    """(flag, value in the checkpoint, value now) for every experiment-defining argument that differs."""
+    """(flag, value in the checkpoint, value now) for every experiment-defining argument that differs; path flags
+    differ only when they point to different content (`same_path_meaning`)."""
     saved, now, missing = _json(saved), _json(now), "(absent)"
     keys = sorted((set(saved) | set(now)) - set(MAY_CHANGE_ON_RESUME) - DERIVED)
-    return [
-        (k, saved.get(k, missing), now.get(k, missing)) for k in keys if saved.get(k, missing) != now.get(k, missing)
-    ]
+    out = []
+    for k in keys:
+        a, b = saved.get(k, missing), now.get(k, missing)
+        if a != b and not (k in PATH_FLAGS and same_path_meaning(a, b)):
+            out.append((k, a, b))
+    return out
 
 
 def _describe(changes) -> str:
@@ -546,6 +586,11 @@ def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, 
             f"--resume {ckpt} was trained with other experiment-defining flags: {_describe(changes)}; "
             "pass the checkpoint's values to continue that run, or add --resume-override to start a new "
             "run folder from its weights"
+        )
+    if args.num_iterations <= marker["iteration"] and not args.resume_override:  # (a new folder loses nothing)
+        raise ConfigError(
+            f"--resume {ckpt} is at iteration {marker['iteration']} and --num-iterations {args.num_iterations} asks "
+            f"for no more: pass --num-iterations above {marker['iteration']} to train on; nothing was changed"
         )
     args.resumed_from = ckpt
     if not args.resume_override:

@@ -87,5 +87,44 @@ def test_a_second_run_on_a_finished_run_is_refused_and_the_first_is_untouched(ti
         run_main(SCRIPT, *flags, "--learning-rate", "1e-3")
     assert {n: (run / n).read_bytes() for n in before} == before
     assert sorted(n for n in os.listdir(run) if n.startswith("checkpoint-")) == ["checkpoint-1"]
+    # a resume that would train nothing is refused before it touches the run (it used to drop the final row)
+    with pytest.raises(SystemExit, match=r"is at iteration 1 and --num-iterations 1 asks for no more"):
+        run_main(SCRIPT, *flags, "--resume", str(run))
+    assert {n: (run / n).read_bytes() for n in before} == before
     run_main(SCRIPT, *flags[:-2], "--num-iterations", "2", "--resume", str(run))  # what the message says works
     assert [r["iteration"] for r in read_metrics(run)] == [0, 1, 2]
+
+
+def test_path_flags_are_compared_by_what_they_point_to(tmp_path, monkeypatch):
+    """The same prompts file by a relative path, or a copy of it (a second clone of the repository), is the same
+    experiment; a file with other content is not."""
+    from common.checkpoint import changed_flags
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for d in ("a", "b"):
+        (tmp_path / d / "prompts.txt").write_text("a photo of a red circle\n")
+    (tmp_path / "other.txt").write_text("a photo of a blue square\n")
+    monkeypatch.chdir(tmp_path)
+    saved = {"prompts_file": str(tmp_path / "a" / "prompts.txt"), "seed": 1}
+    assert changed_flags(saved, {"prompts_file": "a/prompts.txt", "seed": 1}) == []  # relative spelling
+    assert changed_flags(saved, {"prompts_file": str(tmp_path / "b" / "prompts.txt"), "seed": 1}) == []  # a copy
+    assert [c[0] for c in changed_flags(saved, {"prompts_file": "other.txt", "seed": 1})] == ["prompts_file"]
+    assert [c[0] for c in changed_flags(saved, {"prompts_file": "a/prompts.txt", "seed": 2})] == ["seed"]
+
+
+def test_a_model_folder_is_known_by_its_files_and_configs(tmp_path):
+    import shutil
+
+    from common.checkpoint import path_fingerprint, same_path_meaning
+
+    model = tmp_path / "clone1" / "model"
+    (model / "transformer").mkdir(parents=True)
+    (model / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
+    (model / "transformer" / "config.json").write_text('{"num_layers": 2}')
+    (model / "transformer" / "weights.safetensors").write_bytes(b"\0" * 1000)
+    shutil.copytree(model, tmp_path / "clone2" / "model")
+    assert same_path_meaning(str(model), str(tmp_path / "clone2" / "model"))  # a second clone: the same model
+    (tmp_path / "clone2" / "model" / "transformer" / "config.json").write_text('{"num_layers": 3}')
+    assert not same_path_meaning(str(model), str(tmp_path / "clone2" / "model"))
+    assert path_fingerprint(str(tmp_path / "nowhere")) is None
