@@ -422,24 +422,3 @@ def before_after(before, after, path: str, title: str = "", ncol: int = 2) -> Im
             d.text((x0, y0 + side + 2 * frame + pad // 2 + m * line_h), line, font=fnt, fill=(0, 0, 0))
     out.save(path)
     return out
-
-
-def run_pictures(run_dir: str, history: list[dict], title: str) -> list[str]:
-    """The end-of-run pictures, from what the run wrote: learning_curve.png (metrics), steps_heatmap.png (when
-    `steps/...` metrics were logged) and before_after.png (the first and the last evaluation's panel,
-    samples/eval_*.npz, so a resumed run still compares with its starting model). -> the paths written."""
-    import glob
-    import os
-
-    from common.evaluation import Panel  # here: common.evaluation imports this module
-
-    written = [os.path.join(run_dir, "learning_curve.png")]
-    learning_curve(history, written[0], title)
-    if any(k.startswith("steps/") for h in history for k in h):
-        written.append(os.path.join(run_dir, "steps_heatmap.png"))
-        step_heatmap(history, "steps/", written[-1], f"{title}: per-step diagnostics")
-    panels = sorted(glob.glob(os.path.join(run_dir, "samples", "eval_*.npz")))
-    if len(panels) >= 2:
-        written.append(os.path.join(run_dir, "before_after.png"))
-        before_after(Panel.load(panels[0]), Panel.load(panels[-1]), written[-1], title)
-    return written

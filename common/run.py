@@ -27,6 +27,7 @@ Nothing here changes what a run samples or learns; it is identical in the three 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import time
 
@@ -34,10 +35,10 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from common import plots
 from common.checkpoint import release_run_folder, rng_state, save_checkpoint, trainer_state
-from common.evaluation import evaluate
+from common.evaluation import Panel, evaluate
 from common.parallel import is_sharded, weights_digest
+from common.plots import before_after, learning_curve, step_heatmap
 from common.training import ema_weights
 from common.utils import Timer, all_reduce
 
@@ -221,7 +222,7 @@ class Run:
         print(f"final weights: rank {self.rank} sha256 {weights_digest(params)[:16]}", flush=True)
         if self.is_main:
             history = self.logger.history()
-            plots.run_pictures(self.dir, history, self.args.exp_name)  # learning curve, per-step panels, before/after
+            run_pictures(self.dir, history, self.args.exp_name)  # learning curve, per-step panels, before/after
             print(f"{summary_line(history)}; run folder: {self.dir}")
         self.bar.close()
         self.logger.close()
@@ -229,6 +230,22 @@ class Run:
         if self.world_size > 1:
             dist.barrier()  # leave together: tearing gloo down while a peer still runs can abort that peer
             dist.destroy_process_group()
+
+
+def run_pictures(run_dir: str, history: list[dict], title: str) -> list[str]:
+    """The end-of-run pictures, from what the run wrote: learning_curve.png (metrics), steps_heatmap.png (when
+    `steps/...` metrics were logged) and before_after.png (the first and the last evaluation's panel,
+    samples/eval_*.npz, so a resumed run still compares with its starting model). -> the paths written."""
+    written = [os.path.join(run_dir, "learning_curve.png")]
+    learning_curve(history, written[0], title)
+    if any(k.startswith("steps/") for h in history for k in h):
+        written.append(os.path.join(run_dir, "steps_heatmap.png"))
+        step_heatmap(history, "steps/", written[-1], f"{title}: per-step diagnostics")
+    panels = sorted(glob.glob(os.path.join(run_dir, "samples", "eval_*.npz")))
+    if len(panels) >= 2:
+        written.append(os.path.join(run_dir, "before_after.png"))
+        before_after(Panel.load(panels[0]), Panel.load(panels[-1]), written[-1], title)
+    return written
 
 
 def summary_line(history: list[dict]) -> str:

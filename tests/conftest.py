@@ -28,9 +28,9 @@ def no_run_pictures(request, monkeypatch):
     picture tests reads them. Tests marked `@pytest.mark.pictures` (each script's smoke test) keep them, and check
     them end to end; tests/test_plots.py checks what they show."""
     if request.node.get_closest_marker("pictures") is None:
-        import common.plots
+        import common.run
 
-        monkeypatch.setattr(common.plots, "run_pictures", lambda *a, **k: [])
+        monkeypatch.setattr(common.run, "run_pictures", lambda *a, **k: [])
 
 
 @pytest.fixture(scope="session")

@@ -60,13 +60,13 @@ def main(runs_file: str, smooth_reward: bool) -> None:
     import torch
     import torch.distributed as dist
 
-    import common.plots
     import common.rewards
+    import common.run
     import common.utils
 
     if smooth_reward:
         common.rewards._jpeg_kb = smooth_jpeg_kb
-    common.plots.run_pictures = lambda *a, **k: []  # as in tests/conftest.py: the pictures, most of a tiny run's time
+    common.run.run_pictures = lambda *a, **k: []  # as in tests/conftest.py: the pictures, most of a tiny run's time
 
     with open(runs_file) as f:
         runs = json.load(f)

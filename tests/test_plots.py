@@ -181,7 +181,7 @@ def test_before_after_pairs_the_same_prompts_and_panel_round_trips(tmp_path):
 
 
 def test_run_pictures_draws_curve_heatmap_and_before_after_from_the_run_folder(tmp_path):
-    from common.plots import run_pictures
+    from common.run import run_pictures
 
     prompts = [p for c in toyworld.CATEGORIES for p in toyworld.all_prompts(c)[:1]]
     os.makedirs(tmp_path / "samples")
