@@ -849,10 +849,9 @@ if __name__ == "__main__":
                     "rollout/transformer_calls": sum(out["calls"].values()),
                 }
             )
-            for j in range(L):  # the dense reward each trained step earns: its size and how often it is 0
+            for j in range(L):  # the dense reward of each trained step: its size, how often it is 0, its sign balance
                 metrics[f"steps/dR_abs/{j}"] = dR[:, j].abs().mean().item()
                 metrics[f"steps/dR_zero/{j}"] = (dR[:, j] == 0).float().mean().item()
-            for j in range(L):  # sign balance per trained timestep, what Algorithm 1 watches
                 pos, neg = int((dR[:, j] > 0).sum()), int((dR[:, j] < 0).sum())
                 if pos + neg:
                     metrics[f"train/dR_pos_frac/t{args.num_steps - j}"] = pos / (pos + neg)

@@ -39,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from common.backbones import ConfigError  # noqa: E402
+from common.utils import read_metrics_lines  # noqa: E402
 
 SCRIPTS = {
     "flowgrpo_baseline": "flowgrpo_baseline.py",
@@ -139,16 +140,8 @@ def run_name(algo: str, variant: str, seed) -> str:
 
 
 def read_rows(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    rows = []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:  # the last line of a killed run may be cut
-                    pass
-    return rows
+    """A run's metrics rows; a last line cut by a kill is not a row (common/utils.py, as a resume reads them)."""
+    return read_metrics_lines(os.path.join(run_dir, "metrics.jsonl"))[0]
 
 
 def is_finished(run_dir: str) -> bool:
