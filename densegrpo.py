@@ -6,7 +6,7 @@
 2. Per-timestep GRPO advantages: normalise DeltaR over each group separately at each timestep (Eq. 10), then the
    Flow-GRPO clipped loss + KL, unchanged.
 3. Before training, calibrate a per-timestep noise level psi(t) so that positive and negative DeltaR stay balanced
-   (Algorithm 1, Eq. 11); psi is saved as psi.json and reused with --psi-file.
+   (Algorithm 1, Eq. 11); psi is saved as psi.json (and in every checkpoint) and reused with --psi-file.
 Docs: docs/densegrpo.md.  Run: `python densegrpo.py` (toy world, CPU, minutes, no downloads) or
 `torchrun --nproc_per_node 8 densegrpo.py --model-path DIR ...` (see the docs for the paper presets).
 """
@@ -658,10 +658,6 @@ if __name__ == "__main__":
     )
     ema = EMA(params, args.ema_decay, args.ema_update_interval, args.ema_warmup) if args.ema_decay > 0 else None
 
-    def save_weights(folder):
-        with ema_weights(ema):
-            trainable.save_weights(folder)
-
     reward_model = build_reward(args.reward, device, parse_model_paths(args.reward_model_paths))
     guard_model = (
         build_reward(args.guard_rewards, device, parse_model_paths(args.reward_model_paths)) if guard_names else None
@@ -689,11 +685,19 @@ if __name__ == "__main__":
     # psi's own scale: a (multiplier) or std_dev_t = a sqrt(sigma / (1 - sigma)) (raw); both start at Flow-GRPO's noise
     unit = psi_factor(sigmas) if args.psi_scale == "raw" else torch.ones(args.num_steps)
     psi0 = args.noise_level * unit
-    psi_file = args.psi_file or (os.path.join(os.path.dirname(resume_dir), "psi.json") if resume_dir else None)
+    psi_file = args.psi_file
+    if resume_dir and not (
+        args.resume_override and args.psi_file
+    ):  # the checkpoint's own copy (checkpoints before 2026-12-03 had none: the run folder's psi.json)
+        saved = [os.path.join(resume_dir, "psi.json"), os.path.join(os.path.dirname(resume_dir), "psi.json")]
+        psi_file = next((p for p in saved if os.path.isfile(p)), None)
+        if psi_file is None:
+            raise ConfigError(
+                f"--resume {resume_dir}: neither the checkpoint nor its run folder holds psi.json (the calibrated "
+                "psi(t)); add --resume-override --psi-file <the run's psi.json>"
+            )
     calib_metrics = {}
     if psi_file:
-        if not os.path.isfile(psi_file):
-            raise ConfigError(f"resuming needs the run's psi.json ({psi_file}); pass --psi-file")
         info = load_psi(psi_file, args.num_steps, args.psi_scale, args.sde_type)
     else:
 
@@ -754,6 +758,12 @@ if __name__ == "__main__":
             + (" (calibration: {:.0f} s, {:.0f} CPU s)".format(*took) if took else ""),
             flush=True,
         )
+
+    def save_weights(folder):  # into each checkpoint: the trained weights, and psi(t), so a resume needs nothing else
+        with ema_weights(ema):
+            trainable.save_weights(folder)
+        if is_main:
+            atomic_write(os.path.join(folder, "psi.json"), json.dumps(info, indent=1))
 
     run = Run(args, run_dir, rank, world_size, device, logger, counts, start_iteration, __file__)
     for iteration in range(start_iteration, args.num_iterations + 1):

@@ -98,15 +98,18 @@ def tiny_flags(model_path: str, out_dir: str, prompts_file: str, run_name: str =
     ]
 
 
-def assert_resume_is_exact(script: str, flags_for, total: int, extra) -> None:
+def assert_resume_is_exact(script: str, flags_for, total: int, extra, between=None) -> None:
     """Run `total` iterations straight, and total // 2 + resume + the rest; the trained weights (and the EMA,
-    when there is one) must be bit-identical. `flags_for(run_name)` gives a run's base flags."""
+    when there is one) must be bit-identical. `flags_for(run_name)` gives a run's base flags; `between(run_dir)`, if
+    given, runs before the resume (e.g. deletes a side file the resume must not need)."""
     import torch
 
     run_main(script, *flags_for("straight"), "--num-iterations", str(total), *extra)
     run_main(script, *flags_for("split"), "--num-iterations", str(total // 2), *extra)
     out = flags_for("split")[flags_for("split").index("--output-dir") + 1]
     run = os.path.join(out, "split")  # the run folder: resume takes its latest complete checkpoint-N
+    if between is not None:
+        between(run)
     run_main(script, *flags_for("split"), "--num-iterations", str(total), "--resume", run, *extra)
     a = torch.load(os.path.join(out, "straight", f"checkpoint-{total}", "trainer_state.pt"), weights_only=False)
     b = torch.load(os.path.join(run, f"checkpoint-{total}", "trainer_state.pt"), weights_only=False)

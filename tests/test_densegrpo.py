@@ -451,13 +451,24 @@ def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(request, fixt
         assert [m2[f"psi/t{t}"] for t in (3, 2, 1)] == [first[f"psi/t{t}"] for t in (3, 2, 1)]
 
 
-def test_resume_reuses_the_runs_psi(tiny_sd3, tmp_path, prompts_file):
+def test_resume_takes_psi_from_the_checkpoint(tiny_sd3, tmp_path, prompts_file):
+    """The calibrated psi(t) is saved in every checkpoint: with the run folder's psi.json deleted (or cut by a kill),
+    the resume still reaches the uninterrupted run's weights bit for bit, and writes the folder's copy back."""
+
+    def drop_psi(run):
+        os.remove(os.path.join(run, "psi.json"))
+        assert os.path.isfile(os.path.join(run, "checkpoint-1", "psi.json"))
+
     assert_resume_is_exact(
         SCRIPT,
         lambda name: tiny_flags(tiny_sd3, tmp_path, prompts_file, name),
         2,
-        ["--learning-rate", "1e-2", "--eval-every", "100", *CALIB],
+        ["--learning-rate", "1e-2", "--eval-every", "100", "--save-every", "1", *CALIB],
+        between=drop_psi,
     )
+    saved = json.loads((tmp_path / "split" / "checkpoint-2" / "psi.json").read_text())
+    assert json.loads((tmp_path / "split" / "psi.json").read_text())["psi"] == saved["psi"]
+    assert saved["psi"] == json.loads((tmp_path / "straight" / "psi.json").read_text())["psi"]
 
 
 def test_psi_file_must_match_the_sde_type(tmp_path):
