@@ -30,7 +30,7 @@ from common.checkpoint import resolve_run_dir, restore_checkpoint
 from common.checks import Rule, check_flag, check_ranges, check_sde_type, read_prompt_file
 from common.parallel import check_parallel, parallelize, set_grad_sync
 from common.plots import line_plot
-from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
+from common.rewards import advantage_mix, check_rewards, load_rewards
 from common.run import Run
 from common.sampler import gaussian_kl, ode_along_paths, ratio_norm, sde_step_with_logprob
 from common.training import (
@@ -317,8 +317,18 @@ def check_args(args: Args, world_size: int) -> None:
         )
     if args.calibration_average < 1:
         raise ConfigError(f"--calibration-average {args.calibration_average}: average at least the last iterate")
+    calibration = {
+        "calibration_iterations": Rule(0, integer=True, why="0: no calibration, psi = --noise-level"),
+        "calibration_trajectories": Rule(1, integer=True, why="trajectories per calibration iteration"),
+        "calibration_step": Rule(0, lo_open=True, why="epsilon_2, the largest move of psi per iteration"),
+        "balance_threshold": Rule(0, lo_open=True, why="epsilon_1 of the balance test"),
+    }
+    for name, rule in calibration.items():
+        check_flag(args, name, rule)
     if args.psi_file is not None and not os.path.isfile(args.psi_file):
         raise ConfigError(f"--psi-file '{args.psi_file}' does not exist: pass the psi.json of an earlier run")
+    if args.psi_file is not None:
+        load_psi(args.psi_file, args.num_steps, args.psi_scale, args.sde_type)  # its contents, before the model load
     if args.psi_file is None and args.calibration_iterations and args.calibration_trajectories % world_size:
         raise ConfigError(
             f"--calibration-trajectories {args.calibration_trajectories} cannot be split evenly over "
@@ -536,9 +546,21 @@ def calibrate_psi(
 
 def load_psi(path: str, num_steps: int, psi_scale: str, sde_type: str = "sde") -> dict:
     """A psi.json written by save_psi, checked against this run's schedule and step type (psi means another noise)."""
-    with open(path) as f:
-        info = json.load(f)
-    have = len(info["psi"]), info.get("psi_scale"), info.get("sde_type", "sde")  # files before CPS: the SDE
+    try:
+        with open(path) as f:
+            info = json.load(f)
+        psi = [float(p) for p in info["psi"]]
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ConfigError(
+            f"--psi-file '{path}' is not a psi.json ({e.__class__.__name__}: {e}): expected JSON with a list 'psi' "
+            "of one noise level per step, as a DenseGRPO run writes it; pass that file, or calibrate"
+        ) from None
+    if not all(math.isfinite(p) and p >= 0 for p in psi) or (sde_type == "cps" and max(psi) > 1):
+        raise ConfigError(
+            f"--psi-file '{path}': psi {psi} must be finite and >= 0 (at most 1 for --sde-type cps, where it is a in "
+            "sin(a pi / 2)); pass a psi.json written by a DenseGRPO run, or calibrate"
+        )
+    have = len(psi), info.get("psi_scale"), info.get("sde_type", "sde")  # files before CPS: the SDE
     if have != (num_steps, psi_scale, sde_type):
         raise ConfigError(
             f"--psi-file '{path}' holds {have[0]} steps on the {have[1]} scale for --sde-type {have[2]}; "
@@ -602,13 +624,10 @@ def step_log_prob(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args
 if __name__ == "__main__":
     args = tyro.cli(Args)
     # ---- cheap checks first: bad input costs one line, not a model load
-    try:
-        parse_reward_spec(args.reward)
-        guard_names = [n for n, _ in parse_reward_spec(args.guard_rewards)] if args.guard_rewards else []
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     train_prompts = read_prompt_file(args.prompts_file, "--prompts-file")
     eval_prompts = read_prompt_file(args.eval_prompts, "--eval-prompts")
+    prompt_files = {"--prompts-file": train_prompts, "--eval-prompts": eval_prompts}
+    check_rewards(args.reward, args.guard_rewards, args.reward_model_paths, prompt_files)  # names, paths, prompts
     check_resolution(args.model_path, check_model_path(args.model_path), args.resolution, args.resolution)
     rank, world_size, device = setup_distributed()
     check_args(args, world_size)
@@ -634,6 +653,9 @@ if __name__ == "__main__":
             )
         )
 
+    # ---- the rewards first: a missing weight file costs seconds, not a model load
+    reward_model, guard_model = load_rewards(args.reward, args.guard_rewards, args.reward_model_paths, device)
+
     # ---- backbone, trained weights (common/training.py: LoRA or full, and the KL reference), optimizer, EMA
     backbone = load_backbone(
         args.model_path,
@@ -658,10 +680,6 @@ if __name__ == "__main__":
     )
     ema = EMA(params, args.ema_decay, args.ema_update_interval, args.ema_warmup) if args.ema_decay > 0 else None
 
-    reward_model = build_reward(args.reward, device, parse_model_paths(args.reward_model_paths))
-    guard_model = (
-        build_reward(args.guard_rewards, device, parse_model_paths(args.reward_model_paths)) if guard_names else None
-    )
     logger = RunLogger(
         run_dir,
         is_main,

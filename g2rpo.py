@@ -25,7 +25,7 @@ from common.backbones import LORA_TARGETS, ConfigError, check_model_path, check_
 from common.checkpoint import resolve_run_dir, restore_checkpoint
 from common.checks import check_ranges, check_sde_type, read_prompt_file
 from common.parallel import check_parallel, parallelize, set_grad_sync
-from common.rewards import advantage_mix, build_reward, parse_model_paths, parse_reward_spec
+from common.rewards import advantage_mix, check_rewards, load_rewards
 from common.run import Run
 from common.sampler import gaussian_kl, ode_along_paths, ode_step, ratio_norm, sde_step_with_logprob
 from common.training import (
@@ -247,8 +247,11 @@ def check_args(args: Args, world_size: int) -> None:
     check_parallel(args, world_size)  # common/parallel.py: --parallel fsdp needs torchrun
     args.world_size = world_size
     args.train_batch_size = args.train_batch_size or args.rollout_batch_size
-    args.branch_steps = tuple(sorted(set(args.branch_steps)))
-    args.granularities = tuple(sorted(set(args.granularities)))
+    for flag, values in (("--branch-steps", args.branch_steps), ("--granularities", args.granularities)):
+        if len(set(values)) < len(values):  # a step or a granularity listed twice would not count twice
+            raise ConfigError(f"{flag} {' '.join(map(str, values))} lists a value twice; list each once")
+    args.branch_steps = tuple(sorted(args.branch_steps))
+    args.granularities = tuple(sorted(args.granularities))
     args.trained_steps = len(args.branch_steps)
     if args.groups_per_iteration % world_size:
         raise ConfigError(
@@ -436,13 +439,10 @@ def step_log_prob(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args
 if __name__ == "__main__":
     args = tyro.cli(Args)
     # ---- cheap checks first: bad input costs one line, not a model load
-    try:
-        parse_reward_spec(args.reward)
-        guard_names = [n for n, _ in parse_reward_spec(args.guard_rewards)] if args.guard_rewards else []
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     train_prompts = read_prompt_file(args.prompts_file, "--prompts-file")
     eval_prompts = read_prompt_file(args.eval_prompts, "--eval-prompts")
+    prompt_files = {"--prompts-file": train_prompts, "--eval-prompts": eval_prompts}
+    check_rewards(args.reward, args.guard_rewards, args.reward_model_paths, prompt_files)  # names, paths, prompts
     check_resolution(args.model_path, check_model_path(args.model_path), args.resolution, args.resolution)
     rank, world_size, device = setup_distributed()
     check_args(args, world_size)
@@ -467,6 +467,9 @@ if __name__ == "__main__":
                 )
             )
         )
+
+    # ---- the rewards first: a missing weight file costs seconds, not a model load
+    reward_model, guard_model = load_rewards(args.reward, args.guard_rewards, args.reward_model_paths, device)
 
     # ---- backbone, trained weights (common/training.py: LoRA or full, and the KL reference), optimizer, EMA
     backbone = load_backbone(
@@ -496,10 +499,6 @@ if __name__ == "__main__":
         with ema_weights(ema):
             trainable.save_weights(folder)
 
-    reward_model = build_reward(args.reward, device, parse_model_paths(args.reward_model_paths))
-    guard_model = (
-        build_reward(args.guard_rewards, device, parse_model_paths(args.reward_model_paths)) if guard_names else None
-    )
     logger = RunLogger(
         run_dir,
         is_main,

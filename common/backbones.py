@@ -99,8 +99,19 @@ def read_model_index(path: str) -> dict:
 
 
 def check_model_path(path: str) -> str:
-    """Fail fast when `path` is not a diffusers SD3/FLUX folder. Returns the backbone kind ("sd3" or "flux")."""
-    return PIPELINES[read_model_index(path)["_class_name"]]
+    """Fail fast when `path` is not a diffusers SD3/FLUX folder, or lacks a component its model_index.json lists (an
+    interrupted download). Returns the backbone kind ("sd3" or "flux")."""
+    info = read_model_index(path)
+    for name, entry in info.items():
+        if name.startswith("_") or not isinstance(entry, list) or entry[0] is None:
+            continue  # metadata, or a component the pipeline does without (null in model_index.json)
+        need = os.path.join(name, "config.json") if name in ("vae", "transformer") else name  # read before the load
+        if not os.path.exists(os.path.join(path, need)):
+            raise ConfigError(
+                f"--model-path '{path}': model_index.json lists the {name} ({entry[1]}) but {need} is missing: an "
+                f"incomplete download; fetch the folder again ({HUB_HINT})"
+            )
+    return PIPELINES[info["_class_name"]]
 
 
 def check_resolution(path: str, kind: str, height: int, width: int) -> None:
@@ -108,12 +119,19 @@ def check_resolution(path: str, kind: str, height: int, width: int) -> None:
     with open(os.path.join(path, "vae", "config.json")) as f:
         vae_factor = 2 ** (len(json.load(f)["block_out_channels"]) - 1)
     with open(os.path.join(path, "transformer", "config.json")) as f:
-        patch = json.load(f).get("patch_size", 1) * (2 if kind == "flux" else 1)  # FLUX packs 2x2 latents
+        transformer = json.load(f)
+    patch = transformer.get("patch_size", 1) * (2 if kind == "flux" else 1)  # FLUX packs 2x2 latents
     unit = vae_factor * patch
     if height % unit or width % unit:
         raise ConfigError(
             f"resolution {height}x{width} is not a multiple of {unit} (VAE factor {vae_factor} x "
             f"patch {patch}); pick e.g. {max(unit, height // unit * unit)}"
+        )
+    grid = transformer.get("pos_embed_max_size") if kind == "sd3" else None  # SD3's learned position table
+    if grid and max(height, width) > grid * unit:
+        raise ConfigError(
+            f"resolution {height}x{width} is larger than this model's position embedding covers ({grid} patches of "
+            f"{unit} pixels: at most {grid * unit}x{grid * unit}); pick a resolution up to {grid * unit}"
         )
 
 

@@ -127,9 +127,12 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
             w = float(weight) if ":" in item else 1.0
         except ValueError:
             w = float("nan")
-        if not np.isfinite(w):
+        with np.errstate(over="ignore"):  # weights are float32 tensors: 1e39 is finite here, infinite there
+            finite = np.isfinite(np.float32(w))
+        if not finite:
             raise ValueError(
-                f"bad weight '{weight}' for reward '{name}' in {spec!r}: expected a finite number, e.g. 'pickscore:1.0'"
+                f"bad weight '{weight}' for reward '{name}' in {spec!r}: expected a finite float32 number (|w| < "
+                "3.4e38), e.g. 'pickscore:1.0'"
             )
         out.append((name, w))
     return out
@@ -146,6 +149,46 @@ def parse_model_paths(s: str) -> dict[str, str]:
             raise ValueError(f"bad model path '{item}': expected KEY=PATH with KEY one of {', '.join(PATH_KEYS)}")
         out[key] = path
     return out
+
+
+def check_rewards(spec: str, guard_spec: str, model_paths: str, prompt_files: dict[str, list[str]]) -> None:
+    """All that can be checked about the rewards before any model loads, as one line (ConfigError): both specs and
+    their weights, the --reward-model-paths keys, the optional packages, and every prompt a toy-world reward will
+    score (it scores only prompts of its grammar). prompt_files: {flag: its prompts}."""
+    from common.backbones import ConfigError
+
+    try:
+        names = [n for s in (spec, guard_spec) if s for n, _ in parse_reward_spec(s)]
+        parse_model_paths(model_paths)
+        for name in (n for n in names if n in OPTIONAL):
+            _require(name)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(str(e)) from None
+    if {"toyworld", "toyworld_coverage"} & set(names):
+        from common.toyworld.prompts import parse
+
+        for flag, prompts in prompt_files.items():
+            for i, prompt in enumerate(prompts, 1):
+                try:
+                    parse(prompt)
+                except ValueError as e:
+                    raise ConfigError(
+                        f"{flag}, prompt {i}: {e}; the toy-world rewards score only prompts of this grammar: give a "
+                        "toy-world prompt file (common/toyworld/prompts_*.txt) or another --reward"
+                    ) from None
+
+
+def load_rewards(spec: str, guard_spec: str, model_paths: str, device) -> tuple[RewardModel, RewardModel | None]:
+    """The target reward and the guard rewards (None without --guard-rewards), each a RewardModel; a weight file that
+    is missing or unreadable is one line (ConfigError). The scripts load them before the backbone, so that such a
+    mistake costs seconds, not a model load."""
+    from common.backbones import ConfigError
+
+    try:
+        paths = parse_model_paths(model_paths)
+        return build_reward(spec, device, paths), build_reward(guard_spec, device, paths) if guard_spec else None
+    except (ValueError, ImportError) as e:
+        raise ConfigError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------- loading helpers
