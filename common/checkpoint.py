@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import gc
 import hashlib
 import json
 import os
@@ -278,18 +279,26 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
             os.replace(tmp, final)
         _fsync(run_dir)
 
+    failed = None
     try:
         for phase in (start, write, seal):
             _on_every_rank(phase, sharded is not None)
-    except OSError as e:
+    except Exception as e:
+        full = _out_of_space(e, run_dir)  # before the cleanup below frees the space again
         if main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # never leave half a checkpoint on a full disk
+        if not (isinstance(e, OSError) or full):
+            raise
+        why = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [""])[0][:160]
+        failed = f"{e.__class__.__name__}: {why}{'; the disk is full' if full else ''}"
+    if failed:  # raised outside the except: the error's frames (and a writer's open file) go with it
+        gc.collect()
         done = [c for _, c in list_checkpoints(run_dir) if verify_checkpoint(c) is None]
         last = f"the last complete checkpoint, {done[-1]}, is intact" if done else "no complete checkpoint exists yet"
         raise SystemExit(
-            f"error: could not write {final} ({e.__class__.__name__}: {e.strerror or e}); {last}: free "
-            f"space or fix the folder's permissions, then --resume {run_dir}"
-        ) from None
+            f"error: could not write {final} ({failed}); {last}: free space or fix the folder's permissions, then "
+            f"--resume {run_dir}"
+        )
     if keep > 0 and main:  # rotation only after the new checkpoint is complete and in place
         found = list_checkpoints(run_dir)
         kept = [i for i, c in found if verify_checkpoint(c, quick=True) is None][-keep:]
@@ -297,6 +306,19 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
             if i < kept[0]:  # older than the K kept ones, complete or not (an incomplete one is of no use)
                 _remove(c)
     return final
+
+
+def _out_of_space(e: BaseException, folder: str) -> bool:
+    """A full disk, whatever raised it: OSError ENOSPC/EDQUOT, safetensors' SafetensorError ("os error 28"), or
+    torch.save's RuntimeError ("unexpected pos ..."), which names no cause, so the free space decides."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left on device" in str(e) or "os error 28" in str(e):
+        return True
+    try:
+        return shutil.disk_usage(folder).free < 2**16
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------------------------- verify and find

@@ -148,11 +148,55 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp_p
         ck.save_checkpoint(run, tiny_state(2), tiny_weights(2))
     msg = str(e.value.code)
     assert msg == (
-        f"error: could not write {run}/checkpoint-2 (OSError: No space left on device); the last complete "
+        f"error: could not write {run}/checkpoint-2 (OSError: No space left on device; the disk is full); the last complete "
         f"checkpoint, {run}/checkpoint-1, is intact: free space or fix the folder's permissions, then "
         f"--resume {run}"
     )
     assert sorted(os.listdir(run)) == ["checkpoint-1"]  # the temporary folder is gone too
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MiB file system (tmpfs), mounted for the test: a save that fills it gets the errors a full disk gives
+    (torch.save: RuntimeError; safetensors: SafetensorError; plain writes: OSError ENOSPC). Needs root (CI is)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or r.returncode}): needs root")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("fills", ["torch.save", "safetensors"])
+def test_a_real_full_disk_during_a_save_is_one_line_and_loses_nothing(small_disk, fills):
+    """checkpoint-1 (400 kB) fits the 1 MiB disk; checkpoint-2 (800 kB, in the trainer state or in the weights)
+    does not. The save stops in one line naming the intact checkpoint-1, removes its temporary folder (the disk is as
+    free as before it) and leaves checkpoint-1 verifiable."""
+    from safetensors.torch import save_file
+
+    run = os.path.join(small_disk, "run")
+
+    def save(i: int, numel: int):
+        blob, small = torch.zeros(numel), torch.zeros(4)
+        state = {"iteration": i, "args": {}, "blob": blob if fills == "torch.save" else small}
+        weights = {"w": small if fills == "torch.save" else blob}
+        return ck.save_checkpoint(run, state, lambda d: save_file(weights, os.path.join(d, "w.safetensors")), keep=2)
+
+    save(1, 100_000)
+    free = shutil.disk_usage(small_disk).free
+    with pytest.raises(SystemExit) as e:
+        save(2, 200_000)
+    msg = str(e.value.code)
+    assert msg.startswith(f"error: could not write {run}/checkpoint-2 (") and "\n" not in msg, msg
+    assert msg.endswith(
+        f"the disk is full); the last complete checkpoint, {run}/checkpoint-1, is intact: free space "
+        f"or fix the folder's permissions, then --resume {run}"
+    ), msg
+    assert sorted(os.listdir(run)) == ["checkpoint-1"] and shutil.disk_usage(small_disk).free == free
+    assert ck.verify_checkpoint(os.path.join(run, "checkpoint-1")) is None
 
 
 def test_rotation_keeps_the_newest_k(tmp_path):
