@@ -82,7 +82,8 @@ class Args:
     model_path: str = TOY_MODEL
     """local diffusers folder of SD3/SD3.5/FLUX.1 (default: the toy-world model shipped in the repo)"""
     resolution: int = 32
-    """image height and width in pixels (paper: 512 for SD3.5-M)"""
+    """image height and width in pixels of every sampled image (rollout and evaluation); the latent
+    tokens, and with them the cost of each transformer call, grow with its square"""
     max_sequence_length: int | None = None
     """T5 tokens in the text context (default: 128 for SD3, 512 for FLUX, 1 without T5)"""
     gradient_checkpointing: bool = False
@@ -98,9 +99,11 @@ class Args:
     fsdp_offload: bool = False
     """with --parallel fsdp: the shards, their gradients and the optimizer step live in host memory, not on the GPU"""
     lora_rank: int = 16
-    """LoRA rank r (paper: 32)"""
+    """LoRA rank r: the width of the low-rank update trained on each targeted layer (its trained
+    parameters and optimizer state grow with r); unused with --full-finetune"""
     lora_alpha: float = 32.0
-    """LoRA alpha (paper: 64)"""
+    """LoRA alpha: the low-rank update is scaled by alpha / r, and with it (under Adam) the size of
+    each step of the adapter; unused with --full-finetune"""
     lora_target: Literal["attention", "attention-ff", "all-linear"] = "all-linear"
     """which layers get a LoRA: the attention projections (Flow-GRPO's SD3 set), those and the feed-forward layers
     (Flow-GRPO's FLUX set), or every linear layer"""
@@ -109,30 +112,39 @@ class Args:
     prompts_file: str = str(toyworld.TRAIN_MIX_FILE)
     """training prompts, one per line, drawn uniformly over lines (toy world: each category equally often)"""
     num_steps: int = 10
-    """denoising steps of a rollout (paper: 10, against 40 at evaluation)"""
+    """denoising steps T of the rollout's sigma schedule, on which the trained steps lie (fewer:
+    cheaper rollouts, coarser SDE steps); evaluation has its own, --eval-num-steps"""
     shift: float | None = None
-    """timestep shift of the schedule (default: the model's scheduler config)"""
+    """timestep shift s of the sigma schedule, sigma -> s sigma / (1 + (s - 1) sigma): a larger s
+    spends more steps at high noise (default: the model's scheduler config, 3 for SD3.5 and
+    FLUX.1-dev). FLUX's pipeline grid ignores it (its shift is dynamic, set by the image size)
+    unless a static grid is chosen (g2rpo.py: --sigma-grid official)"""
     guidance_scale: float = 1.0
-    """classifier-free guidance at rollout and in the training forward (SD3) or FLUX guidance input (the paper states
-    none; 4.5 is the value of Flow-GRPO's code, which it builds on)"""
+    """guidance at rollout and in the training forward: SD3's classifier-free guidance w,
+    v = v_u + w (v_c - v_u) (<= 1: no CFG, half the transformer work), or FLUX.1-dev's distilled
+    guidance input (no CFG). Evaluation: --eval-guidance-scale"""
     detach_uncond: bool = False
     """stop the gradient through CFG's unconditional branch in the training forward. Off (the paper, and the released
     code except for a few days around commit ac4c86e): v = v_u + w (v_c - v_u) is differentiated whole, so the gradient
     is w dv_c - (w - 1) dv_u, that of log pi of the policy that sampled. On: only w dv_c (a different objective)"""
     noise_level: float = 0.7
-    """psi(t)'s starting value a at every t (std_dev_t = a*sqrt(sigma/(1-sigma))), which Algorithm 1 then calibrates;
-    the noise of every step when not calibrated (the paper's uniform ablation, Fig. 6b, uses 0.7; it gives no start)"""
+    """a, the noise of the stochastic steps: std_dev_t = a*sqrt(sigma/(1-sigma)) (--sde-type cps:
+    std sigma_next sin(a pi / 2)). Too little makes a group's samples alike, too much degrades them;
+    where the script calibrates the noise per step (densegrpo.py: psi(t)), its starting value"""
     sde_type: Literal["sde", "cps"] = "sde"
     """the stochastic step: "sde", Flow-GRPO's SDE (common/sampler.py, E2-E3), or "cps", coefficients-preserving
     sampling (Wang & Yu 2025, arXiv 2509.05952; E6): std sigma_next sin(a pi / 2), a = --noise-level in [0, 1]. The
     released Flow-GRPO code runs CPS at a = 0.8 (docs/flowgrpo.md, CPS)"""
     group_size: int = 8
-    """images per prompt, G (paper: 24)"""
+    """G, the size of a group: samples of one prompt whose rewards are normalised against each other
+    into advantages (a larger G steadies the group's mean and std)"""
     groups_per_iteration: int = 8
-    """prompts per iteration over all ranks (paper: 48 groups of 24, App. A's 144 x 8 images). Toy default 8 x 8: the
-    best setting the harness found; it stops the 2-prompt default's fall but does not learn (docs/results.md)"""
+    """prompts per iteration over all ranks; each prompt's samples form its group(s). More prompts
+    give each optimizer step a steadier gradient; each script's toy default was chosen by
+    measurement at the same CPU budget (docs/results.md)"""
     rollout_batch_size: int = 16
-    """images per transformer call while sampling, per rank (toy: all at once; real models: what fits, e.g. 6)"""
+    """latents per transformer call while sampling, per rank: speed against memory (toy: all at
+    once; real models: what fits, e.g. 6); also the default of --train-batch-size"""
 
     # ---- reward
     reward: str = "toyworld"
@@ -148,13 +160,16 @@ class Args:
     clip_range: float = 1e-4
     """PPO clip epsilon on the ratio (tiny because the log-prob is a per-element mean)"""
     adv_clip_max: float = 5.0
-    """advantages are clipped to [-adv_clip_max, adv_clip_max]"""
+    """each transition's advantage, any sum over rewards or granularities included, is clipped to
+    [-adv_clip_max, adv_clip_max]: it bounds the pull of a single sample"""
     beta: float = 0.0
-    """KL weight to the LoRA-off model (paper: 0.04, 0.01 for PickScore; 0 = no reference forward)"""
+    """weight of the KL penalty to the reference policy (the model with its LoRA off, or a frozen
+    copy with --full-finetune); 0 = no KL and no reference forward"""
     global_std: bool = False
     """per timestep, divide by the std of all DeltaR of the iteration instead of each group's std (Eq. 10: group)"""
     std_eps: float = 1e-4
-    """added to the std before dividing"""
+    """added to the std before the centred rewards are divided by it: bounds the advantages of a
+    group whose rewards nearly agree (a group of exactly equal rewards gets 0 at any eps)"""
     timestep_fraction: float = 0.99
     """train on the first int(num_steps * fraction) steps: 0.99 drops the last, near-deterministic step"""
     ratio_norm: Literal["off", "ratio", "guard"] = "off"
@@ -164,7 +179,9 @@ class Args:
     Needs --sde-type sde. On-policy (one optimizer step per iteration) the ratio is 1 either way and only the
     gradient's per-step weight changes (docs/flowgrpo.md, GRPO-Guard)"""
     drop_zero_advantage: bool = True
-    """skip transitions whose advantage is 0 (a timestep at which the whole group's DeltaR is equal teaches nothing)"""
+    """skip transitions whose advantage is exactly 0 (e.g. a group whose rewards all agree): their
+    clipped policy term has no gradient, so they would cost a training forward and backward for
+    nothing but their KL term (--beta > 0)"""
     completion_steps: int | None = None
     """ODE steps n of each completion (Eq. 8): None = t, the rest of the rollout schedule (paper); 1 or 2 = a
     coarser grid to sigma = 0 (paper Fig. 6c: n = 1 is worse than Flow-GRPO)"""
@@ -199,20 +216,24 @@ class Args:
 
     # ---- optimisation
     num_iterations: int = 36
-    """rollout + update iterations (0 = only evaluate the starting model; toy default 36: ~1,200 CPU s on 2 cores)"""
+    """rollout + update iterations (0 = only evaluate the starting model). The toy default is about
+    1,200 CPU seconds of training on 2 cores"""
     learning_rate: float = 3e-4
-    """AdamW learning rate (paper: 3e-4 with LoRA)"""
+    """AdamW learning rate (a LoRA needs a far larger one than a full fine-tune)"""
     adam_betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas"""
     weight_decay: float = 1e-4
-    """AdamW weight decay"""
+    """AdamW's decoupled weight decay of the trained weights"""
     max_grad_norm: float = 1.0
-    """gradient-norm clip"""
+    """the gradient of each optimizer step is clipped to this global L2 norm before the step"""
     train_batch_size: int | None = None
-    """transitions per training forward, per rank (default: rollout_batch_size, which keeps ratio == 1 exact)"""
+    """stored states per training forward, per rank, each with every transition sampled from it
+    (G²RPO: a group's G share one state x_k). Default: --rollout-batch-size (a batch shape unlike
+    the rollout's can move the ratio off 1 in bf16)"""
     optimizer_steps_per_iteration: int = 1
-    """optimizer steps per iteration: the micro-batches are accumulated into this many steps (paper: 1; App. A
-    accumulates 8 batches of 144, all 48 x 24 images, into one step)"""
+    """optimizer steps per iteration: the micro-batches are accumulated into this many steps (in
+    each update block where the rollout marks blocks: g2rpo.py --update-schedule per-k). Every step
+    after the first is off-policy (ratio != 1), where --clip-range matters"""
     num_inner_epochs: int = 1
     """passes over the iteration's transitions"""
     ema_decay: float = 0.0
@@ -232,7 +253,7 @@ class Args:
     |g|^2 (steps/grad_share/{step}, summing to 1; common/training.py GradShare). The update is unchanged; a measured
     iteration trains at a few times the cost; one process only. 0 = off"""
     eval_num_steps: int = 20
-    """ODE steps at evaluation (paper: 40)"""
+    """ODE steps at evaluation: a grid of its own, often finer than the rollouts' --num-steps"""
     eval_guidance_scale: float | None = None
     """guidance at evaluation (default: guidance_scale)"""
     eval_seeds_per_prompt: int = 2
@@ -252,11 +273,13 @@ class Args:
     resumed_from: str | None = None
     """the checkpoint folder this run was resumed from"""
     images_per_iteration: int = 0
-    """groups_per_iteration * group_size"""
+    """the rollout's final images per iteration, over all ranks (groups_per_iteration * group_size;
+    G²RPO: times |M| * |Λ|)"""
     images_per_rank: int = 0
     """images_per_iteration / world_size"""
     trained_steps: int = 0
-    """int(num_steps * timestep_fraction)"""
+    """steps of the schedule that are trained: int(num_steps * timestep_fraction), or
+    sde_window_size (Flow-GRPO-Fast), or |M| (G²RPO's branch steps)"""
 
 
 def check_args(args: Args, world_size: int) -> None:

@@ -74,7 +74,8 @@ class Args:
     model_path: str = TOY_MODEL
     """local diffusers folder of SD3/SD3.5/FLUX.1 (default: the toy-world model shipped in the repo)"""
     resolution: int = 32
-    """image height and width in pixels (paper: 512 for SD3.5-M)"""
+    """image height and width in pixels of every sampled image (rollout and evaluation); the latent
+    tokens, and with them the cost of each transformer call, grow with its square"""
     max_sequence_length: int | None = None
     """T5 tokens in the text context (default: 128 for SD3, 512 for FLUX, 1 without T5)"""
     gradient_checkpointing: bool = False
@@ -90,9 +91,11 @@ class Args:
     fsdp_offload: bool = False
     """with --parallel fsdp: the shards, their gradients and the optimizer step live in host memory, not on the GPU"""
     lora_rank: int = 16
-    """LoRA rank r (paper: 32)"""
+    """LoRA rank r: the width of the low-rank update trained on each targeted layer (its trained
+    parameters and optimizer state grow with r); unused with --full-finetune"""
     lora_alpha: float = 32.0
-    """LoRA alpha (paper: 64)"""
+    """LoRA alpha: the low-rank update is scaled by alpha / r, and with it (under Adam) the size of
+    each step of the adapter; unused with --full-finetune"""
     lora_target: Literal["attention", "attention-ff", "all-linear"] = "all-linear"
     """which layers get a LoRA: the attention projections (Flow-GRPO's SD3 set), those and the feed-forward layers
     (Flow-GRPO's FLUX set), or every linear layer"""
@@ -101,28 +104,39 @@ class Args:
     prompts_file: str = str(toyworld.TRAIN_MIX_FILE)
     """training prompts, one per line, drawn uniformly over lines (toy world: each category equally often)"""
     num_steps: int = 10
-    """denoising steps of a rollout (paper: 10, against 40 at evaluation)"""
+    """denoising steps T of the rollout's sigma schedule, on which the trained steps lie (fewer:
+    cheaper rollouts, coarser SDE steps); evaluation has its own, --eval-num-steps"""
     shift: float | None = None
-    """timestep shift of the schedule (default: the model's scheduler config)"""
+    """timestep shift s of the sigma schedule, sigma -> s sigma / (1 + (s - 1) sigma): a larger s
+    spends more steps at high noise (default: the model's scheduler config, 3 for SD3.5 and
+    FLUX.1-dev). FLUX's pipeline grid ignores it (its shift is dynamic, set by the image size)
+    unless a static grid is chosen (g2rpo.py: --sigma-grid official)"""
     guidance_scale: float = 1.0
-    """classifier-free guidance at rollout and in the training forward (SD3; paper 4.5) or FLUX guidance input"""
+    """guidance at rollout and in the training forward: SD3's classifier-free guidance w,
+    v = v_u + w (v_c - v_u) (<= 1: no CFG, half the transformer work), or FLUX.1-dev's distilled
+    guidance input (no CFG). Evaluation: --eval-guidance-scale"""
     detach_uncond: bool = False
     """stop the gradient through CFG's unconditional branch in the training forward. Off (the paper, and the released
     code except for a few days around commit ac4c86e): v = v_u + w (v_c - v_u) is differentiated whole, so the gradient
     is w dv_c - (w - 1) dv_u, that of log pi of the policy that sampled. On: only w dv_c (a different objective)"""
     noise_level: float = 0.7
-    """a in std_dev_t = a*sqrt(sigma/(1-sigma)) (paper: 0.7)"""
+    """a, the noise of the stochastic steps: std_dev_t = a*sqrt(sigma/(1-sigma)) (--sde-type cps:
+    std sigma_next sin(a pi / 2)). Too little makes a group's samples alike, too much degrades them;
+    where the script calibrates the noise per step (densegrpo.py: psi(t)), its starting value"""
     sde_type: Literal["sde", "cps"] = "sde"
     """the stochastic step: "sde", Flow-GRPO's SDE (common/sampler.py, E2-E3), or "cps", coefficients-preserving
     sampling (Wang & Yu 2025, arXiv 2509.05952; E6): std sigma_next sin(a pi / 2), a = --noise-level in [0, 1]. The
     released Flow-GRPO code runs CPS at a = 0.8 (docs/flowgrpo.md, CPS)"""
     group_size: int = 8
-    """images per prompt, G (paper: 24)"""
+    """G, the size of a group: samples of one prompt whose rewards are normalised against each other
+    into advantages (a larger G steadies the group's mean and std)"""
     groups_per_iteration: int = 32
-    """prompts per iteration over all ranks (the official configs: 48). Toy default 32 (256 images): fewer, steadier
-    Adam steps learn more per CPU second than 8 prompts' noisier ones (docs/results.md, 4x the images per iteration)"""
+    """prompts per iteration over all ranks; each prompt's samples form its group(s). More prompts
+    give each optimizer step a steadier gradient; each script's toy default was chosen by
+    measurement at the same CPU budget (docs/results.md)"""
     rollout_batch_size: int = 64
-    """images per transformer call while sampling, per rank (toy: all at once; real models: what fits, e.g. 6)"""
+    """latents per transformer call while sampling, per rank: speed against memory (toy: all at
+    once; real models: what fits, e.g. 6); also the default of --train-batch-size"""
 
     # ---- reward
     reward: str = "toyworld"
@@ -138,13 +152,16 @@ class Args:
     clip_range: float = 1e-4
     """PPO clip epsilon on the ratio (tiny because the log-prob is a per-element mean)"""
     adv_clip_max: float = 5.0
-    """advantages are clipped to [-adv_clip_max, adv_clip_max]"""
+    """each transition's advantage, any sum over rewards or granularities included, is clipped to
+    [-adv_clip_max, adv_clip_max]: it bounds the pull of a single sample"""
     beta: float = 0.0
-    """KL weight to the LoRA-off model (paper: 0.04, 0.01 for PickScore; 0 = no reference forward)"""
+    """weight of the KL penalty to the reference policy (the model with its LoRA off, or a frozen
+    copy with --full-finetune); 0 = no KL and no reference forward"""
     global_std: bool = True
     """divide advantages by the std of all rewards of the iteration instead of each group's std"""
     std_eps: float = 1e-4
-    """added to the std before dividing"""
+    """added to the std before the centred rewards are divided by it: bounds the advantages of a
+    group whose rewards nearly agree (a group of exactly equal rewards gets 0 at any eps)"""
     timestep_fraction: float | None = None
     """train on the first int(num_steps * fraction) steps (default 0.5; paper 0.99: all but the last, near-deterministic
     one; toy default 0.5: the early steps that place the objects, measured better in docs/results.md). Not with
@@ -163,24 +180,30 @@ class Args:
     Needs --sde-type sde. On-policy (one optimizer step per iteration) the ratio is 1 either way and only the
     gradient's per-step weight changes (docs/flowgrpo.md, GRPO-Guard)"""
     drop_zero_advantage: bool = True
-    """skip transitions whose advantage is 0 (groups whose rewards are all equal teach nothing)"""
+    """skip transitions whose advantage is exactly 0 (e.g. a group whose rewards all agree): their
+    clipped policy term has no gradient, so they would cost a training forward and backward for
+    nothing but their KL term (--beta > 0)"""
 
     # ---- optimisation
     num_iterations: int = 30
-    """rollout + update iterations (0 = only evaluate the starting model). Toy default 30: about 1,200 CPU seconds of
-    training on 2 cores"""
+    """rollout + update iterations (0 = only evaluate the starting model). The toy default is about
+    1,200 CPU seconds of training on 2 cores"""
     learning_rate: float = 3e-4
-    """AdamW learning rate (paper: 3e-4 with LoRA)"""
+    """AdamW learning rate (a LoRA needs a far larger one than a full fine-tune)"""
     adam_betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas"""
     weight_decay: float = 1e-4
-    """AdamW weight decay"""
+    """AdamW's decoupled weight decay of the trained weights"""
     max_grad_norm: float = 1.0
-    """gradient-norm clip"""
+    """the gradient of each optimizer step is clipped to this global L2 norm before the step"""
     train_batch_size: int | None = None
-    """transitions per training forward, per rank (default: rollout_batch_size, which keeps ratio == 1 exact)"""
+    """stored states per training forward, per rank, each with every transition sampled from it
+    (G²RPO: a group's G share one state x_k). Default: --rollout-batch-size (a batch shape unlike
+    the rollout's can move the ratio off 1 in bf16)"""
     optimizer_steps_per_iteration: int = 1
-    """optimizer steps per iteration: the micro-batches are accumulated into this many steps (paper: 2)"""
+    """optimizer steps per iteration: the micro-batches are accumulated into this many steps (in
+    each update block where the rollout marks blocks: g2rpo.py --update-schedule per-k). Every step
+    after the first is off-policy (ratio != 1), where --clip-range matters"""
     num_inner_epochs: int = 1
     """passes over the iteration's transitions"""
     ema_decay: float = 0.0
@@ -200,7 +223,7 @@ class Args:
     |g|^2 (steps/grad_share/{step}, summing to 1; common/training.py GradShare). The update is unchanged; a measured
     iteration trains at a few times the cost; one process only. 0 = off"""
     eval_num_steps: int = 20
-    """ODE steps at evaluation (paper: 40)"""
+    """ODE steps at evaluation: a grid of its own, often finer than the rollouts' --num-steps"""
     eval_guidance_scale: float | None = None
     """guidance at evaluation (default: guidance_scale)"""
     eval_seeds_per_prompt: int = 2
@@ -220,11 +243,13 @@ class Args:
     resumed_from: str | None = None
     """the checkpoint folder this run was resumed from"""
     images_per_iteration: int = 0
-    """groups_per_iteration * group_size"""
+    """the rollout's final images per iteration, over all ranks (groups_per_iteration * group_size;
+    G²RPO: times |M| * |Λ|)"""
     images_per_rank: int = 0
     """images_per_iteration / world_size"""
     trained_steps: int = 0
-    """int(num_steps * timestep_fraction), or sde_window_size"""
+    """steps of the schedule that are trained: int(num_steps * timestep_fraction), or
+    sde_window_size (Flow-GRPO-Fast), or |M| (G²RPO's branch steps)"""
 
 
 def check_args(args: Args, world_size: int) -> None:

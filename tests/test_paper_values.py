@@ -10,11 +10,18 @@ of the paper's values.
 
 A clause runs from "paper" to the next ")" or ";", so "(paper: 16; the released code evaluates with 50)" quotes 16
 only. Numbers glued to a name (FLUX.1, SD3.5-M, epsilon_1, Fig. 6b) are not values.
+
+Issue #37.4 (diffs that show the algorithm): a flag that all three scripts share has ONE docstring, word for word, so
+`diff flowgrpo_baseline.py g2rpo.py` shows no help text of a shared flag; such a docstring quotes no paper, and each
+paper's values live in the "## Paper preset" section of its docs page instead: a runnable command, which is parsed
+here with the script's own `Args` (tyro) and checked against the paper's table below, and a table of its sources.
 """
 
 import ast
+import importlib
 import os
 import re
+import shlex
 
 import pytest
 
@@ -183,3 +190,129 @@ def test_clause_values():
     assert clause_values("2e-6, full fine-tuning") == {2e-6}
     assert clause_values("epsilon_1 = 2") == {2.0}
     assert clause_values("fp16") == {"fp16"}
+
+
+# ------------------------------------------------- issue #37.4: one docstring per shared flag, paper values in docs
+DOCS = {"flowgrpo_baseline.py": "docs/flowgrpo.md", "g2rpo.py": "docs/g2rpo.md", "densegrpo.py": "docs/densegrpo.md"}
+PRESET = re.compile(r"^## Paper preset\n(?P<body>.*?)(?=^## |\Z)", re.S | re.M)
+BASH = re.compile(r"```bash\n(?P<code>.*?)```", re.S)
+
+
+def read(path: str) -> str:
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return f.read()
+
+
+def args_fields(source: str) -> list[str]:
+    """The field names of the `Args` dataclass, in order."""
+    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    return [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
+
+
+def shared_docstring_mismatches(sources: dict[str, str]) -> tuple[list[str], int]:
+    """For {script: source}: (one line per flag that every script's `Args` has but whose docstring differs or is
+    missing somewhere, the number of flags they all have)."""
+    fields = {name: args_fields(src) for name, src in sources.items()}
+    docs = {name: args_docstrings(src) for name, src in sources.items()}
+    first = next(iter(sources))
+    shared = [f for f in fields[first] if all(f in fields[name] for name in sources)]
+    errors = []
+    for flag in shared:
+        texts = {name: docs[name].get(flag) for name in sources}
+        if None in texts.values() or len(set(texts.values())) > 1:
+            errors.append(
+                f"--{flag.replace('_', '-')} is in every script but its docstrings differ: "
+                + "; ".join(f"{name}: {' '.join(str(t).split())!r}" for name, t in texts.items())
+            )
+    return errors, len(shared)
+
+
+def test_every_shared_flag_has_one_docstring():
+    """The same help, word for word, for every flag of the three scripts: what it does, its unit, why it matters. A
+    paper's value is not help (tyro prints the default): it goes to the script's docs page, "## Paper preset"."""
+    errors, n = shared_docstring_mismatches({script: read(script) for script in SCRIPTS})
+    assert n >= 60, f"only {n} flags are shared by the three scripts: did the Args parsing break?"
+    assert not errors, "\n  ".join(["shared flags must have one docstring:"] + errors)
+
+
+def preset_command(doc_text: str, script: str) -> tuple[list[str], int]:
+    """(the arguments after `script` in the first bash block of the doc's "## Paper preset" section, the world size
+    its torchrun asks for: --nnodes x --nproc_per_node). Comments and line continuations are the shell's."""
+    section = PRESET.search(doc_text)
+    assert section, 'no "## Paper preset" section'
+    block = BASH.search(section["body"])
+    assert block, '"## Paper preset" has no ```bash block'
+    tokens = shlex.split(block["code"].replace("\\\n", " "), comments=True)
+    assert tokens and tokens[0] == "torchrun" and script in tokens, f"the block is not `torchrun ... {script} ...`"
+    launcher, argv = tokens[: tokens.index(script)], tokens[tokens.index(script) + 1 :]
+
+    def launcher_flag(*names, default=1):
+        found = [int(launcher[i + 1]) for i, t in enumerate(launcher[:-1]) if t in names]
+        return found[0] if found else default
+
+    world_size = launcher_flag("--nnodes") * launcher_flag("--nproc_per_node", "--nproc-per-node")
+    return argv, world_size
+
+
+def preset_errors(script: str, doc_text: str, table: dict) -> list[str]:
+    """Every way the doc's paper preset for `script` misses its paper's table: a flag of the table not on the command
+    line (tyro's spelling), a value not the table's (one of them, where it lists several), a flag without a row in the
+    section's table, a command that the script's `Args` cannot parse or its check_args refuses."""
+    import tyro
+
+    module = importlib.import_module(script[: -len(".py")])
+    argv, world_size = preset_command(doc_text, script)
+    fields = {f.name: f for f in module.Args.__dataclass_fields__.values()}
+    given = set()
+    for tok in argv:
+        if tok.startswith("--"):
+            name = tok[2:].replace("-", "_")
+            given.add(name[3:] if name.startswith("no_") and name[3:] in fields else name)
+    try:
+        args = tyro.cli(module.Args, args=argv)
+    except SystemExit as e:
+        return [f"{script}: the preset does not parse with its Args (tyro exit {e.code}): {' '.join(argv)}"]
+    errors = []
+    body = PRESET.search(doc_text)["body"]
+    for flag, values in table.items():
+        spelled = "--" + flag.replace("_", "-")
+        if flag not in fields:
+            continue
+        if flag not in given:
+            errors.append(f"{spelled} is in the paper's table but not on the preset's command line")
+        got = getattr(args, flag)
+        got_values = set(got) if isinstance(got, tuple) else {got}
+        if not got_values or not norm(got_values) <= norm(values):
+            errors.append(f"{spelled} {got} in the preset, but the paper's value is {sorted(map(str, values))}")
+        if f"| `{spelled}` |" not in body:
+            errors.append(f"{spelled} has no row `| `{spelled}` | paper value | source |` in the Paper preset table")
+    if not errors:
+        try:
+            module.check_args(args, world_size)
+        except SystemExit as e:  # ConfigError: its one-line message says what to change
+            errors.append(f"the preset fails {script}'s check_args at world size {world_size}: {e}")
+    return errors
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_the_paper_preset_is_the_papers(script):
+    errors = preset_errors(script, read(DOCS[script]), SCRIPTS[script])
+    assert not errors, f"{DOCS[script]}, ## Paper preset:\n  " + "\n  ".join(errors)
+
+
+def test_the_checks_see_a_changed_value_or_docstring():
+    """Both checks can fail: one preset value changed, one flag dropped, or one shared docstring reworded."""
+    doc = read(DOCS["g2rpo.py"])
+    changed = doc.replace("--group-size 12 ", "--group-size 24 ", 1)
+    assert changed != doc
+    assert any("--group-size 24 in the preset" in e for e in preset_errors("g2rpo.py", changed, G2RPO))
+    dropped = doc.replace("--weight-decay 1e-4 ", "", 1)
+    assert dropped != doc
+    assert any("--weight-decay is in the paper's table" in e for e in preset_errors("g2rpo.py", dropped, G2RPO))
+    sources = {script: read(script) for script in SCRIPTS}
+    assert shared_docstring_mismatches(sources)[0] == []
+    text = sources["densegrpo.py"]
+    i = text.index("    clip_range: float")
+    sources["densegrpo.py"] = text[:i] + text[i:].replace('"""PPO clip', '"""PPO clip (paper: 1e-4)', 1)
+    errors, _ = shared_docstring_mismatches(sources)
+    assert len(errors) == 1 and errors[0].startswith("--clip-range is in every script"), errors
