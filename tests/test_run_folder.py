@@ -2,7 +2,9 @@
 a run holds its folder with an exclusive lock, so two processes never write one folder. Real processes throughout:
 two training scripts started together on one folder, a holder killed with SIGKILL, a second run on a finished one."""
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,3 +130,32 @@ def test_a_model_folder_is_known_by_its_files_and_configs(tmp_path):
     (tmp_path / "clone2" / "model" / "transformer" / "config.json").write_text('{"num_layers": 3}')
     assert not same_path_meaning(str(model), str(tmp_path / "clone2" / "model"))
     assert path_fingerprint(str(tmp_path / "nowhere")) is None
+
+
+def test_a_run_started_in_one_clone_resumes_from_another(tmp_path):
+    """End to end, real processes: DenseGRPO at its defaults' paths (--model-path and --prompts-file default to
+    absolute paths into the clone) trains 1 iteration from clone A, then `--resume` from clone B (another folder, the
+    same files) continues to iteration 2: the same experiment, not a changed flag; psi(t) comes from the checkpoint."""
+    clones = []
+    for name in ("clone_a", "clone_b"):
+        clone = tmp_path / name
+        shutil.copytree(os.path.join(ROOT, "common"), clone / "common", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(os.path.join(ROOT, "densegrpo.py"), clone)
+        clones.append(clone)
+    evals = write_prompts(tmp_path / "eval.txt", ["a photo of a red circle"])
+    small = ["--groups-per-iteration", "2", "--group-size", "2", "--rollout-batch-size", "4", "--eval-prompts", evals]
+    small += ["--eval-seeds-per-prompt", "1", "--eval-num-steps", "4", "--calibration-iterations", "1"]
+    small += ["--calibration-trajectories", "2", "--timestep-fraction", "0.5", "--output-dir", str(tmp_path / "runs")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+
+    def run(clone, *flags):
+        cmd = [sys.executable, str(clone / "densegrpo.py"), *small, *flags]
+        p = subprocess.run(cmd, env={**env, "PYTHONPATH": str(clone)}, cwd=clone, text=True, capture_output=True)
+        assert p.returncode == 0, p.stderr[-2000:]
+
+    run(clones[0], "--run-name", "r", "--num-iterations", "1")
+    run_dir = tmp_path / "runs" / "r"
+    run(clones[1], "--num-iterations", "2", "--resume", str(run_dir))
+    rows = read_metrics(str(run_dir))
+    assert [r["iteration"] for r in rows] == [0, 1, 2] and rows[-1]["final"]
+    assert json.loads((run_dir / "args.json").read_text())["model_path"].startswith(str(clones[1]))
