@@ -593,6 +593,90 @@ def load_psi(path: str, num_steps: int, psi_scale: str, sde_type: str = "sde") -
     return info
 
 
+def psi_unit(sigmas: torch.Tensor, scale: str) -> torch.Tensor:
+    """psi's own scale per step: 1 (multiplier: psi is a) or sqrt(sigma / (1 - sigma)) (raw: psi is std_dev_t)."""
+    return psi_factor(sigmas) if scale == "raw" else torch.ones(len(sigmas) - 1)
+
+
+def calibrate_or_load_psi(
+    args, backbone, reward_model, train_prompts, sigmas, resume_dir, rank, world_size, device
+) -> tuple[dict, dict]:
+    """psi(t) of this run, as psi.json holds it, and its metrics (psi per t; the calibration's seconds). From the
+    resumed checkpoint's copy, or --psi-file, or else Algorithm 1 run once with the starting model (the LoRA starts
+    as a no-op), each rank sampling its share of the calibration trajectories. Rank 0 prints psi(t)."""
+    unit = psi_unit(sigmas, args.psi_scale)
+    psi_file = args.psi_file
+    # a resume takes the checkpoint's own copy (checkpoints before 2026-12-03 had none: the run folder's psi.json)
+    if resume_dir and not (args.resume_override and args.psi_file):
+        saved = [os.path.join(resume_dir, "psi.json"), os.path.join(os.path.dirname(resume_dir), "psi.json")]
+        psi_file = next((p for p in saved if os.path.isfile(p)), None)
+        if psi_file is None:
+            raise ConfigError(
+                f"--resume {resume_dir}: neither the checkpoint nor its run folder holds psi.json (the calibrated "
+                "psi(t)); add --resume-override --psi-file <the run's psi.json>"
+            )
+    metrics = {}
+    if psi_file:
+        info = load_psi(psi_file, args.num_steps, args.psi_scale, args.sde_type)
+    else:
+
+        def sample_dR(psi, it):
+            """DeltaR [N, T] of N calibration trajectories, each with its own random prompt, split over ranks."""
+            g = torch.Generator().manual_seed(2**40 + args.seed * 1_000_003 + it)
+            ids = torch.randint(len(train_prompts), (args.calibration_trajectories,), generator=g)
+            prompts_c = [train_prompts[i] for i in ids.view(world_size, -1)[rank]]
+            gen_c = torch.Generator(device).manual_seed(2**41 + args.seed * 1_000_003 + it * 1009 + rank)
+            out = dense_rollout(
+                backbone,
+                reward_model,
+                prompts_c,
+                backbone.encode(prompts_c),
+                sigmas,
+                step_noise_levels(psi, sigmas, args.psi_scale),
+                args,
+                gen_c,
+            )
+            dR = dense_step_rewards(reward_model.mix(out["scores"]))
+            return all_gather_cat(dR.to(device), world_size).cpu()
+
+        t0, c0 = time.perf_counter(), time.process_time()
+        psi, history = calibrate_psi(
+            args.noise_level * unit,  # both scales start at Flow-GRPO's noise
+            sample_dR,
+            args.calibration_iterations,
+            args.calibration_step,
+            args.psi_bounds,
+            lambda p, q, n: CALIBRATION_RULES[args.balance_test](p, q, n, args.balance_threshold),
+            args.calibration_average,
+            unit,
+        )
+        metrics.update(
+            {"time/calibration_s": time.perf_counter() - t0, "time/calibration_cpu_s": time.process_time() - c0}
+        )  # this rank's CPU, all threads
+        info = {
+            "psi": psi.tolist(),
+            "psi_scale": args.psi_scale,
+            "sde_type": args.sde_type,
+            "model_path": args.model_path,
+            "reward": args.reward,
+            "balance_test": args.balance_test,
+            "balance_threshold": args.balance_threshold,
+            "calibration_step": args.calibration_step,
+            "history": history,
+        }
+    psi = torch.tensor(info["psi"], dtype=torch.float32).tolist()  # as the sampler will use it
+    metrics.update({f"psi/t{args.num_steps - j}": p for j, p in enumerate(psi)})
+    if rank == 0:
+        took = [metrics[k] for k in ("time/calibration_s", "time/calibration_cpu_s") if k in metrics]
+        print(
+            "psi(t), t = T..1: "
+            + " ".join(f"{p:.3f}" for p in psi)
+            + (" (calibration: {:.0f} s, {:.0f} CPU s)".format(*took) if took else ""),
+            flush=True,
+        )
+    return info, metrics
+
+
 def save_psi(run_dir: str, info: dict, psi0: torch.Tensor, average: int) -> None:
     """psi.json (reused with --psi-file) and psi.png: psi(t) and the fraction of positive DeltaR_t in calibration."""
     atomic_write(os.path.join(run_dir, "psi.json"), json.dumps(info, indent=1))  # never half a file
@@ -722,83 +806,14 @@ if __name__ == "__main__":
 
     sigmas = backbone.schedule(args.num_steps, args.resolution, args.resolution, args.shift)
 
-    # ---- ALGO LOGIC: psi(t) by Algorithm 1, once, with the starting model (the LoRA starts as a no-op), then frozen
-    # psi's own scale: a (multiplier) or std_dev_t = a sqrt(sigma / (1 - sigma)) (raw); both start at Flow-GRPO's noise
-    unit = psi_factor(sigmas) if args.psi_scale == "raw" else torch.ones(args.num_steps)
-    psi0 = args.noise_level * unit
-    psi_file = args.psi_file
-    if resume_dir and not (
-        args.resume_override and args.psi_file
-    ):  # the checkpoint's own copy (checkpoints before 2026-12-03 had none: the run folder's psi.json)
-        saved = [os.path.join(resume_dir, "psi.json"), os.path.join(os.path.dirname(resume_dir), "psi.json")]
-        psi_file = next((p for p in saved if os.path.isfile(p)), None)
-        if psi_file is None:
-            raise ConfigError(
-                f"--resume {resume_dir}: neither the checkpoint nor its run folder holds psi.json (the calibrated "
-                "psi(t)); add --resume-override --psi-file <the run's psi.json>"
-            )
-    calib_metrics = {}
-    if psi_file:
-        info = load_psi(psi_file, args.num_steps, args.psi_scale, args.sde_type)
-    else:
-
-        def sample_dR(psi, it):
-            """DeltaR [N, T] of N calibration trajectories, each with its own random prompt, split over ranks."""
-            g = torch.Generator().manual_seed(2**40 + args.seed * 1_000_003 + it)
-            ids = torch.randint(len(train_prompts), (args.calibration_trajectories,), generator=g)
-            prompts_c = [train_prompts[i] for i in ids.view(world_size, -1)[rank]]
-            gen_c = torch.Generator(device).manual_seed(2**41 + args.seed * 1_000_003 + it * 1009 + rank)
-            out = dense_rollout(
-                backbone,
-                reward_model,
-                prompts_c,
-                backbone.encode(prompts_c),
-                sigmas,
-                step_noise_levels(psi, sigmas, args.psi_scale),
-                args,
-                gen_c,
-            )
-            dR = dense_step_rewards(reward_model.mix(out["scores"]))
-            return all_gather_cat(dR.to(device), world_size).cpu()
-
-        t0, c0 = time.perf_counter(), time.process_time()
-        psi, history = calibrate_psi(
-            psi0,
-            sample_dR,
-            args.calibration_iterations,
-            args.calibration_step,
-            args.psi_bounds,
-            lambda p, q, n: CALIBRATION_RULES[args.balance_test](p, q, n, args.balance_threshold),
-            args.calibration_average,
-            unit,
-        )
-        calib_metrics.update(
-            {"time/calibration_s": time.perf_counter() - t0, "time/calibration_cpu_s": time.process_time() - c0}
-        )  # this rank's CPU, all threads
-        info = {
-            "psi": psi.tolist(),
-            "psi_scale": args.psi_scale,
-            "sde_type": args.sde_type,
-            "model_path": args.model_path,
-            "reward": args.reward,
-            "balance_test": args.balance_test,
-            "balance_threshold": args.balance_threshold,
-            "calibration_step": args.calibration_step,
-            "history": history,
-        }
+    # ---- ALGO LOGIC: psi(t) once, then frozen: Algorithm 1 with the starting model, or from --psi-file / the checkpoint
+    info, calib_metrics = calibrate_or_load_psi(
+        args, backbone, reward_model, train_prompts, sigmas, resume_dir, rank, world_size, device
+    )
     psi = torch.tensor(info["psi"], dtype=torch.float32)
     noise_levels = step_noise_levels(psi, sigmas, args.psi_scale)  # the sampler's noise_level of each step
-    calib_metrics.update({f"psi/t{args.num_steps - j}": float(psi[j]) for j in range(args.num_steps)})
     if is_main:
-        os.makedirs(run_dir, exist_ok=True)
-        save_psi(run_dir, info, psi0, args.calibration_average)
-        took = [calib_metrics[k] for k in ("time/calibration_s", "time/calibration_cpu_s") if k in calib_metrics]
-        print(
-            "psi(t), t = T..1: "
-            + " ".join(f"{p:.3f}" for p in psi.tolist())
-            + (" (calibration: {:.0f} s, {:.0f} CPU s)".format(*took) if took else ""),
-            flush=True,
-        )
+        save_psi(run_dir, info, args.noise_level * psi_unit(sigmas, args.psi_scale), args.calibration_average)
 
     def save_weights(folder):  # into each checkpoint: the trained weights, and psi(t), so a resume needs nothing else
         with ema_weights(ema):
