@@ -1,12 +1,13 @@
 """SD3/SD3.5 and FLUX.1 behind one small interface, loaded from a local diffusers folder.
 
-The training scripts never touch a pipeline's `__call__`: they run their own sampler (common/sampler.py)
-and need only five things from a backbone, all here:
-    encode(prompts)                      -> PromptEmbeds   (no grad: text encoders stay frozen)
-    initial_noise(n, generator)          -> x_1            (SD3: [B,C,h,w]; FLUX: packed [B, h*w/4, 4C])
-    velocity(x, sigma, embeds, ...)      -> v              (CFG for SD3, guidance embedding for FLUX.1-dev)
-    decode(x)                            -> images in [0,1], [B,3,H,W] float32
-    schedule(num_steps)                  -> sigmas         (static shift for SD3, dynamic for FLUX)
+The training scripts never touch a pipeline's `__call__`: they run their own sampler
+(common/sampler.py) and need only five things from a backbone, all here:
+    encode(prompts)                  -> PromptEmbeds  (no grad: text encoders stay frozen)
+    initial_noise(n, generator)      -> x_1           (SD3: [B,C,h,w]; FLUX: packed [B, h*w/4, 4C])
+    velocity(x, sigma, embeds, ...)  -> v             (CFG for SD3, guidance embedding for
+                                                       FLUX.1-dev)
+    decode(x)                        -> images in [0,1], [B,3,H,W] float32
+    schedule(num_steps)              -> sigmas        (static shift for SD3, dynamic for FLUX)
 Everything else (tokenizers, model classes, the VAE, latent packing) is diffusers' own code.
 tests/test_backbones.py checks that our sampler at zero noise reproduces the stock pipelines.
 """
@@ -27,13 +28,14 @@ HUB_HINT = (
     "black-forest-labs/FLUX.1-dev, or the shipped toy model common/toyworld/model"
 )
 
-# LoRA targets. peft matches a name in the list when a module's full name equals it or ends in "." + it, so
-# "attn.to_q" matches "transformer_blocks.0.attn.to_q" but NOT SD3.5's second attention "transformer_blocks.0.attn2.to_q"
-# ("...attn2.to_q" does not end in ".attn.to_q"). "attention" is Flow-GRPO's SD3 set (train_sd3.py): on SD3.5 it leaves
-# attn2 untrained, as the official code does. FLUX has the same names in its double blocks; its single blocks have
-# attn.to_q/k/v (and no to_out: their proj_out is not matched). "attention-ff" is Flow-GRPO's FLUX set (train_flux.py,
-# r 64 / alpha 128): the attention list plus the double blocks' feed-forward layers. tests/test_backbones.py checks
-# which modules each set reaches on tiny SD3.5 and FLUX models.
+# LoRA targets. peft matches a name in the list when a module's full name equals it or ends in
+# "." + it, so "attn.to_q" matches "transformer_blocks.0.attn.to_q" but NOT SD3.5's second attention
+# "transformer_blocks.0.attn2.to_q" ("...attn2.to_q" does not end in ".attn.to_q"). "attention" is
+# Flow-GRPO's SD3 set (train_sd3.py): on SD3.5 it leaves attn2 untrained, as the official code does.
+# FLUX has the same names in its double blocks; its single blocks have attn.to_q/k/v (and no to_out:
+# their proj_out is not matched). "attention-ff" is Flow-GRPO's FLUX set
+# (train_flux.py, r 64 / alpha 128): the attention list plus the double blocks' feed-forward layers.
+# tests/test_backbones.py checks which modules each set reaches on tiny SD3.5 and FLUX models.
 ATTENTION = [
     "attn.to_q",
     "attn.to_k",
@@ -46,7 +48,8 @@ ATTENTION = [
 ]
 LORA_TARGETS = {
     "attention": ATTENTION,
-    "attention-ff": ATTENTION + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"],
+    "attention-ff": ATTENTION
+    + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"],
     "all-linear": "all-linear",
 }
 
@@ -74,7 +77,8 @@ class PromptEmbeds:
 
 
 def read_model_index(path: str) -> dict:
-    """model_index.json of a diffusers SD3/FLUX folder; fails fast, in one line, when `path` is not one."""
+    """model_index.json of a diffusers SD3/FLUX folder; fails fast, in one line, when `path` is not
+    one."""
     index = os.path.join(path, "model_index.json")
     if not os.path.isdir(path):
         raise ConfigError(
@@ -83,66 +87,81 @@ def read_model_index(path: str) -> dict:
         )
     if not os.path.isfile(index):
         raise ConfigError(
-            f"--model-path '{path}' has no model_index.json: expected a diffusers-layout pipeline folder ({HUB_HINT})"
+            f"--model-path '{path}' has no model_index.json: expected a diffusers-layout pipeline "
+            f"folder ({HUB_HINT})"
         )
     try:
         with open(index) as f:
             info = json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(
-            f"--model-path '{path}': model_index.json is unreadable ({e}); re-download it ({HUB_HINT})"
+            f"--model-path '{path}': model_index.json is unreadable ({e}); re-download it "
+            f"({HUB_HINT})"
         ) from None
     name = info.get("_class_name")
     if name not in PIPELINES:
-        raise ConfigError(f"--model-path '{path}' holds a {name}; expected one of {sorted(PIPELINES)} ({HUB_HINT})")
+        raise ConfigError(
+            f"--model-path '{path}' holds a {name}; expected one of {sorted(PIPELINES)} "
+            f"({HUB_HINT})"
+        )
     return info
 
 
 def check_model_path(path: str) -> str:
-    """Fail fast when `path` is not a diffusers SD3/FLUX folder, or lacks a component its model_index.json lists (an
-    interrupted download). Returns the backbone kind ("sd3" or "flux")."""
+    """Fail fast when `path` is not a diffusers SD3/FLUX folder, or lacks a component its
+    model_index.json lists (an interrupted download). Returns the backbone kind ("sd3" or
+    "flux")."""
     info = read_model_index(path)
     for name, entry in info.items():
         if name.startswith("_") or not isinstance(entry, list) or entry[0] is None:
-            continue  # metadata, or a component the pipeline does without (null in model_index.json)
-        need = os.path.join(name, "config.json") if name in ("vae", "transformer") else name  # read before the load
+            # metadata, or a component the pipeline does without (null in model_index.json)
+            continue
+        # read before the load
+        need = os.path.join(name, "config.json") if name in ("vae", "transformer") else name
         if not os.path.exists(os.path.join(path, need)):
             raise ConfigError(
-                f"--model-path '{path}': model_index.json lists the {name} ({entry[1]}) but {need} is missing: an "
-                f"incomplete download; fetch the folder again ({HUB_HINT})"
+                f"--model-path '{path}': model_index.json lists the {name} ({entry[1]}) but {need} "
+                f"is missing: an incomplete download; fetch the folder again ({HUB_HINT})"
             )
     return PIPELINES[info["_class_name"]]
 
 
 def check_resolution(path: str, kind: str, height: int, width: int) -> None:
-    """Fail fast (from the config files alone) when the image size does not fit the VAE and the patching."""
+    """Fail fast (from the config files alone) when the image size does not fit the VAE and the
+    patching."""
     with open(os.path.join(path, "vae", "config.json")) as f:
         vae_factor = 2 ** (len(json.load(f)["block_out_channels"]) - 1)
     with open(os.path.join(path, "transformer", "config.json")) as f:
         transformer = json.load(f)
-    patch = transformer.get("patch_size", 1) * (2 if kind == "flux" else 1)  # FLUX packs 2x2 latents
+    # FLUX packs 2x2 latents
+    patch = transformer.get("patch_size", 1) * (2 if kind == "flux" else 1)
     unit = vae_factor * patch
     if height % unit or width % unit:
         raise ConfigError(
             f"resolution {height}x{width} is not a multiple of {unit} (VAE factor {vae_factor} x "
             f"patch {patch}); pick e.g. {max(unit, height // unit * unit)}"
         )
-    grid = transformer.get("pos_embed_max_size") if kind == "sd3" else None  # SD3's learned position table
+    # SD3's learned position table
+    grid = transformer.get("pos_embed_max_size") if kind == "sd3" else None
     if grid and max(height, width) > grid * unit:
         raise ConfigError(
-            f"resolution {height}x{width} is larger than this model's position embedding covers ({grid} patches of "
-            f"{unit} pixels: at most {grid * unit}x{grid * unit}); pick a resolution up to {grid * unit}"
+            f"resolution {height}x{width} is larger than this model's position embedding covers "
+            f"({grid} patches of {unit} pixels: at most {grid * unit}x{grid * unit}); pick a "
+            f"resolution up to {grid * unit}"
         )
 
 
 class Backbone:
     """A loaded pipeline plus the few operations the RL scripts need. Use `load_backbone`."""
 
-    def __init__(self, pipe, kind: str, device: torch.device, dtype: torch.dtype, max_sequence_length: int):
+    def __init__(
+        self, pipe, kind: str, device: torch.device, dtype: torch.dtype, max_sequence_length: int
+    ):
         self.pipe, self.kind, self.device, self.dtype = pipe, kind, device, dtype
         self.max_sequence_length = max_sequence_length
-        # Set by Trainable for full fine-tuning in bf16/fp16: the transformer then holds fp32 master weights, and its
-        # calls run under autocast in self.dtype (what accelerate's mixed precision does in the released code).
+        # Set by Trainable for full fine-tuning in bf16/fp16: the transformer then holds fp32 master
+        # weights, and its calls run under autocast in self.dtype (what accelerate's mixed precision
+        # does in the released code).
         self.autocast = False
         self.transformer = pipe.transformer
         self.vae_scale_factor = pipe.vae_scale_factor
@@ -153,19 +172,26 @@ class Backbone:
             getattr(pipe, "text_encoder_3", None),
         ):
             if module is not None:
-                module.requires_grad_(False)  # frozen: only the transformer (or its LoRA) is trained
+                # frozen: only the transformer (or its LoRA) is trained
+                module.requires_grad_(False)
 
-    # ---- shapes and schedule -------------------------------------------------------------------------
+    # ---- shapes and schedule ---------------------------------------------------------------------
     def latent_hw(self, height: int, width: int) -> tuple[int, int]:
         return height // self.vae_scale_factor, width // self.vae_scale_factor
 
     def schedule(
-        self, num_steps: int, height: int, width: int, shift: float | None = None, grid: str = "pipeline"
+        self,
+        num_steps: int,
+        height: int,
+        width: int,
+        shift: float | None = None,
+        grid: str = "pipeline",
     ) -> torch.Tensor:
-        """σ_0=1 > ... > σ_T=0. grid "pipeline": exactly as the stock pipeline would use (FLUX: dynamic shift from the
-        image length, `shift` unused). grid "official": the static shift on linspace(1, 0, T+1) of the DanceGRPO /
-        G²RPO code, for both backbones (`static_shift_schedule`); `shift` None = the scheduler config's (3 for SD3.5
-        and FLUX.1-dev, the value of the released G²RPO scripts)."""
+        """σ_0=1 > ... > σ_T=0. grid "pipeline": exactly as the stock pipeline would use (FLUX:
+        dynamic shift from the image length, `shift` unused). grid "official": the static shift on
+        linspace(1, 0, T+1) of the DanceGRPO / G²RPO code, for both backbones
+        (`static_shift_schedule`); `shift` None = the scheduler config's (3 for SD3.5 and
+        FLUX.1-dev, the value of the released G²RPO scripts)."""
         cfg = self.pipe.scheduler.config
         shift = cfg.shift if shift is None else shift
         if grid == "official":
@@ -177,10 +203,11 @@ class Backbone:
             return sigma_schedule(num_steps, shift, image_seq_len=(h // 2) * (w // 2))
         return sigma_schedule(num_steps, shift)
 
-    # ---- text ---------------------------------------------------------------------------------------
+    # ---- text ------------------------------------------------------------------------------------
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> PromptEmbeds:
-        """Prompt embeddings without a graph (a graph here breaks multi-timestep backward passes)."""
+        """Prompt embeddings without a graph (a graph here breaks multi-timestep backward
+        passes)."""
         p = self.pipe
         if self.kind == "sd3":
             emb, _, pooled, _ = p.encode_prompt(
@@ -201,16 +228,20 @@ class Backbone:
                 max_sequence_length=self.max_sequence_length,
             )
             return PromptEmbeds(
-                emb.to(self.dtype), pooled.to(self.dtype), neg.to(self.dtype), neg_pooled.to(self.dtype)
+                emb.to(self.dtype),
+                pooled.to(self.dtype),
+                neg.to(self.dtype),
+                neg_pooled.to(self.dtype),
             )
         emb, pooled, text_ids = p.encode_prompt(
             prompts, None, device=self.device, max_sequence_length=self.max_sequence_length
         )
         return PromptEmbeds(emb.to(self.dtype), pooled.to(self.dtype), text_ids=text_ids)
 
-    # ---- latents ------------------------------------------------------------------------------------
+    # ---- latents ---------------------------------------------------------------------------------
     def initial_noise(self, n: int, height: int, width: int, generator=None) -> torch.Tensor:
-        """x_1 ~ N(0, I) in float32, drawn exactly as the stock pipeline draws it (same generator, same shape)."""
+        """x_1 ~ N(0, I) in float32, drawn exactly as the stock pipeline draws it (same
+        generator, same shape)."""
         from diffusers.utils.torch_utils import randn_tensor
 
         h, w = self.latent_hw(height, width)
@@ -230,29 +261,40 @@ class Backbone:
         images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
-    # ---- the policy network -------------------------------------------------------------------------
+    # ---- the policy network ----------------------------------------------------------------------
     def velocity(
-        self, latents, sigma, emb: PromptEmbeds, guidance_scale: float = 1.0, model=None, detach_uncond: bool = False
+        self,
+        latents,
+        sigma,
+        emb: PromptEmbeds,
+        guidance_scale: float = 1.0,
+        model=None,
+        detach_uncond: bool = False,
     ) -> torch.Tensor:
         """v_θ(x_σ, σ, c) in float32. `sigma` is a float or a per-sample tensor [B].
 
-        SD3: classifier-free guidance v = v_u + w (v_c - v_u) with the "" prompt, both branches in one batch
-        (as the pipeline does). `detach_uncond=True` lets gradients flow only through the conditional branch
-        (Flow-GRPO's training forward). FLUX.1-dev: the guidance scale is an input of the network instead.
-        `model` is the module to call (e.g. the DDP-wrapped transformer); default the bare transformer.
+        SD3: classifier-free guidance v = v_u + w (v_c - v_u) with the "" prompt, both branches in
+        one batch (as the pipeline does). `detach_uncond=True` lets gradients flow only through the
+        conditional branch (Flow-GRPO's training forward). FLUX.1-dev: the guidance scale is an
+        input of the network instead. `model` is the module to call (e.g. the DDP-wrapped
+        transformer); default the bare transformer.
         """
         model = self.transformer if model is None else model
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
             return self._velocity(model, latents, sigma, emb, guidance_scale, detach_uncond)
 
-    def _velocity(self, model, latents, sigma, emb: PromptEmbeds, guidance_scale: float, detach_uncond: bool):
+    def _velocity(
+        self, model, latents, sigma, emb: PromptEmbeds, guidance_scale: float, detach_uncond: bool
+    ):
         b = latents.shape[0]
         sigma = torch.as_tensor(sigma, device=self.device, dtype=torch.float32).expand(b)
         x = latents.to(self.dtype)
         if self.kind == "flux":
             guidance = None
             if self.transformer.config.guidance_embeds:
-                guidance = torch.full((b,), float(guidance_scale), device=self.device, dtype=torch.float32)
+                guidance = torch.full(
+                    (b,), float(guidance_scale), device=self.device, dtype=torch.float32
+                )
             gh, gw = self._packed_grid(latents.shape[1])
             img_ids = self.pipe._prepare_latent_image_ids(b, gh, gw, self.device, self.dtype)
             v = model(
@@ -298,7 +340,9 @@ class Backbone:
         if grid and grid[0] * grid[1] == seq_len:
             return grid
         side = int(round(seq_len**0.5))
-        assert side * side == seq_len, "non-square FLUX latents: call backbone.set_image_size(height, width)"
+        assert side * side == seq_len, (
+            "non-square FLUX latents: call backbone.set_image_size(height, width)"
+        )
         return side, side
 
 
@@ -311,22 +355,33 @@ def load_backbone(
     precision: str = "bf16",
     shard: bool = False,
 ) -> Backbone:
-    """Load an SD3/SD3.5/FLUX.1 diffusers folder. Bad paths stop with one clear line before any heavy work.
+    """Load an SD3/SD3.5/FLUX.1 diffusers folder. Bad paths stop with one clear line before any
+    heavy work.
 
-    precision ("bf16" or "fp16") is the dtype of the weights on CUDA; the VAE is kept in fp32 there, as Flow-GRPO's
-    code decodes (a fp16 VAE overflows on SD3). CPU runs everything in fp32 (bf16 is slow and lossy there).
-    shard (--parallel fsdp): the transformer stays in host memory; common/parallel.py moves each rank's shard of it
-    to the GPU, block by block, so the whole model (and its fp32 masters) never has to fit on one GPU."""
+    precision ("bf16" or "fp16") is the dtype of the weights on CUDA; the VAE is kept in fp32 there,
+    as Flow-GRPO's code decodes (a fp16 VAE overflows on SD3). CPU runs everything in fp32 (bf16 is
+    slow and lossy there). shard (--parallel fsdp): the transformer stays in host memory;
+    common/parallel.py moves each rank's shard of it to the GPU, block by block, so the whole model
+    (and its fp32 masters) never has to fit on one GPU."""
     index = read_model_index(path)
     kind = PIPELINES[index["_class_name"]]
     device = torch.device(device)
     if dtype is None:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision] if device.type == "cuda" else torch.float32
+        dtype = (
+            {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+            if device.type == "cuda"
+            else torch.float32
+        )
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
     cls = StableDiffusion3Pipeline if kind == "sd3" else FluxPipeline
-    # A pipeline saved without a T5 encoder (the toy model) records it as null; diffusers then wants it passed.
-    absent = {k: None for k in ("text_encoder_3", "tokenizer_3") if kind == "sd3" and index.get(k, [None])[0] is None}
+    # A pipeline saved without a T5 encoder (the toy model) records it as null; diffusers then wants
+    # it passed.
+    absent = {
+        k: None
+        for k in ("text_encoder_3", "tokenizer_3")
+        if kind == "sd3" and index.get(k, [None])[0] is None
+    }
     try:
         # the VAE decodes in fp32 whatever the model dtype (a no-op on CPU)
         pipe = cls.from_pretrained(
@@ -344,8 +399,8 @@ def load_backbone(
     else:
         pipe.to(device)
     if max_sequence_length is None:
-        # T5 tokens in the context. Flow-GRPO uses 128 for SD3.5; FLUX was trained with 512. Without a T5
-        # encoder (the toy model) SD3 feeds zeros, so one such token is enough.
+        # T5 tokens in the context. Flow-GRPO uses 128 for SD3.5; FLUX was trained with 512.
+        # Without a T5 encoder (the toy model) SD3 feeds zeros, so one such token is enough.
         has_t5 = getattr(pipe, "text_encoder_3", None) is not None or kind == "flux"
         max_sequence_length = (128 if kind == "sd3" else 512) if has_t5 else 1
         tok = getattr(pipe, "tokenizer_3", None) if kind == "sd3" else pipe.tokenizer_2
@@ -354,8 +409,9 @@ def load_backbone(
     if gradient_checkpointing:
         pipe.transformer.enable_gradient_checkpointing()
     if kind == "flux" and device.type == "cuda":
-        # A FLUX.1-dev LoRA backward crashed (CUBLAS_STATUS_EXECUTION_FAILED / illegal memory access) on an
-        # H200 with the cuDNN SDPA backend and ran fine without it (../shared/reference/gpu_anchor.md).
+        # A FLUX.1-dev LoRA backward crashed (CUBLAS_STATUS_EXECUTION_FAILED / illegal memory
+        # access) on an H200 with the cuDNN SDPA backend and ran fine without it
+        # (../shared/reference/gpu_anchor.md).
         torch.backends.cuda.enable_cudnn_sdp(False)
     return Backbone(pipe, kind, device, dtype, max_sequence_length)
 
@@ -371,12 +427,14 @@ def sample_ode(
     guidance_scale: float = 1.0,
     shift: float | None = None,
 ) -> torch.Tensor:
-    """The sampler of every evaluation (scripts through common/evaluation.py, pretraining, benchmarks):
-    deterministic Euler ODE from one fixed seed per image -> images in [0, 1]."""
+    """The sampler of every evaluation (scripts through common/evaluation.py, pretraining,
+    benchmarks): deterministic Euler ODE from one fixed seed per image -> images in [0, 1]."""
     sigmas = backbone.schedule(steps, height, width, shift)
     gens = [torch.Generator(backbone.device).manual_seed(s) for s in seeds]
     x = backbone.initial_noise(len(prompts), height, width, generator=gens)
     emb = backbone.encode(prompts)
     for i in range(steps):
-        x = ode_step(backbone.velocity(x, sigmas[i], emb, guidance_scale), x, sigmas[i], sigmas[i + 1])
+        x = ode_step(
+            backbone.velocity(x, sigmas[i], emb, guidance_scale), x, sigmas[i], sigmas[i + 1]
+        )
     return backbone.decode(x, height, width)

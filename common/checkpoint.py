@@ -1,29 +1,36 @@
-"""Checkpoints that survive a crash at any point of a save, and a --resume that knows what it resumes.
+"""Checkpoints that survive a crash at any point of a save, and a --resume that knows what it
+resumes.
 
 Layout (as diffusers' training scripts: rotated folders, the newest K kept):
 
     {run_dir}/checkpoint-{iteration}/
-        pytorch_lora_weights.safetensors   the user's weights: `pipe.load_lora_weights(folder)` (or transformer/
-                                           with --full-finetune)
-        trainer_state.pt                   params, optimizer, EMA, iteration, NFE, every rank's RNG, args
-        trainer_state.dcp/                 --parallel fsdp: params, optimizer and EMA instead, sharded: one file per
-                                           rank (torch.distributed.checkpoint); trainer_state.pt keeps the rest
-        COMPLETE.json                      written LAST: size and sha256 of every file above, the iteration, the
-                                           script and its arguments. No marker, or a file that does not match it,
-                                           means the checkpoint is not complete.
+        pytorch_lora_weights.safetensors   the user's weights: `pipe.load_lora_weights(folder)` (or
+                                           transformer/ with --full-finetune)
+        trainer_state.pt                   params, optimizer, EMA, iteration, NFE, every rank's RNG,
+                                           args
+        trainer_state.dcp/                 --parallel fsdp: params, optimizer and EMA instead,
+                                           sharded: one file per rank
+                                           (torch.distributed.checkpoint); trainer_state.pt keeps
+                                           the rest
+        COMPLETE.json                      written LAST: size and sha256 of every file above, the
+                                           iteration, the script and its arguments. No marker, or a
+                                           file that does not match it, means the checkpoint is not
+                                           complete.
 
-A save writes everything into a hidden temporary folder `.checkpoint-{iteration}.tmp`, fsyncs the files, writes the
-marker, then renames the folder into place (one atomic rename on POSIX); only then are checkpoints beyond the newest
-K deleted. A SIGKILL at any instant therefore leaves either the previous set of complete checkpoints, or that set plus
-the new one: tests/test_faults.py kills a saving process at random points and checks exactly that. Under FSDP every
-rank writes its own shard into the same temporary folder and rank 0 alone checksums and renames, so the same holds
-(the run folder must then be on a file system that every node sees, as for any torch.distributed.checkpoint).
+A save writes everything into a hidden temporary folder `.checkpoint-{iteration}.tmp`, fsyncs the
+files, writes the marker, then renames the folder into place (one atomic rename on POSIX); only then
+are checkpoints beyond the newest K deleted. A SIGKILL at any instant therefore leaves either the
+previous set of complete checkpoints, or that set plus the new one: tests/test_faults.py kills a
+saving process at random points and checks exactly that. Under FSDP every rank writes its own shard
+into the same temporary folder and rank 0 alone checksums and renames, so the same holds (the run
+folder must then be on a file system that every node sees, as for any torch.distributed.checkpoint).
 
-On --resume, `resolve_run_dir` (before any model is loaded) finds the checkpoint (a run folder: its latest complete
-one; a checkpoint folder: that one), verifies it against its marker, and compares the arguments that define the
-experiment with the ones it was written under. Anything not in MAY_CHANGE_ON_RESUME is experiment-defining, so a flag
-added later is protected by default. A difference stops the run in one line, unless --resume-override, which starts a
-NEW run folder from the checkpoint's weights and records where it came from (args.json: `resumed_from`).
+On --resume, `resolve_run_dir` (before any model is loaded) finds the checkpoint (a run folder: its
+latest complete one; a checkpoint folder: that one), verifies it against its marker, and compares
+the arguments that define the experiment with the ones it was written under. Anything not in
+MAY_CHANGE_ON_RESUME is experiment-defining, so a flag added later is protected by default. A
+difference stops the run in one line, unless --resume-override, which starts a NEW run folder from
+the checkpoint's weights and records where it came from (args.json: `resumed_from`).
 """
 
 from __future__ import annotations
@@ -49,20 +56,25 @@ STATE_FILE = "trainer_state.pt"
 SHARDED_DIR = "trainer_state.dcp"  # --parallel fsdp: the sharded part of the trainer state
 PREFIX = "checkpoint-"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
-# Run-level files a resume reads from its run folder (densegrpo's calibrated psi(t)); --resume-override copies them
-# into the new run folder.
+# Run-level files a resume reads from its run folder (densegrpo's calibrated psi(t));
+# --resume-override copies them into the new run folder.
 RUN_FILES = ("psi.json",)
 
-# Flags that may differ between a run and its resume: how long, how often to evaluate/log/save, where outputs go, what
-# the run is called, and tracking. Each changes neither the samples nor the updates of the iterations still to come.
+# Flags that may differ between a run and its resume: how long, how often to evaluate/log/save,
+# where outputs go, what the run is called, and tracking. Each changes neither the samples nor the
+# updates of the iterations still to come.
 MAY_CHANGE_ON_RESUME = {
     "num_iterations": "train longer (or stop sooner)",
     "save_every": "checkpoint cadence",
     "keep_checkpoints": "how many checkpoints are kept",
-    "eval_every": "evaluation cadence (the protocol itself, prompts, steps, seeds, guidance, is compared)",
+    "eval_every": (
+        "evaluation cadence (the protocol itself, prompts, steps, seeds, guidance, is compared)"
+    ),
     "eval_batch_size": "how many evaluation images share a transformer call (same images)",
     "guard_rewards": "rewards logged at evaluation only, never trained on",
-    "gradient_checkpointing": "recomputes the same activations in the backward pass (memory, not results)",
+    "gradient_checkpointing": (
+        "recomputes the same activations in the backward pass (memory, not results)"
+    ),
     "output_dir": "where new run folders go",
     "run_name": "the name of a new run folder (--resume-override)",
     "exp_name": "part of the default run name",
@@ -73,10 +85,11 @@ MAY_CHANGE_ON_RESUME = {
     "wandb_project_name": "wandb logging",
     "wandb_entity": "wandb logging",
 }
-# Filled in by check_args from flags that are compared (and world_size, which is): comparing them would only repeat
-# a difference already named.
+# Filled in by check_args from flags that are compared (and world_size, which is): comparing them
+# would only repeat a difference already named.
 DERIVED = {"images_per_iteration", "images_per_rank", "prompts_per_rank", "trained_steps"}
-# Flags that change the shape of the trained weights: a checkpoint cannot be loaded into another shape, override or not.
+# Flags that change the shape of the trained weights: a checkpoint cannot be loaded into another
+# shape, override or not.
 SHAPE_FLAGS = ("lora_rank", "lora_target", "full_finetune")
 
 
@@ -112,7 +125,8 @@ def _sha256(path: str) -> str:
 
 
 def _fsync(path: str) -> None:
-    """Flush a file (or a folder's entries) to the disk: a rename is only as durable as what it renames."""
+    """Flush a file (or a folder's entries) to the disk: a rename is only as durable as what it
+    renames."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -121,14 +135,17 @@ def _fsync(path: str) -> None:
 
 
 def _files(folder: str) -> list[str]:
-    return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+    return sorted(
+        os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs
+    )
 
 
 def list_checkpoints(run_dir: str, interrupted: bool = False) -> list[tuple[int, str]]:
     """(iteration, folder) of every checkpoint-N folder of a run, oldest first (complete or not).
 
-    interrupted: also a hidden .checkpoint-N.tmp (or .old) folder that holds a marker while checkpoint-N is missing:
-    a save killed between its last renames, whose files are complete (a resume can use it; a later save removes it).
+    interrupted: also a hidden .checkpoint-N.tmp (or .old) folder that holds a marker while
+    checkpoint-N is missing: a save killed between its last renames, whose files are complete (a
+    resume can use it; a later save removes it).
     """
     if not os.path.isdir(run_dir):
         return []
@@ -138,42 +155,53 @@ def list_checkpoints(run_dir: str, interrupted: bool = False) -> list[tuple[int,
         for suffix in (".tmp", ".old"):  # the new copy first
             for n in names:
                 m = re.match(rf"^\.{PREFIX}(\d+){re.escape(suffix)}$", n)
-                if m and int(m.group(1)) not in found and os.path.isfile(os.path.join(run_dir, n, MARKER)):
+                if (
+                    m
+                    and int(m.group(1)) not in found
+                    and os.path.isfile(os.path.join(run_dir, n, MARKER))
+                ):
                     found[int(m.group(1))] = os.path.join(run_dir, n)
     return sorted(found.items())
 
 
 def _remove(path: str) -> None:
-    """Rename to a .del name first (atomic), then delete: a kill mid-delete leaves a hidden .del folder, never a
-    half-deleted checkpoint or temporary folder that still looks complete."""
+    """Rename to a .del name first (atomic), then delete: a kill mid-delete leaves a hidden .del
+    folder, never a half-deleted checkpoint or temporary folder that still looks complete."""
     trash = path if path.endswith(".del") else path + ".del"
     os.replace(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
 
 
 def _tidy(run_dir: str) -> None:
-    """Finish or remove what killed saves left: a complete .checkpoint-N.tmp (or .old) whose checkpoint-N is missing
-    (killed before or between its renames) is renamed into place; every other hidden leftover is deleted."""
+    """Finish or remove what killed saves left: a complete .checkpoint-N.tmp (or .old) whose
+    checkpoint-N is missing (killed before or between its renames) is renamed into place; every
+    other hidden leftover is deleted."""
     if not os.path.isdir(run_dir):
         return
     left = [
         (int(m.group(1)), m.group(2) != ".tmp", n)
         for n in os.listdir(run_dir)
-        if (m := re.match(rf"^\.{PREFIX}(\d+)(\.tmp|\.old)?(\.del)?$", n)) and (m.group(2) or m.group(3))
+        if (m := re.match(rf"^\.{PREFIX}(\d+)(\.tmp|\.old)?(\.del)?$", n))
+        and (m.group(2) or m.group(3))
     ]
     for i, _, name in sorted(left):  # for one N, the new copy (.tmp) before the old one
         path, final = os.path.join(run_dir, name), checkpoint_dir(run_dir, i)
-        if not name.endswith(".del") and not os.path.exists(final) and verify_checkpoint(path, quick=True) is None:
+        if (
+            not name.endswith(".del")
+            and not os.path.exists(final)
+            and verify_checkpoint(path, quick=True) is None
+        ):
             os.replace(path, final)
         else:
             _remove(path)
 
 
 def trainer_state(params: dict, optimizer, ema, model=None) -> dict:
-    """The trained weights, the optimizer and the EMA as a checkpoint stores them (the caller adds iteration, counts,
-    RNG, args). DDP: whole CPU copies, which rank 0 writes into trainer_state.pt. FSDP (`params` are DTensors; `model`
-    the sharded transformer): under "sharded", this rank's shards, named by parameter (get_state_dict, so that the
-    optimizer state is keyed by name, not by position), which every rank writes into trainer_state.dcp/."""
+    """The trained weights, the optimizer and the EMA as a checkpoint stores them (the caller adds
+    iteration, counts, RNG, args). DDP: whole CPU copies, which rank 0 writes into trainer_state.pt.
+    FSDP (`params` are DTensors; `model` the sharded transformer): under "sharded", this rank's
+    shards, named by parameter (get_state_dict, so that the optimizer state is keyed by name, not by
+    position), which every rank writes into trainer_state.dcp/."""
     from common.parallel import is_sharded
 
     if not is_sharded(params):
@@ -184,22 +212,30 @@ def trainer_state(params: dict, optimizer, ema, model=None) -> dict:
         }
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    model_sd, optim_sd = get_state_dict(
+        model, optimizer, options=StateDictOptions(ignore_frozen_params=True)
+    )
     return {
-        "sharded": {"model": model_sd, "optimizer": optim_sd, "ema": dict(ema.shadow) if ema is not None else {}},
+        "sharded": {
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "ema": dict(ema.shadow) if ema is not None else {},
+        },
         "ema": {"steps": ema.steps} if ema is not None else None,
     }
 
 
 def _on_every_rank(fn, sharded: bool) -> None:
-    """fn(), and under FSDP every rank learns whether any rank's fn failed (then all raise the first one's OSError):
-    a rank that stopped alone would leave the others waiting in the save's next collective."""
+    """fn(), and under FSDP every rank learns whether any rank's fn failed (then all raise the first
+    one's OSError): a rank that stopped alone would leave the others waiting in the save's next
+    collective."""
     err = None
     try:
         fn()
     except OSError as e:
         err = e
-    except Exception as e:  # torch.distributed.checkpoint wraps a rank's write error (CheckpointException)
+    except Exception as e:
+        # torch.distributed.checkpoint wraps a rank's write error (CheckpointException)
         if not sharded or e.__class__.__name__ != "CheckpointException":
             raise
         err = OSError(errno.EIO, str(e).splitlines()[0] if str(e) else e.__class__.__name__)
@@ -216,14 +252,16 @@ def _on_every_rank(fn, sharded: bool) -> None:
 
 
 def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> str:
-    """Write checkpoint-{state["iteration"]} completely or not at all, then keep the newest `keep` (0 = all).
+    """Write checkpoint-{state["iteration"]} completely or not at all, then keep the newest `keep`
+    (0 = all).
 
-    save_weights(folder) writes the user's weights; state is the trainer state (it must hold "iteration" and "args";
-    "script" is recorded when present). Returns the checkpoint folder. A disk that fills up (or any OSError) stops
-    the run with one line; the checkpoints written before stay complete.
-    state["sharded"] (trainer_state under FSDP): every rank calls this; rank 0 makes the temporary folder, every rank
-    writes its shards into it (torch.distributed.checkpoint) and takes part in save_weights (which gathers), then
-    rank 0 checksums every rank's files, writes the marker and renames, as without sharding.
+    save_weights(folder) writes the user's weights; state is the trainer state (it must hold
+    "iteration" and "args"; "script" is recorded when present). Returns the checkpoint folder. A
+    disk that fills up (or any OSError) stops the run with one line; the checkpoints written before
+    stay complete. state["sharded"] (trainer_state under FSDP): every rank calls this; rank 0 makes
+    the temporary folder, every rank writes its shards into it (torch.distributed.checkpoint) and
+    takes part in save_weights (which gathers), then rank 0 checksums every rank's files, writes the
+    marker and renames, as without sharding.
     """
     state = dict(state)
     sharded = state.pop("sharded", None)
@@ -265,15 +303,18 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
             "args": json.loads(json.dumps(state.get("args", {}), default=str)),
             "files": files,
         }
-        with open(os.path.join(tmp, MARKER), "w") as f:  # LAST: its presence means every file above is complete
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            # LAST: its presence means every file above is complete
             json.dump(marker, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         _fsync(tmp)
-        if os.path.exists(final):  # the same iteration saved again (a resume from an older checkpoint)
+        if os.path.exists(final):
+            # the same iteration saved again (a resume from an older checkpoint)
             old = os.path.join(run_dir, f".{PREFIX}{iteration}.old")
             os.replace(final, old)
-            os.replace(tmp, final)  # a kill between these two renames: a resume (or the next save) uses the .tmp copy
+            # a kill between these two renames: a resume (or the next save) uses the .tmp copy
+            os.replace(tmp, final)
             _remove(old)
         else:
             os.replace(tmp, final)
@@ -291,26 +332,33 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
             raise
         why = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [""])[0][:160]
         failed = f"{e.__class__.__name__}: {why}{'; the disk is full' if full else ''}"
-    if failed:  # raised outside the except: the error's frames (and a writer's open file) go with it
+    if failed:
+        # raised outside the except: the error's frames (and a writer's open file) go with it
         gc.collect()
         done = [c for _, c in list_checkpoints(run_dir) if verify_checkpoint(c) is None]
-        last = f"the last complete checkpoint, {done[-1]}, is intact" if done else "no complete checkpoint exists yet"
+        last = (
+            f"the last complete checkpoint, {done[-1]}, is intact"
+            if done
+            else "no complete checkpoint exists yet"
+        )
         raise SystemExit(
-            f"error: could not write {final} ({failed}); {last}: free space or fix the folder's permissions, then "
-            f"--resume {run_dir}"
+            f"error: could not write {final} ({failed}); {last}: free space or fix the folder's "
+            f"permissions, then --resume {run_dir}"
         )
     if keep > 0 and main:  # rotation only after the new checkpoint is complete and in place
         found = list_checkpoints(run_dir)
         kept = [i for i, c in found if verify_checkpoint(c, quick=True) is None][-keep:]
         for i, c in found:
-            if i < kept[0]:  # older than the K kept ones, complete or not (an incomplete one is of no use)
+            if i < kept[0]:
+                # older than the K kept ones, complete or not (an incomplete one is of no use)
                 _remove(c)
     return final
 
 
 def _out_of_space(e: BaseException, folder: str) -> bool:
-    """A full disk, whatever raised it: OSError ENOSPC/EDQUOT, safetensors' SafetensorError ("os error 28"), or
-    torch.save's RuntimeError ("unexpected pos ..."), which names no cause, so the free space decides."""
+    """A full disk, whatever raised it: OSError ENOSPC/EDQUOT, safetensors' SafetensorError ("os
+    error 28"), or torch.save's RuntimeError ("unexpected pos ..."), which names no cause, so the
+    free space decides."""
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     if "No space left on device" in str(e) or "os error 28" in str(e):
@@ -321,20 +369,21 @@ def _out_of_space(e: BaseException, folder: str) -> bool:
         return False
 
 
-# ---------------------------------------------------------------------------------------- verify and find
+# ---------------------------------------------------------------------------------- verify and find
 def read_marker(folder: str) -> dict:
     with open(os.path.join(folder, MARKER)) as f:
         return json.load(f)
 
 
 def verify_checkpoint(folder: str, quick: bool = False) -> str | None:
-    """None when `folder` is a complete checkpoint, else what is wrong with it (naming the file). quick: sizes only."""
+    """None when `folder` is a complete checkpoint, else what is wrong with it (naming the file).
+    quick: sizes only."""
     if not os.path.isdir(folder):
         return f"{folder} does not exist"
     if not os.path.isfile(os.path.join(folder, MARKER)):
         return (
-            f"{folder} has no {MARKER}: its save never finished (the process stopped while writing it, or it was "
-            "written before checkpoints were checksummed)"
+            f"{folder} has no {MARKER}: its save never finished (the process stopped while writing "
+            "it, or it was written before checkpoints were checksummed)"
         )
     try:
         files = read_marker(folder)["files"]
@@ -357,19 +406,23 @@ def verify_checkpoint(folder: str, quick: bool = False) -> str | None:
 
 
 def find_resume_checkpoint(path: str, log=print) -> str:
-    """The checkpoint folder --resume PATH means, verified; one ConfigError line when there is none to use.
+    """The checkpoint folder --resume PATH means, verified; one ConfigError line when there is none
+    to use.
 
-    PATH a run folder: its latest complete checkpoint (an unusable newer one is named in one warning line).
-    PATH a checkpoint folder: that one; if it is unusable, the error names the older complete one to pass instead.
+    PATH a run folder: its latest complete checkpoint (an unusable newer one is named in one warning
+    line). PATH a checkpoint folder: that one; if it is unusable, the error names the older complete
+    one to pass instead.
     """
     p = os.path.abspath(path.rstrip("/") or "/")
     if not os.path.exists(p):
         raise ConfigError(
-            f"--resume '{path}' does not exist: pass a run folder ({{output_dir}}/{{run_name}}) or one "
-            "of its checkpoint-N folders"
+            f"--resume '{path}' does not exist: pass a run folder ({{output_dir}}/{{run_name}}) or "
+            "one of its checkpoint-N folders"
         )
     if not os.path.isdir(p):
-        raise ConfigError(f"--resume '{path}' is a file: pass a run folder or one of its checkpoint-N folders")
+        raise ConfigError(
+            f"--resume '{path}' is a file: pass a run folder or one of its checkpoint-N folders"
+        )
     is_ckpt = bool(_CKPT_RE.match(os.path.basename(p))) or any(
         os.path.exists(os.path.join(p, f)) for f in (MARKER, STATE_FILE)
     )
@@ -379,10 +432,13 @@ def find_resume_checkpoint(path: str, log=print) -> str:
             return p
         run = os.path.dirname(p)
         older = [
-            c for _, c in reversed(list_checkpoints(run, interrupted=True)) if c != p and verify_checkpoint(c) is None
+            c
+            for _, c in reversed(list_checkpoints(run, interrupted=True))
+            if c != p and verify_checkpoint(c) is None
         ]
         hint = (
-            f"pass the older complete checkpoint instead: --resume {older[0]} (or the run folder {run})"
+            f"pass the older complete checkpoint instead: --resume {older[0]} (or the run folder "
+            f"{run})"
             if older
             else "this run has no other complete checkpoint: start a new run without --resume"
         )
@@ -390,20 +446,28 @@ def find_resume_checkpoint(path: str, log=print) -> str:
     found = list_checkpoints(p, interrupted=True)
     if not found:
         raise ConfigError(
-            f"--resume '{path}' holds no checkpoint-N folder: pass a run folder a training script wrote "
-            "(with at least one saved checkpoint) or one of its checkpoint-N folders"
+            f"--resume '{path}' holds no checkpoint-N folder: pass a run folder a training script "
+            "wrote (with at least one saved checkpoint) or one of its checkpoint-N folders"
         )
     problems = []
     for _, c in reversed(found):
         problem = verify_checkpoint(c)
         if problem is None:
             if problems:
-                log(f"warning: {problems[0]}; resuming from {c}, the latest complete checkpoint, instead")
+                log(
+                    f"warning: {problems[0]}; resuming from {c}, the latest complete checkpoint, "
+                    "instead"
+                )
             return c
         problems.append(problem)
-    more = f" (and {len(problems) - 1} older checkpoint(s) are unusable too)" if len(problems) > 1 else ""
+    more = (
+        f" (and {len(problems) - 1} older checkpoint(s) are unusable too)"
+        if len(problems) > 1
+        else ""
+    )
     raise ConfigError(
-        f"--resume: {problems[0]}{more}; this run has no complete checkpoint: start a new run without --resume"
+        f"--resume: {problems[0]}{more}; this run has no complete checkpoint: start a new run "
+        "without --resume"
     )
 
 
@@ -411,14 +475,15 @@ def _json(d: dict) -> dict:
     return json.loads(json.dumps(d, default=str))  # tuples -> lists, as the marker stores them
 
 
-# Flags that name a file or a folder: compared by what they point to, not by how the path is spelled.
+# Flags that name a file or a folder: compared by what they point to, not by how the path is
+# spelled.
 PATH_FLAGS = ("model_path", "prompts_file", "eval_prompts", "psi_file")
 
 
 def path_fingerprint(path: str) -> str | None:
-    """What a path flag means, for comparing two spellings: a file's sha256; a folder's list of (relative name, size)
-    and the content of its .json files (a model folder's configs: reading every weight of a 10 GB model would be too
-    slow); None if the path does not exist."""
+    """What a path flag means, for comparing two spellings: a file's sha256; a folder's list of
+    (relative name, size) and the content of its .json files (a model folder's configs: reading
+    every weight of a 10 GB model would be too slow); None if the path does not exist."""
     if os.path.isfile(path):
         return _sha256(path)
     if not os.path.isdir(path):
@@ -435,8 +500,8 @@ def path_fingerprint(path: str) -> str | None:
 
 
 def same_path_meaning(a, b) -> bool:
-    """Two values of a path flag name the same thing: equal, the same file once resolved, or the same content (the
-    same run resumed from a second clone of the repository)."""
+    """Two values of a path flag name the same thing: equal, the same file once resolved, or the
+    same content (the same run resumed from a second clone of the repository)."""
     if a == b:
         return True
     if not isinstance(a, str) or not isinstance(b, str):
@@ -448,8 +513,8 @@ def same_path_meaning(a, b) -> bool:
 
 
 def changed_flags(saved: dict, now: dict) -> list[tuple[str, object, object]]:
-    """(flag, value in the checkpoint, value now) for every experiment-defining argument that differs; path flags
-    differ only when they point to different content (`same_path_meaning`)."""
+    """(flag, value in the checkpoint, value now) for every experiment-defining argument that
+    differs; path flags differ only when they point to different content (`same_path_meaning`)."""
     saved, now, missing = _json(saved), _json(now), "(absent)"
     keys = sorted((set(saved) | set(now)) - set(MAY_CHANGE_ON_RESUME) - DERIVED)
     out = []
@@ -489,7 +554,8 @@ def _same_on_all_ranks(name: str) -> str:
 
 
 def check_writable(folder: str, flag: str = "--output-dir") -> None:
-    """Create `folder` and write a probe file in it: an unwritable or full output folder is one line, up front."""
+    """Create `folder` and write a probe file in it: an unwritable or full output folder is one
+    line, up front."""
     probe = os.path.join(folder, f".write_test_{os.getpid()}")
     try:
         os.makedirs(folder, exist_ok=True)
@@ -498,14 +564,14 @@ def check_writable(folder: str, flag: str = "--output-dir") -> None:
         os.remove(probe)
     except OSError as e:
         raise ConfigError(
-            f"{flag}: cannot write the run folder {folder} ({e.__class__.__name__}: {e.strerror or e}): "
-            "choose a folder you can write to, or free space"
+            f"{flag}: cannot write the run folder {folder} ({e.__class__.__name__}: "
+            f"{e.strerror or e}): choose a folder you can write to, or free space"
         ) from None
 
 
 LOCK_FILE = ".lock"  # {run_dir}/.lock: flock-ed by the one process that writes the run folder
-# What a run writes into its folder: a folder holding any of these holds a run. (A launcher's own files beside them,
-# such as the comparison harness's harness.json and stdout.log, are not a run.)
+# What a run writes into its folder: a folder holding any of these holds a run. (A launcher's own
+# files beside them, such as the comparison harness's harness.json and stdout.log, are not a run.)
 RUN_OUTPUTS = (
     "args.json",
     "metrics.jsonl",
@@ -519,14 +585,16 @@ RUN_OUTPUTS = (
     "steps_heatmap.png",
     "before_after.png",
 )
-_held: dict[str, object] = {}  # run folder -> its open, locked .lock file (this process owns the folder)
+# run folder -> its open, locked .lock file (this process owns the folder)
+_held: dict[str, object] = {}
 
 
 def hold_run_folder(run_dir: str) -> None:
-    """One owner per run folder: an exclusive, non-blocking flock on {run_dir}/.lock, held until `release_run_folder`
-    or the end of the process (the kernel drops it at any exit, SIGKILL included, so a crash leaves no stale lock).
-    A second process on the same folder stops here, in one line, before it has written anything. Needs a file system
-    whose flock works across the processes that share it (local disks; NFS with its lock service)."""
+    """One owner per run folder: an exclusive, non-blocking flock on {run_dir}/.lock, held until
+    `release_run_folder` or the end of the process (the kernel drops it at any exit, SIGKILL
+    included, so a crash leaves no stale lock). A second process on the same folder stops here, in
+    one line, before it has written anything. Needs a file system whose flock works across the
+    processes that share it (local disks; NFS with its lock service)."""
     import fcntl
 
     if run_dir in _held:
@@ -539,8 +607,8 @@ def hold_run_folder(run_dir: str) -> None:
         owner = f.read().strip() or "?"
         f.close()
         raise ConfigError(
-            f"the run folder {run_dir} is being written by another process (pid {owner}): wait for it to end, or "
-            "pass another --run-name (or --output-dir); nothing was written"
+            f"the run folder {run_dir} is being written by another process (pid {owner}): wait for "
+            "it to end, or pass another --run-name (or --output-dir); nothing was written"
         ) from None
     f.seek(0)
     f.truncate()
@@ -566,14 +634,17 @@ def run_outputs(run_dir: str) -> list[str]:
 def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, str | None]:
     """(run folder, checkpoint folder to resume or None), checked before any model is loaded.
 
-    Without --resume: {output_dir}/{run_name}, created and probed for writing; a folder that already holds a run is
-    refused (continue it with --resume). With --resume: the verified checkpoint, and its run folder, unless the
-    experiment-defining arguments differ: then one ConfigError line, or, with --resume-override, a NEW run folder
-    (args.resumed_from records the checkpoint; the old run is untouched). Rank 0 holds the folder it will write
-    (`hold_run_folder`) from here on: a second process on it stops in one line.
+    Without --resume: {output_dir}/{run_name}, created and probed for writing; a folder that already
+    holds a run is refused (continue it with --resume). With --resume: the verified checkpoint, and
+    its run folder, unless the experiment-defining arguments differ: then one ConfigError line, or,
+    with --resume-override, a NEW run folder (args.resumed_from records the checkpoint; the old run
+    is untouched). Rank 0 holds the folder it will write (`hold_run_folder`) from here on: a second
+    process on it stops in one line.
     """
     if not args.resume:
-        run_dir = os.path.join(args.output_dir, _same_on_all_ranks(args.run_name or default_run_name(args)))
+        run_dir = os.path.join(
+            args.output_dir, _same_on_all_ranks(args.run_name or default_run_name(args))
+        )
         if is_main:
             check_writable(run_dir)
             hold_run_folder(run_dir)
@@ -582,8 +653,8 @@ def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, 
                 release_run_folder(run_dir)
                 raise ConfigError(
                     f"the run folder {run_dir} already holds a run ({', '.join(found[:4])}"
-                    f"{', ...' if len(found) > 4 else ''}): continue it with --resume {run_dir}, or pass another "
-                    "--run-name; nothing in it was changed"
+                    f"{', ...' if len(found) > 4 else ''}): continue it with --resume {run_dir}, "
+                    "or pass another --run-name; nothing in it was changed"
                 )
         return run_dir, None
     ckpt = find_resume_checkpoint(args.resume, log=print if is_main else (lambda *_: None))
@@ -599,37 +670,41 @@ def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, 
     if shape:
         raise ConfigError(
             f"--resume {ckpt}: {_describe(shape)} changes the shape of the trained weights, which "
-            "cannot be loaded into it (not even with --resume-override): pass the checkpoint's value, "
-            "or start a new run without --resume"
+            "cannot be loaded into it (not even with --resume-override): pass the checkpoint's "
+            "value, or start a new run without --resume"
         )
     source_run = os.path.dirname(ckpt)
     if changes and not args.resume_override:
         raise ConfigError(
-            f"--resume {ckpt} was trained with other experiment-defining flags: {_describe(changes)}; "
-            "pass the checkpoint's values to continue that run, or add --resume-override to start a new "
-            "run folder from its weights"
+            f"--resume {ckpt} was trained with other experiment-defining flags: "
+            f"{_describe(changes)}; pass the checkpoint's values to continue that run, or add "
+            "--resume-override to start a new run folder from its weights"
         )
-    if args.num_iterations <= marker["iteration"] and not args.resume_override:  # (a new folder loses nothing)
+    # (a new folder loses nothing)
+    if args.num_iterations <= marker["iteration"] and not args.resume_override:
         raise ConfigError(
-            f"--resume {ckpt} is at iteration {marker['iteration']} and --num-iterations {args.num_iterations} asks "
-            f"for no more: pass --num-iterations above {marker['iteration']} to train on; nothing was changed"
+            f"--resume {ckpt} is at iteration {marker['iteration']} and --num-iterations "
+            f"{args.num_iterations} asks for no more: pass --num-iterations above "
+            f"{marker['iteration']} to train on; nothing was changed"
         )
     args.resumed_from = ckpt
     if not args.resume_override:
         if is_main:
             hold_run_folder(source_run)
         return source_run, ckpt
-    run_dir = os.path.join(args.output_dir, _same_on_all_ranks(args.run_name or default_run_name(args)))
+    run_dir = os.path.join(
+        args.output_dir, _same_on_all_ranks(args.run_name or default_run_name(args))
+    )
     if os.path.abspath(run_dir) == source_run:
         raise ConfigError(
-            f"--resume-override starts a new run folder, but {run_dir} is the run being resumed: pass "
-            "another --run-name"
+            f"--resume-override starts a new run folder, but {run_dir} is the run being resumed: "
+            "pass another --run-name"
         )
     if is_main:
         if os.path.isdir(run_dir) and os.listdir(run_dir):
             raise ConfigError(
-                f"--resume-override: the new run folder {run_dir} already exists and is not empty: pass "
-                "another --run-name"
+                f"--resume-override: the new run folder {run_dir} already exists and is not empty: "
+                "pass another --run-name"
             )
         check_writable(run_dir)
         hold_run_folder(run_dir)
@@ -638,8 +713,8 @@ def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, 
                 shutil.copy2(os.path.join(source_run, name), os.path.join(run_dir, name))
         what = _describe(changes) if changes else "no flag changed"
         print(
-            f"resuming {ckpt} (iteration {marker['iteration']}) as a NEW run in {run_dir} ({what}); {source_run} "
-            "is left as it is"
+            f"resuming {ckpt} (iteration {marker['iteration']}) as a NEW run in {run_dir} "
+            f"({what}); {source_run} is left as it is"
         )
     return run_dir, ckpt
 
@@ -648,33 +723,42 @@ def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, 
 def load_checkpoint(folder: str) -> dict:
     try:
         return torch.load(os.path.join(folder, STATE_FILE), weights_only=False, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - any unreadable pickle/zip is the same fault for the user
+    except Exception as e:  # noqa: BLE001
+        # any unreadable pickle/zip is the same fault for the user
         raise ConfigError(
             f"--resume: {os.path.join(folder, STATE_FILE)} is unreadable ({e.__class__.__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}); resume from an older checkpoint-N folder"
         ) from None
 
 
-def restore_checkpoint(folder: str, rank: int, params: dict, optimizer, ema, model=None) -> tuple[int, dict]:
-    """Load a checkpoint (verified by resolve_run_dir) into params / optimizer / EMA (common.training.EMA) / this
-    rank's RNG, in place. Returns (iteration, the run's cumulative counts: images and NFE per phase). A parameter
-    whose name or shape differs is one line, not a tensor-size traceback. FSDP (`params` are DTensors, `model` the
-    sharded transformer): every rank reads its own shards from trainer_state.dcp/ (a collective)."""
+def restore_checkpoint(
+    folder: str, rank: int, params: dict, optimizer, ema, model=None
+) -> tuple[int, dict]:
+    """Load a checkpoint (verified by resolve_run_dir) into params / optimizer / EMA
+    (common.training.EMA) / this rank's RNG, in place. Returns (iteration, the run's cumulative
+    counts: images and NFE per phase). A parameter whose name or shape differs is one line, not a
+    tensor-size traceback. FSDP (`params` are DTensors, `model` the sharded transformer): every rank
+    reads its own shards from trainer_state.dcp/ (a collective)."""
     from common.parallel import is_sharded
 
     state = load_checkpoint(folder)
-    saved_as, now = ("fsdp" if "sharded_state" in state else "ddp"), ("fsdp" if is_sharded(params) else "ddp")
+    saved_as, now = (
+        ("fsdp" if "sharded_state" in state else "ddp"),
+        ("fsdp" if is_sharded(params) else "ddp"),
+    )
     if saved_as != now:
         raise ConfigError(
-            f"--resume {folder} was saved with --parallel {saved_as} and this run has --parallel {now}; "
-            f"their trainer states are laid out differently: resume it with --parallel {saved_as}"
+            f"--resume {folder} was saved with --parallel {saved_as} and this run has --parallel "
+            f"{now}; their trainer states are laid out differently: resume it with --parallel "
+            f"{saved_as}"
         )
     if now == "fsdp":
         _restore_sharded(folder, state, params, optimizer, ema, model)
     else:
         _restore_whole(folder, state, params, optimizer, ema)
     rngs = state["rng"]
-    set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])  # fewer ranks saved: only with --resume-override
+    # fewer ranks saved: only with --resume-override
+    set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
     return state["iteration"], state["counts"]
 
 
@@ -692,16 +776,21 @@ def _restore_whole(folder: str, state: dict, params: dict, optimizer, ema) -> No
     if ema is not None:
         if state.get("ema") is not None:
             ema.load_state_dict(state["ema"])
-        else:  # the EMA starts now (--resume-override of a run without one): from the resumed weights
+        else:
+            # the EMA starts now (--resume-override of a run without one): from the resumed weights
             for n in ema.shadow:
                 ema.shadow[n].copy_(saved[n])
 
 
 def _restore_sharded(folder: str, state: dict, params: dict, optimizer, ema, model) -> None:
-    """dcp.load fills the given shards in place (loading each rank's part of every saved tensor), and set_state_dict
-    hands the optimizer state back by parameter name."""
+    """dcp.load fills the given shards in place (loading each rank's part of every saved tensor),
+    and set_state_dict hands the optimizer state back by parameter name."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
 
     options = StateDictOptions(ignore_frozen_params=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
@@ -712,8 +801,8 @@ def _restore_sharded(folder: str, state: dict, params: dict, optimizer, ema, mod
     except Exception as e:  # noqa: BLE001 - a missing key or shape is the same fault for the user
         first = (str(e).strip().splitlines() or [e.__class__.__name__])[0][:200]
         raise ConfigError(
-            f"--resume {folder}: its sharded trainer state does not fit this model ({first}): resume "
-            "with the model and LoRA flags it was trained with"
+            f"--resume {folder}: its sharded trainer state does not fit this model ({first}): "
+            "resume with the model and LoRA flags it was trained with"
         ) from None
     set_state_dict(
         model,
@@ -725,6 +814,7 @@ def _restore_sharded(folder: str, state: dict, params: dict, optimizer, ema, mod
     if ema is not None:
         if had_ema:
             ema.steps = state["ema"]["steps"]
-        else:  # the EMA starts now (--resume-override of a run without one): from the resumed weights
+        else:
+            # the EMA starts now (--resume-override of a run without one): from the resumed weights
             for n, p in params.items():
                 ema.shadow[n].copy_(p.detach())

@@ -1,13 +1,16 @@
-"""Range checks of the numeric flags the three scripts share, in one table, run before any model is loaded.
+"""Range checks of the numeric flags the three scripts share, in one table, run before any model is
+loaded.
 
-Each script's check_args calls `check_ranges(args)` first (so the batch arithmetic after it never divides by 0),
-then checks its own flags with `check_flag`. A violation is one line, raised as ConfigError:
+Each script's check_args calls `check_ranges(args)` first (so the batch arithmetic after it never
+divides by 0), then checks its own flags with `check_flag`. A violation is one line, raised as
+ConfigError:
 
-    error: --noise-level -1.0: must be >= 0 (a scales the SDE's standard deviation; 0 = the deterministic ODE);
-    the default is 0.7
+    error: --noise-level -1.0: must be >= 0 (a scales the SDE's standard deviation; 0 = the
+    deterministic ODE); the default is 0.7
 
-i.e. what was given, what is allowed and why, and the usual value (the script's own default, read from its Args, so
-the message is right in every script). Floats must also be finite: tyro turns "nan" and "inf" into floats.
+i.e. what was given, what is allowed and why, and the usual value (the script's own default, read
+from its Args, so the message is right in every script). Floats must also be finite: tyro turns
+"nan" and "inf" into floats.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from common.backbones import ConfigError
 
 @dataclass(frozen=True)
 class Rule:
-    """lo <= value (lo < value when lo_open), value <= hi (< hi when hi_open); None allowed when optional."""
+    """lo <= value (lo < value when lo_open), value <= hi (< hi when hi_open); None allowed when
+    optional."""
 
     lo: float | None = None
     hi: float | None = None
@@ -34,7 +38,10 @@ class Rule:
 
     def allowed(self) -> str:
         if self.lo is not None and self.hi is not None:
-            return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+            return (
+                f"in {'(' if self.lo_open else '['}{self.lo:g}, "
+                f"{self.hi:g}{')' if self.hi_open else ']'}"
+            )
         if self.lo is not None:
             return f"{'>' if self.lo_open else '>='} {self.lo:g}"
         return f"{'<' if self.hi_open else '<='} {self.hi:g}"
@@ -42,7 +49,11 @@ class Rule:
     def ok(self, v) -> bool:
         if v is None:
             return self.optional
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (self.integer and not isinstance(v, int)):
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float))
+            or (self.integer and not isinstance(v, int))
+        ):
             return False
         if math.isnan(v) or (math.isinf(v) and not self.allow_inf):
             return False
@@ -58,19 +69,29 @@ def _int(lo: int, why: str = "", optional: bool = False) -> Rule:
 # The shared table: flag (Args field) -> rule. A field a script does not have is skipped.
 RANGES: dict[str, Rule] = {
     # sampler
-    "noise_level": Rule(0, why="a scales the SDE's standard deviation; 0 = the deterministic ODE, no exploration"),
+    "noise_level": Rule(
+        0, why="a scales the SDE's standard deviation; 0 = the deterministic ODE, no exploration"
+    ),
     "num_steps": _int(1, "denoising steps of a rollout"),
     "eval_num_steps": _int(1, "ODE steps at evaluation"),
-    "shift": Rule(0, lo_open=True, optional=True, why="timestep shift of the schedule; unset = the model's"),
+    "shift": Rule(
+        0, lo_open=True, optional=True, why="timestep shift of the schedule; unset = the model's"
+    ),
     "guidance_scale": Rule(0, why="classifier-free guidance scale (1 = off for SD3)"),
-    "eval_guidance_scale": Rule(0, optional=True, why="guidance at evaluation; unset = --guidance-scale"),
+    "eval_guidance_scale": Rule(
+        0, optional=True, why="guidance at evaluation; unset = --guidance-scale"
+    ),
     "resolution": _int(1, "image side in pixels"),
     "max_sequence_length": _int(1, "T5 tokens; unset = the model's default", optional=True),
     # group shape and batches
-    "group_size": _int(2, "a group needs at least 2 images to have a mean and a std to compare against"),
+    "group_size": _int(
+        2, "a group needs at least 2 images to have a mean and a std to compare against"
+    ),
     "groups_per_iteration": _int(1, "prompts per iteration"),
     "rollout_batch_size": _int(1, "images per transformer call"),
-    "train_batch_size": _int(1, "transitions per training forward; unset = --rollout-batch-size", optional=True),
+    "train_batch_size": _int(
+        1, "transitions per training forward; unset = --rollout-batch-size", optional=True
+    ),
     "eval_batch_size": _int(1, "images per transformer call at evaluation"),
     "eval_seeds_per_prompt": _int(1, "images per evaluation prompt"),
     "optimizer_steps_per_iteration": _int(1, "optimizer steps per iteration"),
@@ -80,13 +101,19 @@ RANGES: dict[str, Rule] = {
     "eval_every": _int(1, "evaluate every N iterations"),
     "save_every": _int(1, "save a checkpoint every N iterations"),
     "keep_checkpoints": _int(0, "0 keeps every checkpoint"),
-    "grad_share_every": _int(0, "measure each trained step's share of the gradient every N iterations; 0 = never"),
+    "grad_share_every": _int(
+        0, "measure each trained step's share of the gradient every N iterations; 0 = never"
+    ),
     # objective
-    "clip_range": Rule(0, 1, lo_open=True, hi_open=True, why="the ratio is clipped to [1 - eps, 1 + eps]"),
+    "clip_range": Rule(
+        0, 1, lo_open=True, hi_open=True, why="the ratio is clipped to [1 - eps, 1 + eps]"
+    ),
     "adv_clip_max": Rule(0, lo_open=True, why="advantages are clipped to [-max, max]"),
     "beta": Rule(0, why="KL weight; 0 = no KL"),
     "std_eps": Rule(0, why="added to the std before dividing by it"),
-    "timestep_fraction": Rule(0, 1, lo_open=True, optional=True, why="the fraction of the steps that are trained"),
+    "timestep_fraction": Rule(
+        0, 1, lo_open=True, optional=True, why="the fraction of the steps that are trained"
+    ),
     # optimiser
     "learning_rate": Rule(0, lo_open=True, why="AdamW step size"),
     "adam_betas": Rule(0, 1, hi_open=True, why="each of AdamW's two moment decays"),
@@ -95,7 +122,9 @@ RANGES: dict[str, Rule] = {
     "ema_decay": Rule(0, 1, hi_open=True, why="weight of the old average; 0 = no EMA"),
     "ema_update_interval": _int(1, "blend the EMA every N optimizer steps"),
     "final_eval_seeds_per_prompt": _int(
-        1, "images per prompt at the final evaluation; unset = --eval-seeds-per-prompt", optional=True
+        1,
+        "images per prompt at the final evaluation; unset = --eval-seeds-per-prompt",
+        optional=True,
     ),
     "cpu_budget_s": Rule(0, why="CPU seconds before the run stops and evaluates; 0 = no budget"),
     # LoRA
@@ -113,17 +142,22 @@ def _show(v) -> str:
 
 
 def check_flag(args, name: str, rule: Rule) -> None:
-    """One flag against one rule (a tuple flag: each element); ConfigError with the given, allowed and usual value."""
+    """One flag against one rule (a tuple flag: each element); ConfigError with the given, allowed
+    and usual value."""
     value = getattr(args, name)
     values = value if isinstance(value, (tuple, list)) else (value,)
     if all(rule.ok(v) for v in values) and (value is not None or rule.optional):
         return
-    default = next((f.default for f in dataclasses.fields(args) if f.name == name), dataclasses.MISSING)
+    default = next(
+        (f.default for f in dataclasses.fields(args) if f.name == name), dataclasses.MISSING
+    )
     usual = "" if default is dataclasses.MISSING else f"; the default is {_show(default)}"
     kind = "an integer " if rule.integer else "a finite number " if not rule.allow_inf else ""
     why = f" ({rule.why})" if rule.why else ""
     each = "each value " if isinstance(value, (tuple, list)) else ""
-    raise ConfigError(f"{_flag(name)} {_show(value)}: {each}must be {kind}{rule.allowed()}{why}{usual}")
+    raise ConfigError(
+        f"{_flag(name)} {_show(value)}: {each}must be {kind}{rule.allowed()}{why}{usual}"
+    )
 
 
 def check_ranges(args, table: dict[str, Rule] | None = None) -> None:
@@ -134,41 +168,45 @@ def check_ranges(args, table: dict[str, Rule] | None = None) -> None:
 
 
 def check_sde_type(args, trains_last_step: bool, which: str) -> None:
-    """--sde-type cps (common/sampler.py, E6) and its two limits, for the three scripts' check_args. `which` names the
-    flags that decide the trained steps, for the message."""
+    """--sde-type cps (common/sampler.py, E6) and its two limits, for the three scripts' check_args.
+    `which` names the flags that decide the trained steps, for the message."""
     if getattr(args, "ratio_norm", "off") != "off" and args.sde_type != "sde":
         raise ConfigError(
-            f"--ratio-norm {args.ratio_norm} with --sde-type {args.sde_type}: GRPO-Guard's RatioNorm (E7) "
-            "is defined for the SDE step, whose log-prob has the 1 / (2 s^2) and the sqrt|dt| it "
-            "undoes; use --sde-type sde, or --ratio-norm off"
+            f"--ratio-norm {args.ratio_norm} with --sde-type {args.sde_type}: GRPO-Guard's "
+            "RatioNorm (E7) is defined for the SDE step, whose log-prob has the 1 / (2 s^2) and "
+            "the sqrt|dt| it undoes; use --sde-type sde, or --ratio-norm off"
         )
     if args.sde_type != "cps":
         return
     if args.noise_level > 1:
         raise ConfigError(
             f"--noise-level {args.noise_level} with --sde-type cps: must be in [0, 1] (the CPS std "
-            "sigma_next sin(a pi / 2) is largest at a = 1 and falls again above it); the released CPS "
-            "configs use 0.8"
+            "sigma_next sin(a pi / 2) is largest at a = 1 and falls again above it); the released "
+            "CPS configs use 0.8"
         )
     if trains_last_step:
         raise ConfigError(
-            f"--sde-type cps with {which}: the last step is trained, but it lands on sigma = 0, where "
-            "the CPS std sigma_next sin(a pi / 2) is 0 (no action to learn, and the KL divides by 0); "
-            "train fewer steps"
+            f"--sde-type cps with {which}: the last step is trained, but it lands on sigma = 0, "
+            "where the CPS std sigma_next sin(a pi / 2) is 0 (no action to learn, and the KL "
+            "divides by 0); train fewer steps"
         )
 
 
 def read_prompt_file(path: str, flag: str) -> list[str]:
-    """The prompts of a --prompts-file / --eval-prompts file; a missing, unreadable or empty one names its flag."""
+    """The prompts of a --prompts-file / --eval-prompts file; a missing, unreadable or empty one
+    names its flag."""
     from common import toyworld
 
     try:
         return toyworld.load_prompts(path)
     except FileNotFoundError:
-        raise ConfigError(f"{flag} '{path}' does not exist: give a text file with one prompt per line") from None
+        raise ConfigError(
+            f"{flag} '{path}' does not exist: give a text file with one prompt per line"
+        ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(
-            f"{flag} '{path}' cannot be read ({e.__class__.__name__}: {e}): give a text file with one prompt per line"
+            f"{flag} '{path}' cannot be read ({e.__class__.__name__}: {e}): give a text file with "
+            "one prompt per line"
         ) from None
     except ValueError as e:
         raise ConfigError(f"{flag}: {e}") from None

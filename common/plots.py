@@ -1,8 +1,10 @@
-"""Every picture a run saves: line charts, the learning curve, per-step heat maps (matplotlib), and captioned
-image grids with before/after comparisons (PIL, so that every image pixel is the sampled pixel).
+"""Every picture a run saves: line charts, the learning curve, per-step heat maps (matplotlib), and
+captioned image grids with before/after comparisons (PIL, so that every image pixel is the sampled
+pixel).
 
-matplotlib is used through `matplotlib.figure.Figure` only, never `pyplot`: no global figure state, no GUI
-backend, nothing leaks between calls (a Figure is garbage-collected like any object; `savefig` renders with Agg).
+matplotlib is used through `matplotlib.figure.Figure` only, never `pyplot`: no global figure state,
+no GUI backend, nothing leaks between calls (a Figure is garbage-collected like any object;
+`savefig` renders with Agg).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from PIL import Image, ImageDraw, ImageFont
 
 DPI = 100
 GREEN, RED, NEUTRAL, BACKGROUND = (0, 170, 60), (215, 25, 30), (150, 150, 150), (255, 255, 255)
-# Per-step metrics as logged (steps/<metric>/<step>), in step_heatmap's panel order: first where the update comes
-# from (--grad-share-every), then what the algorithm hands each step (DenseGRPO's dense reward), then the PPO ratio.
+# Per-step metrics as logged (steps/<metric>/<step>), in step_heatmap's panel order: first where the
+# update comes from (--grad-share-every), then what the algorithm hands each step (DenseGRPO's dense
+# reward), then the PPO ratio.
 STEP_METRICS = (
     "grad_share",
     "grad_norm",
@@ -55,11 +58,17 @@ def _points(xs, ys) -> tuple[list, list]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-# ---------------------------------------------------------------------------------------- charts (matplotlib)
+# ------------------------------------------------------------------------------ charts (matplotlib)
 def line_plot(
-    series: dict[str, tuple[list, list]], path: str, xlabel: str, ylabel: str, title: str = "", size=(640, 400)
+    series: dict[str, tuple[list, list]],
+    path: str,
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    size=(640, 400),
 ) -> None:
-    """One line per series ({name: (xs, ys)}; None/NaN values skipped), with a legend, saved as a PNG of `size` px."""
+    """One line per series ({name: (xs, ys)}; None/NaN values skipped), with a legend, saved as a
+    PNG of `size` px."""
     fig = _figure(*size, layout="constrained")
     ax = fig.add_subplot()
     for name, (xs, ys) in series.items():
@@ -76,9 +85,10 @@ def line_plot(
 
 
 def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) -> None:
-    """The run at a glance, against the iteration: the training reward (`train/reward_mean`, left axis) and the
-    held-out accuracy (`eval/accuracy`, else `eval/reward_mean`; right axis) with a band of +-1 standard error
-    (`eval/accuracy_se`) and one thin line per category (`eval/accuracy_<category>`). Either side may be absent."""
+    """The run at a glance, against the iteration: the training reward (`train/reward_mean`, left
+    axis) and the held-out accuracy (`eval/accuracy`, else `eval/reward_mean`; right axis) with a
+    band of +-1 standard error (`eval/accuracy_se`) and one thin line per category
+    (`eval/accuracy_<category>`). Either side may be absent."""
     from matplotlib.ticker import MaxNLocator
 
     fig = _figure(*size, layout="constrained")
@@ -87,9 +97,12 @@ def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     handles = []
-    tr_x, tr_y = _points([h.get("iteration") for h in history], [h.get("train/reward_mean") for h in history])
+    tr_x, tr_y = _points(
+        [h.get("iteration") for h in history], [h.get("train/reward_mean") for h in history]
+    )
     if tr_x:
-        # one iteration's reward jumps by +-0.1 (a few prompts per iteration): the raw points faint, the trend bold
+        # one iteration's reward jumps by +-0.1 (a few prompts per iteration): the raw points faint,
+        # the trend bold
         handles += ax.plot(
             tr_x,
             tr_y,
@@ -121,7 +134,9 @@ def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) 
         if se and all(s is not None for s in se):
             lo, hi = np.array(y) - np.array(se, float), np.array(y) + np.array(se, float)
             handles.append(
-                ev.fill_between(x, lo, hi, color="tab:red", alpha=0.15, linewidth=0, label="+-1 standard error")
+                ev.fill_between(
+                    x, lo, hi, color="tab:red", alpha=0.15, linewidth=0, label="+-1 standard error"
+                )
             )
         cats = sorted(
             {
@@ -131,9 +146,19 @@ def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) 
                 if k.startswith("eval/accuracy_") and k != "eval/accuracy_se"
             }
         )
-        palette = ["tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"]
+        palette = [
+            "tab:orange",
+            "tab:green",
+            "tab:purple",
+            "tab:brown",
+            "tab:pink",
+            "tab:olive",
+            "tab:cyan",
+        ]
         for i, c in enumerate(cats):
-            cx, cy = _points([h["iteration"] for h in evals], [h.get(f"eval/accuracy_{c}") for h in evals])
+            cx, cy = _points(
+                [h["iteration"] for h in evals], [h.get(f"eval/accuracy_{c}") for h in evals]
+            )
             handles += ev.plot(
                 cx,
                 cy,
@@ -144,8 +169,14 @@ def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) 
                 markersize=3,
                 label=f"accuracy: {c.replace('_', ' ')}",
             )
-        name = "held-out accuracy (mean of the categories)" if ev_key == "eval/accuracy" else "held-out reward"
-        handles += ev.plot(x, y, color="tab:red", linewidth=2.2, marker="o", markersize=4, label=name)
+        name = (
+            "held-out accuracy (mean of the categories)"
+            if ev_key == "eval/accuracy"
+            else "held-out reward"
+        )
+        handles += ev.plot(
+            x, y, color="tab:red", linewidth=2.2, marker="o", markersize=4, label=name
+        )
         ev.set_ylabel(name.split(" (")[0], color="tab:red")
         ev.tick_params(axis="y", colors="tab:red")
         if ev_key == "eval/accuracy":
@@ -153,13 +184,19 @@ def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) 
     if not handles:
         ax.text(0.5, 0.5, "nothing logged yet", ha="center", va="center", transform=ax.transAxes)
     else:
-        fig.legend(handles=handles, fontsize="small", loc="outside lower center", ncols=min(3, len(handles)))
+        fig.legend(
+            handles=handles,
+            fontsize="small",
+            loc="outside lower center",
+            ncols=min(3, len(handles)),
+        )
     ax.set_title(title)
     fig.savefig(path)
 
 
 def running_window(n: int) -> int:
-    """Iterations in the learning curve's running mean: a tenth of the run, 3 to 10 (1 below 6 points: none)."""
+    """Iterations in the learning curve's running mean: a tenth of the run, 3 to 10
+    (1 below 6 points: none)."""
     return 1 if n < 6 else max(3, min(10, n // 10))
 
 
@@ -170,26 +207,31 @@ def running_mean(ys: list[float], w: int) -> list[float]:
 
 
 def _differ(vs: list[float]) -> bool:
-    """Values that differ by more than float noise (1e-6 relative: an on-policy ratio is 1 +- 1e-9)."""
+    """Values that differ by more than float noise (1e-6 relative: an on-policy ratio
+    is 1 +- 1e-9)."""
     return max(vs) - min(vs) > 1e-6 * max(1.0, abs(max(vs)), abs(min(vs)))
 
 
 def varies_over_steps(cells: dict[tuple[int, int], float]) -> bool:
-    """Does a per-step metric differ between the steps of some iteration? (Flow-GRPO's |advantage| is the same at
-    every step of a trajectory, the ratio is 1 at every step on-policy, the KL 0 with beta 0: nothing to see.)"""
+    """Does a per-step metric differ between the steps of some iteration? (Flow-GRPO's |advantage|
+    is the same at every step of a trajectory, the ratio is 1 at every step on-policy, the KL 0 with
+    beta 0: nothing to see.)"""
     by_it: dict[int, list[float]] = {}
     for (_, i), v in cells.items():
         by_it.setdefault(i, []).append(v)
     return any(len(vs) > 1 and _differ(vs) for vs in by_it.values())
 
 
-def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, panel_px=(440, 320)) -> list[str]:
-    """Per-step metrics as heat maps, step index (rows) x iteration (columns), one panel per metric that differs
-    between the steps (`varies_over_steps`) among the keys `<key_prefix><metric>/<step index>` (e.g.
-    `steps/grad_share/3`, step 3's share of the gradient), each with its colour bar; the others are named in one line
-    under the panels, with their value when it is one. Iterations without a value are grey. The gradient share's
-    and the mean ratio's colours are centred on 0 and 1; GRPO-Guard (arXiv 2510.22319) reads over-optimisation off
-    the per-step ratio mean and spread drifting apart. -> the drawn panels' titles, in order."""
+def step_heatmap(
+    history: list[dict], key_prefix: str, path: str, title: str, panel_px=(440, 320)
+) -> list[str]:
+    """Per-step metrics as heat maps, step index (rows) x iteration (columns), one panel per metric
+    that differs between the steps (`varies_over_steps`) among the keys
+    `<key_prefix><metric>/<step index>` (e.g. `steps/grad_share/3`, step 3's share of the gradient),
+    each with its colour bar; the others are named in one line under the panels, with their value
+    when it is one. Iterations without a value are grey. The gradient share's and the mean ratio's
+    colours are centred on 0 and 1; GRPO-Guard (arXiv 2510.22319) reads over-optimisation off the
+    per-step ratio mean and spread drifting apart. -> the drawn panels' titles, in order."""
     from matplotlib.colors import TwoSlopeNorm
     from matplotlib.ticker import MaxNLocator
 
@@ -211,10 +253,14 @@ def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, pa
             flat.append(STEP_LABELS.get(m, m) + ("" if _differ(values) else f" ({values[0]:.3g})"))
     ncols = min(3, max(1, len(metrics)))
     nrows = max(1, math.ceil(len(metrics) / ncols))
-    fig = _figure(panel_px[0] * ncols, panel_px[1] * nrows + (40 if flat else 0), layout="constrained")
+    fig = _figure(
+        panel_px[0] * ncols, panel_px[1] * nrows + (40 if flat else 0), layout="constrained"
+    )
     fig.suptitle(title)
     if flat:
-        fig.supxlabel("the same at every step, not drawn: " + "; ".join(flat), fontsize="small", wrap=True)
+        fig.supxlabel(
+            "the same at every step, not drawn: " + "; ".join(flat), fontsize="small", wrap=True
+        )
     if not metrics:
         fig.text(0.5, 0.5, f"no '{prefix}*' metric differs between steps", ha="center", va="center")
     its = sorted({i for c in cells.values() for _, i in c})
@@ -246,14 +292,16 @@ def step_heatmap(history: list[dict], key_prefix: str, path: str, title: str, pa
         ax.set_xlabel("iteration")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("trained step index")
-        ax.set_yticks(range(steps) if steps <= 12 else np.linspace(0, steps - 1, 6).round().astype(int))
+        ax.set_yticks(
+            range(steps) if steps <= 12 else np.linspace(0, steps - 1, 6).round().astype(int)
+        )
         bar = fig.colorbar(im, ax=ax)
         bar.formatter.set_useOffset(False)  # ratios as 0.9999, not as -0.0001 under a "+1"
     fig.savefig(path)
     return titles
 
 
-# ---------------------------------------------------------------------------------------- image grids (PIL)
+# -------------------------------------------------------------------------------- image grids (PIL)
 @lru_cache(maxsize=8)
 def font(size: int) -> ImageFont.FreeTypeFont:
     """DejaVu Sans, which ships inside matplotlib, so captions look the same on every machine."""
@@ -263,8 +311,9 @@ def font(size: int) -> ImageFont.FreeTypeFont:
 
 
 def _cell_size(res: int) -> int:
-    """Displayed image side: small images are upscaled by pixel repetition to >= 128 px (32 px toy images x4:
-    what you see is what the scorer sees); large ones shrunk to 256 px so a 16-image grid stays a few MB."""
+    """Displayed image side: small images are upscaled by pixel repetition to >= 128 px (32 px toy
+    images x4: what you see is what the scorer sees); large ones shrunk to 256 px so a 16-image grid
+    stays a few MB."""
     return res * max(1, 128 // res) if res < 128 else min(res, 256)
 
 
@@ -287,7 +336,9 @@ def _wrap(text: str, fnt, width: int) -> list[str]:
     return lines + ([line] if line else [])
 
 
-def _caption_lines(prompt: str, reward: float | None, verdict: bool | None, fnt, width: int) -> list[str]:
+def _caption_lines(
+    prompt: str, reward: float | None, verdict: bool | None, fnt, width: int
+) -> list[str]:
     lines = _wrap(prompt, fnt, width)
     extra = [] if reward is None else [f"reward {reward:.2f}"]
     if verdict is not None:
@@ -303,10 +354,12 @@ def captioned_grid(
     ncol: int = 4,
     header: str = "",
 ) -> Image.Image:
-    """A grid of images, each with its prompt (wrapped) and reward printed underneath and, where a verdict is
-    given (the toy world's strict scorer), a green frame for correct or a red frame for wrong.
+    """A grid of images, each with its prompt (wrapped) and reward printed underneath and, where a
+    verdict is given (the toy world's strict scorer), a green frame for correct or a red frame for
+    wrong.
 
-    images: uint8 [N, H, W, 3] (or anything `toyworld.to_uint8` takes); verdicts / rewards: one per image or None.
+    images: uint8 [N, H, W, 3] (or anything `toyworld.to_uint8` takes); verdicts / rewards: one per
+    image or None.
     """
     from common.toyworld import to_uint8
 
@@ -319,7 +372,11 @@ def captioned_grid(
     line_h = int(fnt.size * 1.25)
     captions = [
         _caption_lines(
-            p, None if rewards is None else rewards[i], None if verdicts is None else verdicts[i], fnt, side + 2 * frame
+            p,
+            None if rewards is None else rewards[i],
+            None if verdicts is None else verdicts[i],
+            fnt,
+            side + 2 * frame,
         )
         for i, p in enumerate(prompts)
     ]
@@ -328,7 +385,9 @@ def captioned_grid(
     ncol = max(1, min(ncol, n))
     nrow = max(1, math.ceil(n / ncol))
     head_font = font(max(13, side // 9))
-    head_lines = [w for line in header.splitlines() for w in _wrap(line, head_font, ncol * cell_w - 2 * pad)]
+    head_lines = [
+        w for line in header.splitlines() for w in _wrap(line, head_font, ncol * cell_w - 2 * pad)
+    ]
     head_h = int(head_font.size * 1.35) * len(head_lines) + (2 * pad if head_lines else 0)
     grid = Image.new("RGB", (ncol * cell_w, head_h + nrow * cell_h), BACKGROUND)
     d = ImageDraw.Draw(grid)
@@ -353,20 +412,24 @@ def captioned_grid(
 
 
 def accuracy_line(metrics: dict) -> str:
-    """'single 0.75, counting 0.23, ... | overall 0.47' from evaluation metrics (else the mean reward)."""
+    """'single 0.75, counting 0.23, ... | overall 0.47' from evaluation metrics (else the mean
+    reward)."""
     cats = [k for k in metrics if k.startswith("eval/accuracy_") and k != "eval/accuracy_se"]
     if "eval/accuracy" not in metrics:
         return f"reward {metrics.get('eval/reward_mean', float('nan')):.3f}"
     parts = [f"{k[len('eval/accuracy_') :].replace('_', ' ')} {metrics[k]:.2f}" for k in cats]
     se = metrics.get("eval/accuracy_se")
-    overall = f"overall {metrics['eval/accuracy']:.3f}" + (f" +- {se:.3f}" if se is not None else "")
+    overall = f"overall {metrics['eval/accuracy']:.3f}" + (
+        f" +- {se:.3f}" if se is not None else ""
+    )
     return ", ".join(parts) + " | " + overall
 
 
 def before_after(before, after, path: str, title: str = "", ncol: int = 2) -> Image.Image:
-    """The same prompts and seeds from the starting model (left of each pair) and the final model (right), with the
-    evaluation's per-category accuracy before and after in the title. before / after: `common.evaluation.Panel`s
-    (the fixed subset an evaluation draws; they must hold the same prompts and seeds). Saves to `path`."""
+    """The same prompts and seeds from the starting model (left of each pair) and the final model
+    (right), with the evaluation's per-category accuracy before and after in the title.
+    before / after: `common.evaluation.Panel`s (the fixed subset an evaluation draws; they must hold
+    the same prompts and seeds). Saves to `path`."""
     if list(before.prompts) != list(after.prompts) or list(before.seeds) != list(after.seeds):
         raise ValueError(
             "before_after: the two panels hold different prompts or seeds (were they made from the "
@@ -394,7 +457,10 @@ def before_after(before, after, path: str, title: str = "", ncol: int = 2) -> Im
         va = None if after.verdicts is None else after.verdicts[k]
         captions.append(
             _wrap(p, fnt, pair_w)
-            + [f"{before.rewards[k]:.2f}{verdict_word(vb)} -> {after.rewards[k]:.2f}{verdict_word(va)}"]
+            + [
+                f"{before.rewards[k]:.2f}{verdict_word(vb)} -> "
+                f"{after.rewards[k]:.2f}{verdict_word(va)}"
+            ]
         )
     cap_h = line_h * max(len(c) for c in captions) + pad
     cell_w, cell_h = pair_w + 4 * pad, side + 2 * frame + cap_h + 2 * pad
@@ -419,6 +485,8 @@ def before_after(before, after, path: str, title: str = "", ncol: int = 2) -> Im
             d.rectangle([xm, y0, xm + side + 2 * frame - 1, y0 + side + 2 * frame - 1], fill=color)
             out.paste(_to_cell(np.asarray(img), side), (xm + frame, y0 + frame))
         for m, line in enumerate(captions[k]):
-            d.text((x0, y0 + side + 2 * frame + pad // 2 + m * line_h), line, font=fnt, fill=(0, 0, 0))
+            d.text(
+                (x0, y0 + side + 2 * frame + pad // 2 + m * line_h), line, font=fnt, fill=(0, 0, 0)
+            )
     out.save(path)
     return out

@@ -3,7 +3,8 @@
     --reward pickscore                         one reward
     --reward "pickscore:1.0,clipscore:0.5"     a weighted mix (weights multiply the scores below)
     --reward-mix score | advantage             Flow-GRPO mixes raw scores: A = norm(scores @ w);
-                                               G²RPO normalises each reward and sums: A = norm(s_k) @ w
+                                               G²RPO normalises each reward and sums:
+                                               A = norm(s_k) @ w
     --guard-rewards "pickscore,aesthetic"      same registry, logged beside the target at evaluation
     --reward-model-paths "pickscore=/ckpt/PickScore_v1,aesthetic=/ckpt/aesthetic"
 
@@ -22,27 +23,29 @@ Each reward maps (images [B,3,H,W] float in [0,1], prompts) to one float per ima
 | imagereward            | ImageReward-v1.0 (BLIP ViT-L + BERT + MLP)            | package's z-score  | ~-2 .. 2      |
 
 Scales of the papers, to reproduce them with weights: Flow-GRPO's jpeg_compressibility is -kB/500
-(`jpeg_compressibility:0.002`), its clipscore 100·cos/30 (`clipscore:3.333`); PickScore papers report
-100·cos ≈ 21-23 (`pickscore:26`), G²RPO reports cos ≈ 0.23 (`pickscore:0.26`); the CLIPScore metric
-is 100·cos or 2.5·max(cos, 0).
+(`jpeg_compressibility:0.002`), its clipscore 100·cos/30 (`clipscore:3.333`); PickScore papers
+report 100·cos ≈ 21-23 (`pickscore:26`), G²RPO reports cos ≈ 0.23 (`pickscore:0.26`); the CLIPScore
+metric is 100·cos or 2.5·max(cos, 0).
 
-Weights (--reward-model-paths KEY=PATH; PATH is a local folder/file or a hub id, default in DEFAULT_PATHS):
+Weights (--reward-model-paths KEY=PATH; PATH is a local folder/file or a hub id, default in
+DEFAULT_PATHS):
 - pickscore, clipscore: a transformers CLIP checkpoint folder; its processor (tokenizer +
-  preprocessor_config.json) comes from `<name>_processor`, else the checkpoint folder if it holds one,
-  else laion/CLIP-ViT-H-14-laion2B-s32B-b79K (pickscore) or the checkpoint itself (clipscore).
+  preprocessor_config.json) comes from `<name>_processor`, else the checkpoint folder if it holds
+  one, else laion/CLIP-ViT-H-14-laion2B-s32B-b79K (pickscore) or the checkpoint itself (clipscore).
 - aesthetic: a folder holding `sac+logos+ava1-l14-linearMSE.pth` and, optionally, the CLIP ViT-L/14
   checkpoint; else that CLIP comes from `aesthetic_clip` (default openai/clip-vit-large-patch14).
 - hpsv2: `HPS_v2.1_compressed.pt`, a folder holding it, or the hub repo xswu/HPSv2.
 - imagereward: a folder holding `ImageReward.pt` + `med_config.json` (hub repo THUDM/ImageReward;
-  `ImageReward.load("ImageReward-v1.0")` puts them in ~/.cache/ImageReward), scored with transformers' BLIP
-  classes (no `image-reward` package); its tokenizer (bert-base-uncased) comes from `imagereward_tokenizer`,
-  else the ImageReward folder if it holds a vocab.txt, else the hub id bert-base-uncased.
+  `ImageReward.load("ImageReward-v1.0")` puts them in ~/.cache/ImageReward), scored with
+  transformers' BLIP classes (no `image-reward` package); its tokenizer (bert-base-uncased) comes
+  from `imagereward_tokenizer`, else the ImageReward folder if it holds a vocab.txt, else the hub id
+  bert-base-uncased.
 
 Preprocessing stays on the reward's device, on tensors: bicubic (antialiased) resize of the shortest
 side to the processor's size, centre crop to its crop size, normalise with its mean/std: the
 CLIPImageProcessor recipe without the uint8/PIL round trip, so scores differ slightly from those of
-PIL-preprocessed images. Models load lazily (nothing heavy is imported before a reward is built), once per
-(name, device, paths): guard rewards reuse the target's instances.
+PIL-preprocessed images. Models load lazily (nothing heavy is imported before a reward is built),
+once per (name, device, paths): guard rewards reuse the target's instances.
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ DEFAULT_PATHS = {
     "imagereward": "THUDM/ImageReward",
 }
 DEFAULT_PROCESSORS = {"pickscore": "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"}
-AESTHETIC_CLIP = "openai/clip-vit-large-patch14"  # used when neither aesthetic_clip nor the aesthetic folder has one
+# used when neither aesthetic_clip nor the aesthetic folder has one
+AESTHETIC_CLIP = "openai/clip-vit-large-patch14"
 PATH_KEYS = (
     "aesthetic",
     "aesthetic_clip",
@@ -96,8 +100,14 @@ PICKSCORE_DIVISOR = 26.0  # Flow-GRPO pickscore_scorer.py: reward = logit_scale 
 AESTHETIC_MLP_FILE = "sac+logos+ava1-l14-linearMSE.pth"
 HPSV2_FILE, HPSV2_ARCH = "HPS_v2.1_compressed.pt", "ViT-H-14"
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
-OPTIONAL = {  # reward -> (module, package, install command (torchvision pinned to torch 2.13), note)
-    "hpsv2": ("open_clip", "open_clip_torch", "pip install open_clip_torch==3.3.0 torchvision==0.28.0", ""),
+# reward -> (module, package, install command (torchvision pinned to torch 2.13), note)
+OPTIONAL = {
+    "hpsv2": (
+        "open_clip",
+        "open_clip_torch",
+        "pip install open_clip_torch==3.3.0 torchvision==0.28.0",
+        "",
+    ),
 }
 
 
@@ -111,8 +121,12 @@ class MissingRewardPackage(ImportError):
 
 # ----------------------------------------------------------------------------- parsing
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
-    """'pickscore:1.0,clipscore:0.5' or 'pickscore' (weight 1) -> [(name, weight), ...]. No imports."""
-    choices = f"choose from {', '.join(REWARD_NAMES)}; or a weighted mix like 'pickscore:1.0,clipscore:0.5'"
+    """'pickscore:1.0,clipscore:0.5' or 'pickscore' (weight 1) -> [(name, weight), ...]. No
+    imports."""
+    choices = (
+        f"choose from {', '.join(REWARD_NAMES)}; or a weighted mix like "
+        "'pickscore:1.0,clipscore:0.5'"
+    )
     items = [s.strip() for s in spec.split(",") if s.strip()]
     if not items:
         raise ValueError(f"empty reward spec {spec!r}: {choices}")
@@ -127,12 +141,13 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
             w = float(weight) if ":" in item else 1.0
         except ValueError:
             w = float("nan")
-        with np.errstate(over="ignore"):  # weights are float32 tensors: 1e39 is finite here, infinite there
+        with np.errstate(over="ignore"):
+            # weights are float32 tensors: 1e39 is finite here, infinite there
             finite = np.isfinite(np.float32(w))
         if not finite:
             raise ValueError(
-                f"bad weight '{weight}' for reward '{name}' in {spec!r}: expected a finite float32 number (|w| < "
-                "3.4e38), e.g. 'pickscore:1.0'"
+                f"bad weight '{weight}' for reward '{name}' in {spec!r}: expected a finite float32 "
+                "number (|w| < 3.4e38), e.g. 'pickscore:1.0'"
             )
         out.append((name, w))
     return out
@@ -146,15 +161,20 @@ def parse_model_paths(s: str) -> dict[str, str]:
             continue
         key, eq, path = (p.strip() for p in item.partition("="))
         if not eq or not path or key not in PATH_KEYS:
-            raise ValueError(f"bad model path '{item}': expected KEY=PATH with KEY one of {', '.join(PATH_KEYS)}")
+            raise ValueError(
+                f"bad model path '{item}': expected KEY=PATH with KEY one of {', '.join(PATH_KEYS)}"
+            )
         out[key] = path
     return out
 
 
-def check_rewards(spec: str, guard_spec: str, model_paths: str, prompt_files: dict[str, list[str]]) -> None:
-    """All that can be checked about the rewards before any model loads, as one line (ConfigError): both specs and
-    their weights, the --reward-model-paths keys, the optional packages, and every prompt a toy-world reward will
-    score (it scores only prompts of its grammar). prompt_files: {flag: its prompts}."""
+def check_rewards(
+    spec: str, guard_spec: str, model_paths: str, prompt_files: dict[str, list[str]]
+) -> None:
+    """All that can be checked about the rewards before any model loads, as one line (ConfigError):
+    both specs and their weights, the --reward-model-paths keys, the optional packages, and every
+    prompt a toy-world reward will score (it scores only prompts of its grammar). prompt_files:
+    {flag: its prompts}."""
     from common.backbones import ConfigError
 
     try:
@@ -173,20 +193,25 @@ def check_rewards(spec: str, guard_spec: str, model_paths: str, prompt_files: di
                     parse(prompt)
                 except ValueError as e:
                     raise ConfigError(
-                        f"{flag}, prompt {i}: {e}; the toy-world rewards score only prompts of this grammar: give a "
-                        "toy-world prompt file (common/toyworld/prompts_*.txt) or another --reward"
+                        f"{flag}, prompt {i}: {e}; the toy-world rewards score only prompts of "
+                        "this grammar: give a toy-world prompt file "
+                        "(common/toyworld/prompts_*.txt) or another --reward"
                     ) from None
 
 
-def load_rewards(spec: str, guard_spec: str, model_paths: str, device) -> tuple[RewardModel, RewardModel | None]:
-    """The target reward and the guard rewards (None without --guard-rewards), each a RewardModel; a weight file that
-    is missing or unreadable is one line (ConfigError). The scripts load them before the backbone, so that such a
-    mistake costs seconds, not a model load."""
+def load_rewards(
+    spec: str, guard_spec: str, model_paths: str, device
+) -> tuple[RewardModel, RewardModel | None]:
+    """The target reward and the guard rewards (None without --guard-rewards), each a RewardModel; a
+    weight file that is missing or unreadable is one line (ConfigError). The scripts load them
+    before the backbone, so that such a mistake costs seconds, not a model load."""
     from common.backbones import ConfigError
 
     try:
         paths = parse_model_paths(model_paths)
-        return build_reward(spec, device, paths), build_reward(guard_spec, device, paths) if guard_spec else None
+        return build_reward(spec, device, paths), build_reward(
+            guard_spec, device, paths
+        ) if guard_spec else None
     except (ValueError, ImportError) as e:
         raise ConfigError(str(e)) from None
 
@@ -213,7 +238,8 @@ def _require(name: str):
 
 
 def _find_file(name: str, path: str, filename: str, hint: str) -> str:
-    """`path` is the file itself, a folder holding `filename`, or a hub repo id (fetched to the HF cache)."""
+    """`path` is the file itself, a folder holding `filename`, or a hub repo id (fetched to the HF
+    cache)."""
     if os.path.isfile(path):
         return path
     if os.path.isdir(path):
@@ -228,7 +254,8 @@ def _find_file(name: str, path: str, filename: str, hint: str) -> str:
         return hf_hub_download(path, filename)
     except Exception as e:  # offline, unknown repo, missing file: all end here
         raise RewardLoadError(
-            f"{name}: could not get {filename} from hub repo '{path}' ({_first_line(e)}): expected {hint}"
+            f"{name}: could not get {filename} from hub repo '{path}' ({_first_line(e)}): expected "
+            f"{hint}"
         ) from None
 
 
@@ -239,13 +266,16 @@ def _from_pretrained(name: str, cls, path: str, hint: str):
     try:
         return cls.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
-        raise RewardLoadError(f"{name}: could not load '{path}': expected {hint} ({_first_line(e)})") from None
+        raise RewardLoadError(
+            f"{name}: could not load '{path}': expected {hint} ({_first_line(e)})"
+        ) from None
 
 
 def _torch_load(path: str):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:  # old checkpoints pickle more than tensors; trust the user's file
+    except pickle.UnpicklingError:
+        # old checkpoints pickle more than tensors; trust the user's file
         warnings.warn(f"{path}: not a plain tensor file, loading it with weights_only=False")
         return torch.load(path, map_location="cpu", weights_only=False)
 
@@ -258,14 +288,19 @@ def _hub_hint(what: str, hub_id: str, key: str, files: str = "") -> str:
 
 
 # ----------------------------------------------------------------------------- shared preprocessing
-def clip_preprocess(images: torch.Tensor, shortest_edge: int, crop: tuple[int, int], mean, std) -> torch.Tensor:
-    """[B,3,H,W] in [0,1] -> CLIP pixel values, on the images' device: bicubic resize of the shortest
-    side, centre crop, normalise (the CLIPImageProcessor / open_clip recipe, done on tensors)."""
+def clip_preprocess(
+    images: torch.Tensor, shortest_edge: int, crop: tuple[int, int], mean, std
+) -> torch.Tensor:
+    """[B,3,H,W] in [0,1] -> CLIP pixel values, on the images' device: bicubic resize of the
+    shortest side, centre crop, normalise (the CLIPImageProcessor / open_clip recipe, done on
+    tensors)."""
     h, w = images.shape[-2:]
     scale = shortest_edge / min(h, w)
     size = (max(crop[0], int(h * scale)), max(crop[1], int(w * scale)))
     if size != (h, w):
-        images = F.interpolate(images, size=size, mode="bicubic", align_corners=False, antialias=True)
+        images = F.interpolate(
+            images, size=size, mode="bicubic", align_corners=False, antialias=True
+        )
     top, left = (size[0] - crop[0]) // 2, (size[1] - crop[1]) // 2
     images = images[..., top : top + crop[0], left : left + crop[1]].clamp(0, 1)
     mean = torch.tensor(mean, device=images.device, dtype=images.dtype).view(1, 3, 1, 1)
@@ -283,7 +318,8 @@ def _features(out) -> torch.Tensor:  # transformers 5 returns a ModelOutput, 4.x
 
 # ----------------------------------------------------------------------------- rewards
 def _jpeg_kb(images: torch.Tensor) -> torch.Tensor:
-    """Size of each image as a quality-95 JPEG, in kB (1000 bytes), as DDPO (`buffer.tell() / 1000`)."""
+    """Size of each image as a quality-95 JPEG, in kB (1000 bytes), as DDPO
+    (`buffer.tell() / 1000`)."""
     arrays = (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     sizes = []
     for a in arrays:
@@ -294,7 +330,8 @@ def _jpeg_kb(images: torch.Tensor) -> torch.Tensor:
 
 
 def _toyworld(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-    """The toy world's pixel-exact GenEval stand-in: partial credit S² in [0, 1], 1 exactly when correct."""
+    """The toy world's pixel-exact GenEval stand-in: partial credit S² in [0, 1], 1 exactly when
+    correct."""
     from common.toyworld import score  # lazy: only needed when the toy world is used
 
     reward, _correct = score(images.cpu(), prompts)
@@ -302,7 +339,8 @@ def _toyworld(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 
 
 def _toyworld_coverage(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-    """The reward-hacking lab's proxy: the share of pixels in the prompt's colours (flooding the canvas wins it)."""
+    """The reward-hacking lab's proxy: the share of pixels in the prompt's colours (flooding the
+    canvas wins it)."""
     from common.toyworld import color_coverage
 
     return torch.as_tensor(color_coverage(images.cpu(), prompts), dtype=torch.float32)
@@ -311,7 +349,9 @@ def _toyworld_coverage(images: torch.Tensor, prompts: list[str]) -> torch.Tensor
 class CLIPReward:
     """A transformers CLIP checkpoint + its processor. score = cos(image, text), in [-1, 1]."""
 
-    def __init__(self, name: str, paths: dict, device, model_key: str | None = None, text: bool = True):
+    def __init__(
+        self, name: str, paths: dict, device, model_key: str | None = None, text: bool = True
+    ):
         from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
         model_key = model_key or name
@@ -321,10 +361,15 @@ class CLIPReward:
             if os.path.isfile(os.path.join(model_path, "preprocessor_config.json"))
             else DEFAULT_PROCESSORS.get(name, model_path)
         )
-        default = DEFAULT_PATHS.get(model_key, AESTHETIC_CLIP if model_key == "aesthetic_clip" else model_path)
+        default = DEFAULT_PATHS.get(
+            model_key, AESTHETIC_CLIP if model_key == "aesthetic_clip" else model_path
+        )
         self.device = device
-        model = _from_pretrained(name, CLIPModel, model_path, _hub_hint("a CLIP checkpoint folder", default, model_key))
-        self.model = model.to(device=device, dtype=torch.float32).eval()  # fp16 checkpoints too: pixels are fp32
+        model = _from_pretrained(
+            name, CLIPModel, model_path, _hub_hint("a CLIP checkpoint folder", default, model_key)
+        )
+        # fp16 checkpoints too: pixels are fp32
+        self.model = model.to(device=device, dtype=torch.float32).eval()
         proc_hint = _hub_hint(
             "a processor folder with the tokenizer and preprocessor_config.json",
             DEFAULT_PROCESSORS.get(name, default),
@@ -338,18 +383,25 @@ class CLIPReward:
             proc.image_mean,
             proc.image_std,
         )
-        self.tokenizer = _from_pretrained(name, AutoTokenizer, proc_path, proc_hint) if text else None
+        self.tokenizer = (
+            _from_pretrained(name, AutoTokenizer, proc_path, proc_hint) if text else None
+        )
 
     def image_embeds(self, images: torch.Tensor) -> torch.Tensor:
         pixels = clip_preprocess(images, *self.geometry)
         return _features(self.model.get_image_features(pixel_values=pixels))
 
     def cosine(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        max_len = min(self.tokenizer.model_max_length, self.model.config.text_config.max_position_embeddings)
-        tok = self.tokenizer(prompts, padding="max_length", truncation=True, max_length=max_len, return_tensors="pt")
+        max_len = min(
+            self.tokenizer.model_max_length, self.model.config.text_config.max_position_embeddings
+        )
+        tok = self.tokenizer(
+            prompts, padding="max_length", truncation=True, max_length=max_len, return_tensors="pt"
+        )
         text = _features(
             self.model.get_text_features(
-                input_ids=tok.input_ids.to(self.device), attention_mask=tok.attention_mask.to(self.device)
+                input_ids=tok.input_ids.to(self.device),
+                attention_mask=tok.attention_mask.to(self.device),
             )
         )
         return (self.image_embeds(images) * text).sum(-1)
@@ -366,7 +418,8 @@ class PickScore(CLIPReward):
 
 
 class AestheticMLP(nn.Module):
-    """The LAION improved-aesthetic-predictor head (its `MLP` class: no activations, dropout only)."""
+    """The LAION improved-aesthetic-predictor head (its `MLP` class: no activations, dropout
+    only)."""
 
     def __init__(self, dim: int = 768):
         super().__init__()
@@ -387,23 +440,28 @@ class AestheticMLP(nn.Module):
 
 class Aesthetic:
     """LAION aesthetic score (christophschuhmann/improved-aesthetic-predictor, used by DDPO and
-    Flow-GRPO): MLP on the L2-normalised CLIP ViT-L/14 image embedding. Raw output, AVA-like 1-10 scale."""
+    Flow-GRPO): MLP on the L2-normalised CLIP ViT-L/14 image embedding. Raw output, AVA-like 1-10
+    scale."""
 
     def __init__(self, paths: dict, device):
         folder = paths.get("aesthetic")
         hint = (
-            f"{AESTHETIC_MLP_FILE} (from github.com/christophschuhmann/improved-aesthetic-predictor), "
-            "or a folder holding it and optionally the CLIP ViT-L/14 checkpoint: --reward-model-paths aesthetic=PATH"
+            f"{AESTHETIC_MLP_FILE} (from "
+            "github.com/christophschuhmann/improved-aesthetic-predictor), or a folder holding it "
+            "and optionally the CLIP ViT-L/14 checkpoint: --reward-model-paths aesthetic=PATH"
         )
         if not folder:
             raise RewardLoadError(f"aesthetic: no weights given: expected {hint}")
         state = _torch_load(_find_file("aesthetic", folder, AESTHETIC_MLP_FILE, hint))
         if not isinstance(state, dict) or "layers.0.weight" not in state:
-            raise RewardLoadError(f"aesthetic: '{folder}' is not the LAION MLP state dict (no layers.0.weight)")
+            raise RewardLoadError(
+                f"aesthetic: '{folder}' is not the LAION MLP state dict (no layers.0.weight)"
+            )
         self.mlp = AestheticMLP(state["layers.0.weight"].shape[1])
         self.mlp.load_state_dict(state)
         self.mlp.to(device).eval()
-        if "aesthetic_clip" not in paths:  # the CLIP checkpoint lives in the same folder, or on the hub
+        if "aesthetic_clip" not in paths:
+            # the CLIP checkpoint lives in the same folder, or on the hub
             has_clip = os.path.isfile(os.path.join(folder, "config.json"))
             paths = {**paths, "aesthetic_clip": folder if has_clip else AESTHETIC_CLIP}
         self.clip = CLIPReward("aesthetic", paths, device, model_key="aesthetic_clip", text=False)
@@ -418,8 +476,9 @@ class Aesthetic:
 
 
 class HPSv2:
-    """HPS-v2.1 (Wu et al. 2023; G²RPO's and DanceGRPO's reward): open_clip ViT-H-14 fine-tuned on HPD v2.
-    score = cos(image, text) of its normalised features, ≈ 0.2-0.35 (reported ×100 in papers)."""
+    """HPS-v2.1 (Wu et al. 2023; G²RPO's and DanceGRPO's reward): open_clip ViT-H-14 fine-tuned on
+    HPD v2. score = cos(image, text) of its normalised features, ≈ 0.2-0.35 (reported ×100 in
+    papers)."""
 
     def __init__(self, paths: dict, device):
         open_clip = _require("hpsv2")
@@ -444,9 +503,12 @@ class HPSv2:
         return (image * text).sum(-1)
 
 
-IMAGEREWARD_MEAN, IMAGEREWARD_STD = 0.16717362830052426, 1.0333394966054072  # the package's ImageReward.py
-IMAGEREWARD_TOKENIZER, IMAGEREWARD_MAX_TOKENS = "bert-base-uncased", 35  # its init_tokenizer() and score()
-_BLIP_VIT_RENAMES = (  # BLIP's timm-style ViT -> transformers' BlipVisionModel (transformers 4 convert_blip_*.py rules)
+# the package's ImageReward.py
+IMAGEREWARD_MEAN, IMAGEREWARD_STD = 0.16717362830052426, 1.0333394966054072
+# its init_tokenizer() and score()
+IMAGEREWARD_TOKENIZER, IMAGEREWARD_MAX_TOKENS = "bert-base-uncased", 35
+# BLIP's timm-style ViT -> transformers' BlipVisionModel (transformers 4 convert_blip_*.py rules)
+_BLIP_VIT_RENAMES = (
     (r"^cls_token$", "embeddings.class_embedding"),
     (r"^pos_embed$", "embeddings.position_embedding"),
     (r"^patch_embed\.proj\.", "embeddings.patch_embedding."),
@@ -459,11 +521,12 @@ _BLIP_VIT_RENAMES = (  # BLIP's timm-style ViT -> transformers' BlipVisionModel 
 
 
 def _imagereward_state_dicts(state: dict) -> dict[str, dict]:
-    """The package's ImageReward.pt (one flat state dict) -> {"vision", "text", "mlp"} state dicts in the names of
-    BlipVisionModel, BlipTextModel and AestheticMLP. blip.visual_encoder.* is renamed by _BLIP_VIT_RENAMES;
-    blip.text_encoder.* is BLIP's med.py BERT, whose names BlipTextModel kept (its position_ids buffer is dropped:
-    transformers rebuilds it); mlp.* is already nn.Sequential `layers.N`. Other keys (blip.vision_proj,
-    blip.text_proj: BLIP's contrastive heads) are not used for the score and are dropped."""
+    """The package's ImageReward.pt (one flat state dict) -> {"vision", "text", "mlp"} state dicts
+    in the names of BlipVisionModel, BlipTextModel and AestheticMLP. blip.visual_encoder.* is
+    renamed by _BLIP_VIT_RENAMES; blip.text_encoder.* is BLIP's med.py BERT, whose names
+    BlipTextModel kept (its position_ids buffer is dropped: transformers rebuilds it); mlp.* is
+    already nn.Sequential `layers.N`. Other keys (blip.vision_proj, blip.text_proj: BLIP's
+    contrastive heads) are not used for the score and are dropped."""
     out: dict[str, dict] = {"vision": {}, "text": {}, "mlp": {}}
     for key, value in state.items():
         part, _, rest = key.partition(".")
@@ -474,18 +537,26 @@ def _imagereward_state_dicts(state: dict) -> dict[str, dict]:
             for pattern, repl in _BLIP_VIT_RENAMES:
                 rest = re.sub(pattern, repl, rest)
             out["vision"][rest] = value
-        elif part == "blip" and rest.startswith("text_encoder.") and not rest.endswith("position_ids"):
+        elif (
+            part == "blip"
+            and rest.startswith("text_encoder.")
+            and not rest.endswith("position_ids")
+        ):
             out["text"][rest.removeprefix("text_encoder.")] = value
     return out
 
 
 def _blip_configs(vit: dict, med: dict):
-    """BlipVisionConfig from the ViT's weights (ImageReward-v1.0: ViT-L/16 at 224 px, 24 blocks 1024 wide; BLIP's
-    ViTs have 64-wide heads and timm's LayerNorm eps 1e-6) and BlipTextConfig from med_config.json (its BERT, with
-    cross-attention from every layer to the image tokens, as BLIP's med.py in 'multimodal' mode)."""
+    """BlipVisionConfig from the ViT's weights (ImageReward-v1.0: ViT-L/16 at 224 px, 24 blocks 1024
+    wide; BLIP's ViTs have 64-wide heads and timm's LayerNorm eps 1e-6) and BlipTextConfig from
+    med_config.json (its BERT, with cross-attention from every layer to the image tokens, as BLIP's
+    med.py in 'multimodal' mode)."""
     from transformers import BlipTextConfig, BlipVisionConfig
 
-    width, patch = vit["embeddings.class_embedding"].shape[-1], vit["embeddings.patch_embedding.weight"].shape[-1]
+    width, patch = (
+        vit["embeddings.class_embedding"].shape[-1],
+        vit["embeddings.patch_embedding.weight"].shape[-1],
+    )
     vision = BlipVisionConfig(
         hidden_size=width,
         intermediate_size=vit["encoder.layers.0.mlp.fc1.weight"].shape[0],
@@ -515,19 +586,24 @@ def _blip_configs(vit: dict, med: dict):
 
 
 class ImageRewardScore:
-    """ImageReward-v1.0 (Xu et al. 2023), scored natively with transformers (no `image-reward` package): BLIP's
-    ViT-L/16 (BlipVisionModel) encodes the 224-px image, a BERT with cross-attention to the image tokens
-    (BlipTextModel: BLIP's med.py) encodes the prompt, its [CLS] state goes through the MLP, and the package's
-    (r - mean) / std standardises it (mean 0, std 1 on its data). Tokens as the package's `score` /
-    `inference_rank` (Flow-GRPO's path): bert-base-uncased plus [DEC] and [ENC], [CLS] kept first, padded or
-    truncated to 35. Its PIL bicubic resize + centre crop + uint8 round trip become clip_preprocess on tensors:
-    identical on 224x224 uint8-valued images, within ~5e-3 otherwise (tests/fixtures/imagereward)."""
+    """ImageReward-v1.0 (Xu et al. 2023), scored natively with transformers (no `image-reward`
+    package): BLIP's ViT-L/16 (BlipVisionModel) encodes the 224-px image, a BERT with
+    cross-attention to the image tokens (BlipTextModel: BLIP's med.py) encodes the prompt, its [CLS]
+    state goes through the MLP, and the package's (r - mean) / std standardises it (mean
+    0, std 1 on its data). Tokens as the package's `score` / `inference_rank` (Flow-GRPO's path):
+    bert-base-uncased plus [DEC] and [ENC], [CLS] kept first, padded or truncated to 35. Its PIL
+    bicubic resize + centre crop + uint8 round trip become clip_preprocess on tensors: identical on
+    224x224 uint8-valued images, within ~5e-3 otherwise (tests/fixtures/imagereward)."""
 
     def __init__(self, paths: dict, device):
         from transformers import BertTokenizer, BlipTextModel, BlipVisionModel
 
         path = paths["imagereward"]
-        hint = _hub_hint("a folder holding ImageReward.pt and med_config.json", "THUDM/ImageReward", "imagereward")
+        hint = _hub_hint(
+            "a folder holding ImageReward.pt and med_config.json",
+            "THUDM/ImageReward",
+            "imagereward",
+        )
         ckpt = _find_file("imagereward", path, "ImageReward.pt", hint)
         folder = os.path.dirname(ckpt) if os.path.isfile(path) else path
         med_path = _find_file("imagereward", folder, "med_config.json", hint)
@@ -540,10 +616,14 @@ class ImageRewardScore:
             "imagereward_tokenizer",
             " --include '*.txt' '*.json'",
         )
-        # vocab.txt first: transformers 5's BertTokenizer.from_pretrained turns a missing hub id into an empty vocab
+        # vocab.txt first: transformers 5's BertTokenizer.from_pretrained turns a missing hub id
+        # into an empty vocab
         vocab = _find_file("imagereward", tok_path, "vocab.txt", tok_hint)
-        self.tokenizer = _from_pretrained("imagereward", BertTokenizer, os.path.dirname(vocab), tok_hint)
-        self.tokenizer.add_tokens(["[DEC]", "[ENC]"], special_tokens=True)  # as init_tokenizer(): 30522, 30523
+        self.tokenizer = _from_pretrained(
+            "imagereward", BertTokenizer, os.path.dirname(vocab), tok_hint
+        )
+        # as init_tokenizer(): 30522, 30523
+        self.tokenizer.add_tokens(["[DEC]", "[ENC]"], special_tokens=True)
         try:
             with open(med_path) as f:
                 med = json.load(f)
@@ -554,11 +634,14 @@ class ImageRewardScore:
             vision_config, text_config = _blip_configs(parts["vision"], med)
             self.vision = BlipVisionModel(vision_config)
             self.text = BlipTextModel(text_config, add_pooling_layer=False)
-            self.mlp = AestheticMLP(med["hidden_size"])  # the package's MLP: the same layers, 1024-128-64-16-1
+            # the package's MLP: the same layers, 1024-128-64-16-1
+            self.mlp = AestheticMLP(med["hidden_size"])
             for module, part in ((self.vision, "vision"), (self.text, "text"), (self.mlp, "mlp")):
                 missing, unexpected = module.load_state_dict(parts[part], strict=False)
                 if missing or unexpected:  # every weight mapped, none left at its random init
-                    raise KeyError(f"{part} weights: missing {missing[:3]}, unexpected {unexpected[:3]}")
+                    raise KeyError(
+                        f"{part} weights: missing {missing[:3]}, unexpected {unexpected[:3]}"
+                    )
         except (OSError, ValueError, KeyError, RuntimeError) as e:  # RuntimeError: a shape mismatch
             detail = " ".join(str(e).split())[:300]
             raise RewardLoadError(
@@ -569,20 +652,27 @@ class ImageRewardScore:
             module.to(device=device, dtype=torch.float32).eval()
         if len(self.tokenizer) != text_config.vocab_size:
             raise RewardLoadError(
-                f"imagereward: the tokenizer in '{os.path.dirname(vocab)}' has {len(self.tokenizer)}"
-                f" tokens with [DEC] and [ENC], its text encoder {text_config.vocab_size}: "
-                f"expected {tok_hint}"
+                f"imagereward: the tokenizer in '{os.path.dirname(vocab)}' has "
+                f"{len(self.tokenizer)} tokens with [DEC] and [ENC], its text encoder "
+                f"{text_config.vocab_size}: expected {tok_hint}"
             )
         self.size, self.device = vision_config.image_size, device
 
     def __call__(self, images, prompts):
         tok = self.tokenizer(
-            prompts, padding="max_length", truncation=True, max_length=IMAGEREWARD_MAX_TOKENS, return_tensors="pt"
+            prompts,
+            padding="max_length",
+            truncation=True,
+            max_length=IMAGEREWARD_MAX_TOKENS,
+            return_tensors="pt",
         ).to(self.device)
-        pixels = clip_preprocess(images, self.size, (self.size, self.size), CLIP_MEAN, CLIP_STD)  # BLIP's = CLIP's
+        # BLIP's = CLIP's
+        pixels = clip_preprocess(images, self.size, (self.size, self.size), CLIP_MEAN, CLIP_STD)
         image_tokens = self.vision(pixel_values=pixels).last_hidden_state
         text = self.text(
-            input_ids=tok.input_ids, attention_mask=tok.attention_mask, encoder_hidden_states=image_tokens
+            input_ids=tok.input_ids,
+            attention_mask=tok.attention_mask,
+            encoder_hidden_states=image_tokens,
         ).last_hidden_state  # no image mask: all tokens count
         return ((self.mlp(text[:, 0]) - IMAGEREWARD_MEAN) / IMAGEREWARD_STD).squeeze(-1)
 
@@ -612,23 +702,31 @@ def _load(name: str, device: torch.device, paths: dict):
 
 # ----------------------------------------------------------------------------- combined model
 class RewardModel:
-    """Several rewards scored together. `__call__` gives raw scores [B, K]; `mix` the weighted sum [B]."""
+    """Several rewards scored together. `__call__` gives raw scores [B, K]; `mix` the weighted sum
+    [B]."""
 
     def __init__(self, names: list[str], weights: torch.Tensor, fns: list, device, batch_size: int):
         self.names, self.weights, self.fns = names, weights, fns
         self.device, self.batch_size = device, batch_size
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        """images [B,3,H,W] float in [0,1] (any device/dtype) -> float32 CPU scores [B, K], chunked by batch_size."""
+        """images [B,3,H,W] float in [0,1] (any device/dtype) -> float32 CPU scores [B, K], chunked
+        by batch_size."""
         if images.ndim != 4 or images.shape[1] != 3 or len(prompts) != len(images):
-            raise ValueError(f"expected images [B,3,H,W] and B prompts, got {tuple(images.shape)} and {len(prompts)}")
+            raise ValueError(
+                f"expected images [B,3,H,W] and B prompts, got {tuple(images.shape)} and "
+                f"{len(prompts)}"
+            )
         prompts, rows = list(prompts), []
         with torch.inference_mode():
             for i in range(0, len(images), self.batch_size):
                 chunk = images[i : i + self.batch_size].to(self.device, torch.float32)
                 chunk_prompts = prompts[i : i + self.batch_size]
-                rows.append(torch.stack([fn(chunk, chunk_prompts).float().cpu() for fn in self.fns], dim=1))
-        return torch.cat(rows).clone()  # clone outside inference mode: a normal tensor, usable in autograd
+                rows.append(
+                    torch.stack([fn(chunk, chunk_prompts).float().cpu() for fn in self.fns], dim=1)
+                )
+        # clone outside inference mode: a normal tensor, usable in autograd
+        return torch.cat(rows).clone()
 
     def mix(self, scores: torch.Tensor) -> torch.Tensor:
         """'score' mix mode (Flow-GRPO): [B, K] raw scores -> [B] weighted sum."""
@@ -639,31 +737,45 @@ class RewardModel:
         return {f"{prefix}{n}": scores[:, k].mean().item() for k, n in enumerate(self.names)}
 
     def __repr__(self):
-        return f"RewardModel({', '.join(f'{n}:{w:g}' for n, w in zip(self.names, self.weights.tolist()))})"
+        return (
+            "RewardModel("
+            f"{', '.join(f'{n}:{w:g}' for n, w in zip(self.names, self.weights.tolist()))}"
+            ")"
+        )
 
 
 def build_reward(
     spec: str, device="cpu", model_paths: dict[str, str] | None = None, batch_size: int = 32
 ) -> RewardModel:
-    """`spec` as in parse_reward_spec; `model_paths` as parse_model_paths returns (defaults: DEFAULT_PATHS)."""
+    """`spec` as in parse_reward_spec; `model_paths` as parse_model_paths returns (defaults:
+    DEFAULT_PATHS)."""
     pairs = parse_reward_spec(spec)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     bad = set(model_paths or {}) - set(PATH_KEYS)
     if bad:
-        raise ValueError(f"unknown model path keys {sorted(bad)}: expected some of {', '.join(PATH_KEYS)}")
+        raise ValueError(
+            f"unknown model path keys {sorted(bad)}: expected some of {', '.join(PATH_KEYS)}"
+        )
     paths = {**DEFAULT_PATHS, **{k: os.path.expanduser(v) for k, v in (model_paths or {}).items()}}
     device = torch.device(device)
     for name in (n for n, _ in pairs if n in OPTIONAL):
         _require(name)  # a missing optional package fails before any model is loaded
     fns = [_load(name, device, paths) for name, _ in pairs]
     return RewardModel(
-        [n for n, _ in pairs], torch.tensor([w for _, w in pairs], dtype=torch.float32), fns, device, batch_size
+        [n for n, _ in pairs],
+        torch.tensor([w for _, w in pairs], dtype=torch.float32),
+        fns,
+        device,
+        batch_size,
     )
 
 
 def advantage_mix(advantages_per_reward: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """'advantage' mix mode (G²RPO: A = A_HPS + A_CLIP): [N, K] per-reward advantages -> [N] weighted sum."""
+    """'advantage' mix mode (G²RPO: A = A_HPS + A_CLIP): [N, K] per-reward advantages -> [N]
+    weighted sum."""
     if advantages_per_reward.ndim != 2 or advantages_per_reward.shape[1] != len(weights):
-        raise ValueError(f"expected advantages [N, {len(weights)}], got {tuple(advantages_per_reward.shape)}")
+        raise ValueError(
+            f"expected advantages [N, {len(weights)}], got {tuple(advantages_per_reward.shape)}"
+        )
     return advantages_per_reward.float() @ weights.to(advantages_per_reward.device, torch.float32)

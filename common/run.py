@@ -1,27 +1,34 @@
-"""The main loop's bookkeeping: every block of an iteration that is not the algorithm, as one named call.
+"""The main loop's bookkeeping: every block of an iteration that is not the algorithm, as one named
+call.
 
 The three scripts' loops read, top to bottom (nanoGPT's shape: evaluate, step, log, save):
 
     run = Run(args, run_dir, rank, world_size, device, logger, counts, start_iteration, script)
     for iteration in range(start_iteration, args.num_iterations + 1):
-        last = run.is_last(iteration)                   # the iteration count or the CPU budget is spent
+        last = run.is_last(iteration)                   # the iteration count or the CPU budget is
+                                                        # spent
         if iteration % args.eval_every == 0 or last:
             metrics.update(run.evaluate(...))           # held-out accuracy, the sample grid saved
         if last:
             run.log_final(metrics)
             break
         ...rollout, rewards, advantages, training: the algorithm, inline in the script...
-        run.log(metrics, stats, rollout_counts)         # one metrics.jsonl row (and wandb), the progress bar
+        run.log(metrics, stats, rollout_counts)         # one metrics.jsonl row (and wandb), the
+                                                        # progress bar
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations:
             run.checkpoint(iteration + 1, ...)          # every rank's RNG gathered, rank 0 writes
-    run.finish(params)                                  # weights digest, pictures, the one-line summary
+    run.finish(params)                                  # weights digest, pictures, the one-line
+                                                        # summary
 
-Nothing here changes what a run samples or learns; it is identical in the three scripts and tested on its own
-(tests/test_run.py). Counters, cumulative over all ranks (metrics.jsonl and the checkpoint):
+Nothing here changes what a run samples or learns; it is identical in the three scripts and tested
+on its own (tests/test_run.py). Counters, cumulative over all ranks (metrics.jsonl and the
+checkpoint):
 - `trajectories`: images the policy sampled to the end (prompts x G per iteration, in every script);
-- `scored_images`: every image a reward model scored for training, completions included (Flow-GRPO: one per
-  trajectory; G²RPO: every branch at every granularity; DenseGRPO: one per scored latent of every trajectory);
-- `nfe/<phase>`: transformer forwards per phase, a CFG pair counted once (`training_nfe` sums the training ones).
+- `scored_images`: every image a reward model scored for training, completions included (Flow-GRPO:
+  one per trajectory; G²RPO: every branch at every granularity; DenseGRPO: one per scored latent of
+  every trajectory);
+- `nfe/<phase>`: transformer forwards per phase, a CFG pair counted once (`training_nfe` sums the
+  training ones).
 """
 
 from __future__ import annotations
@@ -57,15 +64,16 @@ PER_STEP = ("ratio", "clipfrac", "kl", "abs_adv", "kept")
 
 
 def training_nfe(counts: dict) -> int:
-    """The `nfe` of metrics.jsonl: transformer forwards spent on training (rollout, completions, training forwards
-    incl. the KL reference), a CFG pair counted once. Backward passes and evaluation are counted apart
-    (`nfe/train_backward`, `nfe/eval`): the evaluation is the same for every algorithm and buys no learning."""
+    """The `nfe` of metrics.jsonl: transformer forwards spent on training (rollout, completions,
+    training forwards incl. the KL reference), a CFG pair counted once. Backward passes and
+    evaluation are counted apart (`nfe/train_backward`, `nfe/eval`): the evaluation is the same for
+    every algorithm and buys no learning."""
     return sum(counts[f"nfe/{k}"] for k in ("rollout", "completion", "train_forward"))
 
 
 def restored_counts(saved: dict | None) -> dict:
-    """The counters of a checkpoint, completed: a checkpoint written before the split into `trajectories` and
-    `scored_images` has one `images` counter, which counted the scored images."""
+    """The counters of a checkpoint, completed: a checkpoint written before the split into
+    `trajectories` and `scored_images` has one `images` counter, which counted the scored images."""
     counts = dict.fromkeys(COUNTERS, 0)
     saved = dict(saved or {})
     if "images" in saved and "scored_images" not in saved:
@@ -75,7 +83,8 @@ def restored_counts(saved: dict | None) -> dict:
 
 
 class Run:
-    """The state the loop carries besides the model: counters, clocks, phase timers, the logger and progress bar."""
+    """The state the loop carries besides the model: counters, clocks, phase timers, the logger and
+    progress bar."""
 
     def __init__(
         self,
@@ -89,7 +98,13 @@ class Run:
         start_iteration: int,
         script: str,
     ):
-        self.args, self.dir, self.rank, self.world_size, self.device = args, run_dir, rank, world_size, device
+        self.args, self.dir, self.rank, self.world_size, self.device = (
+            args,
+            run_dir,
+            rank,
+            world_size,
+            device,
+        )
         self.is_main, self.logger, self.script = rank == 0, logger, os.path.basename(script)
         self.counts = restored_counts(counts)
         self.timer = Timer()
@@ -97,15 +112,20 @@ class Run:
         self.pictures = None  # this iteration's evaluation grid and panel, for wandb
         self.last_eval = ""
         self.bar = tqdm(
-            disable=not self.is_main, initial=start_iteration, total=args.num_iterations + 1, desc=args.exp_name
+            disable=not self.is_main,
+            initial=start_iteration,
+            total=args.num_iterations + 1,
+            desc=args.exp_name,
         )
 
     def cpu_seconds(self) -> float:
-        """Process CPU seconds (all threads) since the loop began: the budget's clock (--cpu-budget-s)."""
+        """Process CPU seconds (all threads) since the loop began: the budget's clock
+        (--cpu-budget-s)."""
         return time.process_time() - self.cpu_start
 
     def is_last(self, iteration: int) -> bool:
-        """True at --num-iterations, or once the CPU budget is spent on any rank (all ranks agree: one all-reduce)."""
+        """True at --num-iterations, or once the CPU budget is spent on any rank (all ranks agree:
+        one all-reduce)."""
         over = self.args.cpu_budget_s > 0 and self.cpu_seconds() > self.args.cpu_budget_s
         op = dist.ReduceOp.MAX if self.world_size > 1 else None
         return iteration == self.args.num_iterations or bool(
@@ -113,12 +133,24 @@ class Run:
         )
 
     def evaluate(
-        self, iteration: int, last: bool, backbone, reward_model, guard_model, prompts: list[str], ema
+        self,
+        iteration: int,
+        last: bool,
+        backbone,
+        reward_model,
+        guard_model,
+        prompts: list[str],
+        ema,
     ) -> dict:
-        """Held-out evaluation (common/evaluation.py: ODE samples from fixed seeds) with the EMA weights if any; the
-        sample grid and panel are saved as samples/eval_{iteration}.png / .npz. Returns the eval/ metrics."""
+        """Held-out evaluation (common/evaluation.py: ODE samples from fixed seeds) with the EMA
+        weights if any; the sample grid and panel are saved as samples/eval_{iteration}.png / .npz.
+        Returns the eval/ metrics."""
         a = self.args
-        seeds = a.final_eval_seeds_per_prompt if last and a.final_eval_seeds_per_prompt else a.eval_seeds_per_prompt
+        seeds = (
+            a.final_eval_seeds_per_prompt
+            if last and a.final_eval_seeds_per_prompt
+            else a.eval_seeds_per_prompt
+        )
         guidance = a.guidance_scale if a.eval_guidance_scale is None else a.eval_guidance_scale
         with self.timer("eval"), ema_weights(ema):
             metrics, grid, panel = evaluate(
@@ -138,12 +170,15 @@ class Run:
                 iteration=iteration,
             )
         self.counts["nfe/eval"] += len(prompts) * seeds * a.eval_num_steps
-        self.last_eval = f"{metrics.get('eval/accuracy', metrics['eval/reward_mean']):.3f}@{iteration}"
+        self.last_eval = (
+            f"{metrics.get('eval/accuracy', metrics['eval/reward_mean']):.3f}@{iteration}"
+        )
         self.pictures = {"eval/samples": grid, "eval/panel": panel.captioned()}
         if self.is_main:
             os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
             grid.save(os.path.join(self.dir, "samples", f"eval_{iteration:05d}.png"))
-            panel.save(os.path.join(self.dir, "samples", f"eval_{iteration:05d}.npz"))  # for before_after.png
+            # for before_after.png
+            panel.save(os.path.join(self.dir, "samples", f"eval_{iteration:05d}.npz"))
         return metrics
 
     def _clocks(self) -> dict:
@@ -156,13 +191,16 @@ class Run:
 
     def log_final(self, metrics: dict) -> None:
         """The last row: the final evaluation with the run's counters, marked `final: true`."""
-        metrics.update({**self.counts, "nfe": training_nfe(self.counts), "final": True, **self._clocks()})
+        metrics.update(
+            {**self.counts, "nfe": training_nfe(self.counts), "final": True, **self._clocks()}
+        )
         self._write(metrics)
 
     def log(self, metrics: dict, stats, rollout_counts: dict, grad_share=None) -> dict:
-        """One metrics.jsonl row for a training iteration: the training section's Stats reduced over the ranks (one
-        all-reduce), this rank's rollout counters added to the run's, seconds per phase, peak memory, and the
-        per-step gradient shares and norms when the iteration measured them (steps/grad_share/j, steps/grad_norm/j)."""
+        """One metrics.jsonl row for a training iteration: the training section's Stats reduced over
+        the ranks (one all-reduce), this rank's rollout counters added to the run's, seconds per
+        phase, peak memory, and the per-step gradient shares and norms when the iteration measured
+        them (steps/grad_share/j, steps/grad_norm/j)."""
         stats.count(**rollout_counts)
         red = stats.reduce(self.world_size, self.device)
         self.counts.update({k: v + int(red.get(k, 0)) for k, v in self.counts.items()})
@@ -170,9 +208,13 @@ class Run:
         metrics.update({**self.counts, "nfe": training_nfe(self.counts)})
         for k in ("mean", "min", "max"):  # nothing trained: a ratio of 1
             metrics[f"ratio/{k}"] = red.get("ratio" if k == "mean" else f"ratio/{k}", 1.0)
-        metrics.update({k: red.get(k, 0.0) for k in ("clipfrac", "approx_kl_k2", "kl", "policy_loss")})
+        metrics.update(
+            {k: red.get(k, 0.0) for k in ("clipfrac", "approx_kl_k2", "kl", "policy_loss")}
+        )
         for name in PER_STEP:
-            metrics.update({f"steps/{name}/{j}": v for j, v in red.get(f"{name}/per_step", {}).items()})
+            metrics.update(
+                {f"steps/{name}/{j}": v for j, v in red.get(f"{name}/per_step", {}).items()}
+            )
         for j, m in red.get("ratio/per_step", {}).items():  # std from the mean of squares
             metrics[f"steps/ratio_std/{j}"] = max(red["ratio_sq/per_step"][j] - m**2, 0.0) ** 0.5
         metrics.update(
@@ -192,12 +234,17 @@ class Run:
             metrics["mem/max_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self._write(metrics)
         self.bar.update(1)
-        self.bar.set_postfix(reward=f"{metrics.get('train/reward_mean', float('nan')):.3f}", eval=self.last_eval)
+        self.bar.set_postfix(
+            reward=f"{metrics.get('train/reward_mean', float('nan')):.3f}", eval=self.last_eval
+        )
         return metrics
 
-    def checkpoint(self, iteration: int, params: dict, optimizer, ema, policy, save_weights) -> None:
-        """checkpoint-{iteration} (common/checkpoint.py: atomic, verified, rotated): every rank's RNG is gathered so
-        a resume continues each rank's noise stream; rank 0 writes (FSDP: every rank writes its shards)."""
+    def checkpoint(
+        self, iteration: int, params: dict, optimizer, ema, policy, save_weights
+    ) -> None:
+        """checkpoint-{iteration} (common/checkpoint.py: atomic, verified, rotated): every rank's
+        RNG is gathered so a resume continues each rank's noise stream; rank 0 writes (FSDP: every
+        rank writes its shards)."""
         rngs = [None] * self.world_size
         if self.world_size > 1:
             dist.all_gather_object(rngs, rng_state())
@@ -217,25 +264,29 @@ class Run:
             dist.barrier()
 
     def finish(self, params: dict) -> None:
-        """Every rank prints a checksum of its trained weights (they must agree); rank 0 draws the run's pictures and
-        prints the held-out metric at the first and last evaluation; then the ranks leave together."""
+        """Every rank prints a checksum of its trained weights (they must agree); rank 0 draws the
+        run's pictures and prints the held-out metric at the first and last evaluation; then the
+        ranks leave together."""
         print(f"final weights: rank {self.rank} sha256 {weights_digest(params)[:16]}", flush=True)
         if self.is_main:
             history = self.logger.history()
-            run_pictures(self.dir, history, self.args.exp_name)  # learning curve, per-step panels, before/after
+            # learning curve, per-step panels, before/after
+            run_pictures(self.dir, history, self.args.exp_name)
             print(f"{summary_line(history)}; run folder: {self.dir}")
         self.bar.close()
         self.logger.close()
         release_run_folder(self.dir)
         if self.world_size > 1:
-            dist.barrier()  # leave together: tearing gloo down while a peer still runs can abort that peer
+            # leave together: tearing gloo down while a peer still runs can abort that peer
+            dist.barrier()
             dist.destroy_process_group()
 
 
 def run_pictures(run_dir: str, history: list[dict], title: str) -> list[str]:
-    """The end-of-run pictures, from what the run wrote: learning_curve.png (metrics), steps_heatmap.png (when
-    `steps/...` metrics were logged) and before_after.png (the first and the last evaluation's panel,
-    samples/eval_*.npz, so a resumed run still compares with its starting model). -> the paths written."""
+    """The end-of-run pictures, from what the run wrote: learning_curve.png (metrics),
+    steps_heatmap.png (when `steps/...` metrics were logged) and before_after.png (the first and the
+    last evaluation's panel, samples/eval_*.npz, so a resumed run still compares with its starting
+    model). -> the paths written."""
     written = [os.path.join(run_dir, "learning_curve.png")]
     learning_curve(history, written[0], title)
     if any(k.startswith("steps/") for h in history for k in h):
@@ -249,8 +300,8 @@ def run_pictures(run_dir: str, history: list[dict], title: str) -> list[str]:
 
 
 def summary_line(history: list[dict]) -> str:
-    """'held-out eval/accuracy: 0.471 ± 0.018 at iteration 0 -> 0.590 ± 0.017 at iteration 30' (reward without a
-    toy-world accuracy)."""
+    """'held-out eval/accuracy: 0.471 ± 0.018 at iteration 0 -> 0.590 ± 0.017 at iteration 30'
+    (reward without a toy-world accuracy)."""
     key = "eval/accuracy" if any("eval/accuracy" in h for h in history) else "eval/reward_mean"
     evals = [h for h in history if key in h]
     if not evals:

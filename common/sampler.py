@@ -11,18 +11,22 @@ The equations used below (Flow-GRPO = Liu et al., arXiv 2505.05470, Sec. 4 and A
   (E3) Euler-Maruyama step of (E2): x_next ~ N(mu, std_dev_t^2 |dt|),  mu = x + [ ... ] dt
   (E4) x0_hat = x - sigma v
   (E5) KL of two Gaussians with one std s: |mean - mean_ref|^2 / (2 s^2)
-Coefficients-Preserving Sampling (CPS = Wang & Yu 2025, arXiv 2509.05952; the released Flow-GRPO's sde_type="cps"):
-  (E6) x0_hat = x - sigma v,  x1_hat = x + (1 - sigma) v   (predicted data and noise; x = (1-sigma) x0_hat + sigma x1_hat)
+Coefficients-Preserving Sampling (CPS = Wang & Yu 2025, arXiv 2509.05952; the released Flow-GRPO's
+sde_type="cps"):
+  (E6) x0_hat = x - sigma v,  x1_hat = x + (1 - sigma) v   (predicted data and noise;
+       x = (1-sigma) x0_hat + sigma x1_hat)
        x_next ~ N(mu, s^2),  mu = (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - s^2) x1_hat,
        s = sigma_next sin(noise_level pi / 2)
-       A DDIM-like step: x_next = (1 - sigma_next) x0_hat + [sqrt(sigma_next^2 - s^2) x1_hat + s eps], and the noise
-       in brackets has variance exactly sigma_next^2 when x1_hat is a unit Gaussian, so x_next keeps the coefficients
-       (1 - sigma_next, sigma_next) of the forward process x = (1 - sigma) x0 + sigma eps at every noise level. The
-       SDE step (E3) compensates its noise std_dev_t sqrt|dt| only to first order in dt; the CPS paper traces the
-       grain of few-step SDE samples to that excess of noise.
+       A DDIM-like step: x_next = (1 - sigma_next) x0_hat + [sqrt(sigma_next^2 - s^2)
+       x1_hat + s eps], and the noise in brackets has variance exactly sigma_next^2 when x1_hat is a
+       unit Gaussian, so x_next keeps the coefficients (1 - sigma_next, sigma_next) of the forward
+       process x = (1 - sigma) x0 + sigma eps at every noise level. The SDE step (E3) compensates
+       its noise std_dev_t sqrt|dt| only to first order in dt; the CPS paper traces the grain of
+       few-step SDE samples to that excess of noise.
 GRPO-Guard's RatioNorm (Wang et al. 2025, arXiv 2510.22319, Eq. 8; the released Flow-GRPO
 scripts/train_sd3_GRPO_Guard.py), for the SDE step (E3) with step std s = std_dev_t sqrt|dt|:
-  (E7) log r_hat = s (log r + |mu - mu_old|^2 / (2 s^2)),   log r = log pi(x_next) - log pi_old(x_next)
+  (E7) log r_hat = s (log r + |mu - mu_old|^2 / (2 s^2)),
+       log r = log pi(x_next) - log pi_old(x_next)
 All math runs in float32 whatever the model dtype: bf16 loses too much precision in the
 mean and in the log-density (Flow-GRPO casts to fp32 for the same reason).
 """
@@ -35,8 +39,11 @@ from diffusers.utils.torch_utils import randn_tensor
 
 
 def _per_sample(x, like: torch.Tensor) -> torch.Tensor:
-    """Float, 0-dim or [B] tensor -> float32 [B (or 1), 1, ..., 1], which broadcasts against `like`."""
-    return torch.as_tensor(x, dtype=torch.float32, device=like.device).reshape(-1, *[1] * (like.ndim - 1))
+    """Float, 0-dim or [B] tensor -> float32 [B (or 1), 1, ..., 1], which broadcasts against
+    `like`."""
+    return torch.as_tensor(x, dtype=torch.float32, device=like.device).reshape(
+        -1, *[1] * (like.ndim - 1)
+    )
 
 
 def _mean_non_batch(t: torch.Tensor) -> torch.Tensor:
@@ -75,35 +82,42 @@ def sigma_schedule(
     else:
         slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
         mu = base_shift + slope * (image_seq_len - base_seq_len)
-        s = np.linspace(1.0, 1 / num_steps, num_steps).astype(np.float32)  # diffusers shifts in fp32
+        # diffusers shifts in fp32
+        s = np.linspace(1.0, 1 / num_steps, num_steps).astype(np.float32)
         s = math.exp(mu) / (math.exp(mu) + (1 / s - 1))
     return torch.cat([torch.as_tensor(s, dtype=torch.float32), torch.zeros(1)])
 
 
 def static_shift_schedule(num_steps: int, shift: float = 3.0) -> torch.Tensor:
-    """The grid of the DanceGRPO / G²RPO code (`sd3_time_shift(shift, linspace(1, 0, T+1))`): num_steps + 1 values.
+    """The grid of the DanceGRPO / G²RPO code (`sd3_time_shift(shift, linspace(1, 0, T+1))`):
+    num_steps + 1 values.
 
-    s' = shift s / (1 + (shift - 1) s) on s = linspace(1, 0, num_steps + 1), the SD3 paper's static timestep shift,
-    applied once and ending exactly at 0. It differs from `sigma_schedule` in two ways: no diffusers quirk (the
-    pipeline's linspace ends at shift(1/1000) and is shifted again), and no resolution-dependent (dynamic) shift for
-    FLUX. T = 16, shift 3: 1, .9783, .9545, .9286, .9, .8684, .8333, .7941, .75, ..., .3, .1667, 0, where FluxPipeline
-    at 720 px samples sigma_7 = 0.741.
+    s' = shift s / (1 + (shift - 1) s) on s = linspace(1, 0, num_steps + 1), the SD3 paper's static
+    timestep shift, applied once and ending exactly at 0. It differs from `sigma_schedule` in two
+    ways: no diffusers quirk (the pipeline's linspace ends at shift(1/1000) and is shifted again),
+    and no resolution-dependent (dynamic) shift for FLUX. T = 16, shift 3: 1, .9783, .9545, .9286,
+    .9, .8684, .8333, .7941, .75, ..., .3, .1667, 0, where FluxPipeline at 720 px samples
+    sigma_7 = 0.741.
     """
     if shift <= 0:
-        raise ValueError(f"shift {shift}: the timestep shift must be positive (3 in the released G2RPO code)")
+        raise ValueError(
+            f"shift {shift}: the timestep shift must be positive (3 in the released G2RPO code)"
+        )
     s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
     return (shift * s / (1 + (shift - 1) * s)).float()
 
 
 def ode_step(velocity, sample, sigma, sigma_next) -> torch.Tensor:
-    """Euler step of the ODE (E1): x_next = x + (sigma_next - sigma) v. Sigmas: float or per-sample [B]."""
+    """Euler step of the ODE (E1): x_next = x + (sigma_next - sigma) v. Sigmas: float or per-sample
+    [B]."""
     x = sample.float()
     dt = _per_sample(sigma_next, x) - _per_sample(sigma, x)
     return x + dt * velocity.float()
 
 
 def x0_prediction(velocity, sample, sigma) -> torch.Tensor:
-    """Predicted clean sample (E4): x0_hat = x - sigma v (from x = (1-sigma) x0 + sigma eps, v = eps - x0)."""
+    """Predicted clean sample (E4): x0_hat = x - sigma v
+    (from x = (1-sigma) x0 + sigma eps, v = eps - x0)."""
     x = sample.float()
     return x - _per_sample(sigma, x) * velocity.float()
 
@@ -119,35 +133,43 @@ def sde_step_with_logprob(
     sigma_max=None,
     sde_type: str = "sde",
 ):
-    """One stochastic step and the log-prob of where it lands: the Flow-GRPO SDE (E2-E3) or CPS (E6).
+    """One stochastic step and the log-prob of where it lands: the Flow-GRPO SDE (E2-E3) or CPS
+    (E6).
 
     sigma, sigma_next, noise_level: floats, 0-dim tensors or per-sample [B] tensors.
     prev_sample: if given, only score it (training recomputes the log-prob of a stored step);
-    otherwise sample it. generator: None, a torch.Generator or a list (one per sample), as in diffusers.
-    Returns (prev_sample, log_prob [B], prev_sample_mean, std_dev_t [B or 1, 1, ...]), all float32; both types
-    draw one Gaussian tensor per step from `generator`, so switching the type never shifts the noise stream.
-    noise_level == 0 gives exactly the Euler step of (E1), for both types; the step is then deterministic, its
-    density a point mass, and log_prob is defined as 0 (nothing uses it).
+    otherwise sample it. generator: None, a torch.Generator or a list (one per sample), as in
+    diffusers.
+    Returns (prev_sample, log_prob [B], prev_sample_mean, std_dev_t [B or 1, 1, ...]), all float32;
+    both types draw one Gaussian tensor per step from `generator`, so switching the type never
+    shifts the noise stream. noise_level == 0 gives exactly the Euler step of (E1), for both types;
+    the step is then deterministic, its density a point mass, and log_prob is defined as 0 (nothing
+    uses it).
 
-    sde_type "sde" (Flow-GRPO): std_dev_t is the SDE's diffusion coefficient a sqrt(sigma / (1 - sigma)); the step's
-    std is std_dev_t sqrt|dt|. At sigma == 1 std_dev_t is infinite, so, like Flow-GRPO's code, we put sigma_max (the
-    schedule's second value) in place of sigma in the denominator 1 - sigma. log_prob is the normalised Gaussian
-    log-density averaged (not summed) over non-batch dims, as in Flow-GRPO.
+    sde_type "sde" (Flow-GRPO): std_dev_t is the SDE's diffusion coefficient a
+    sqrt(sigma / (1 - sigma)); the step's std is std_dev_t sqrt|dt|. At sigma == 1 std_dev_t is
+    infinite, so, like Flow-GRPO's code, we put sigma_max (the schedule's second value) in place of
+    sigma in the denominator 1 - sigma. log_prob is the normalised Gaussian log-density averaged
+    (not summed) over non-batch dims, as in Flow-GRPO.
 
-    sde_type "cps": std_dev_t IS the step's std s = sigma_next sin(a pi / 2) (no |dt| factor, no singularity at
-    sigma = 1: sigma_max is not used); a in [0, 1], a = 1 puts all of sigma_next into fresh noise (mu = (1 -
-    sigma_next) x0_hat). log_prob is what the released code computes (Flow-GRPO's sd3_sde_with_logprob.py with
-    sde_type="cps", and FlowCPS's own): -(x_next - mu)^2 averaged over non-batch dims, "all constants removed".
-    Against the normalised log N(x_next; mu, s^2) = -(x_next - mu)^2 / (2 s^2) - log s - log sqrt(2 pi) it drops
-      - the two additive terms -log s - log sqrt(2 pi): they depend on (sigma_next, a) only, never on the policy, so
-        they cancel exactly in log pi_new - log pi_old of one stored step (the ratio is unchanged by them);
-      - the factor 1 / (2 s^2): this one does NOT cancel. It multiplies the step's log-ratio by 2 s^2, so the ratio
-        the loss sees is rho_exact^(2 s^2), and its gradient at rho = 1 is 2 s^2 times the exact policy gradient: a
-        per-step weight that is largest at the noisiest steps (a = 0.8, 10 steps, shift 3: 2 s^2 = 1.67 at the
-        first step, sigma_next = 0.960, and 0.14 at sigma_next = 0.278). The clip range then bounds the rescaled
+    sde_type "cps": std_dev_t IS the step's std s = sigma_next sin(a pi / 2) (no |dt| factor, no
+    singularity at sigma = 1: sigma_max is not used); a in [0, 1], a = 1 puts all of sigma_next into
+    fresh noise (mu = (1 - sigma_next) x0_hat). log_prob is what the released code computes
+    (Flow-GRPO's sd3_sde_with_logprob.py with sde_type="cps", and FlowCPS's own): -(x_next - mu)^2
+    averaged over non-batch dims, "all constants removed". Against the normalised
+    log N(x_next; mu, s^2) = -(x_next - mu)^2 / (2 s^2) - log s - log sqrt(2 pi) it drops
+      - the two additive terms -log s - log sqrt(2 pi): they depend on (sigma_next, a) only, never
+        on the policy, so they cancel exactly in log pi_new - log pi_old of one stored step (the
+        ratio is unchanged by them);
+      - the factor 1 / (2 s^2): this one does NOT cancel. It multiplies the step's log-ratio
+        by 2 s^2, so the ratio the loss sees is rho_exact^(2 s^2), and its gradient at
+        rho = 1 is 2 s^2 times the exact policy gradient: a per-step weight that is largest at the
+        noisiest steps (a = 0.8, 10 steps, shift 3: 2 s^2 = 1.67 at the first step,
+        sigma_next = 0.960, and 0.14 at sigma_next = 0.278). The clip range then bounds the rescaled
         ratio (the released CPS configs use 1e-5).
-    On-policy both give ratio exactly 1 (the same mu is recomputed). We keep the released convention so that its
-    clip ranges and learning rates transfer; tests/test_sampler.py checks the 2 s^2 relation.
+    On-policy both give ratio exactly 1 (the same mu is recomputed). We keep the released convention
+    so that its clip ranges and learning rates transfer; tests/test_sampler.py checks the 2 s^2
+    relation.
     """
     x, v = sample.float(), velocity.float()
     sigma, sigma_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
@@ -158,25 +180,37 @@ def sde_step_with_logprob(
     if sde_type == "cps":  # (E6)
         std_dev_t = torch.where(noisy, sigma_next * torch.sin(noise_level * (math.pi / 2)), 0.0)
         x0_hat, x1_hat = x - sigma * v, x + (1 - sigma) * v
-        # clamp: a = 1 makes sigma_next^2 - s^2 zero up to rounding, which must not become sqrt(-1e-9) = NaN
-        mean = (1 - sigma_next) * x0_hat + torch.sqrt((sigma_next**2 - std_dev_t**2).clamp_min(0)) * x1_hat
-        # noise 0: (E6) is the Euler step in exact arithmetic; take it bit for bit, as the "sde" branch does
+        # clamp: a = 1 makes sigma_next^2 - s^2 zero up to rounding, which must not become
+        # sqrt(-1e-9) = NaN
+        mean = (1 - sigma_next) * x0_hat + torch.sqrt(
+            (sigma_next**2 - std_dev_t**2).clamp_min(0)
+        ) * x1_hat
+        # noise 0: (E6) is the Euler step in exact arithmetic; take it bit for bit, as the "sde"
+        # branch does
         mean = torch.where(noisy, mean, x + dt * v)
         step_std = std_dev_t
     elif sde_type == "sde":  # (E2-E3)
         at_one = sigma == 1
         if sigma_max is None and bool((at_one & noisy).any()):
-            raise ValueError("sigma == 1 with noise_level > 0 needs sigma_max (the schedule's second sigma)")
-        sigma_den = torch.where(at_one, _per_sample(sigma_max if sigma_max is not None else 0.0, x), sigma)
+            raise ValueError(
+                "sigma == 1 with noise_level > 0 needs sigma_max (the schedule's second sigma)"
+            )
+        sigma_den = torch.where(
+            at_one, _per_sample(sigma_max if sigma_max is not None else 0.0, x), sigma
+        )
         # torch.where keeps noise-free samples at exactly 0 instead of 0 * inf = NaN.
         std_dev_t = torch.where(noisy, noise_level * torch.sqrt(sigma / (1 - sigma_den)), 0.0)
-        # The score-correction term std^2 / (2 sigma) (x + (1 - sigma) v) is what keeps the marginals of
-        # the noisy chain equal to the ODE's. Guard sigma == 0 (std_dev_t is 0 there anyway).
+        # The score-correction term std^2 / (2 sigma) (x + (1 - sigma) v) is what keeps the
+        # marginals of the noisy chain equal to the ODE's. Guard sigma == 0 (std_dev_t is 0 there
+        # anyway).
         safe_sigma = torch.where(sigma > 0, sigma, 1.0)
         mean = x + (v + std_dev_t**2 / (2 * safe_sigma) * (x + (1 - sigma) * v)) * dt
-        step_std = std_dev_t * torch.sqrt((-dt).clamp_min(0))  # std of x_next given x: std_dev_t sqrt|dt|
+        # std of x_next given x: std_dev_t sqrt|dt|
+        step_std = std_dev_t * torch.sqrt((-dt).clamp_min(0))
     else:
-        raise ValueError(f"sde_type '{sde_type}': expected 'sde' (Flow-GRPO) or 'cps' (coefficients-preserving)")
+        raise ValueError(
+            f"sde_type '{sde_type}': expected 'sde' (Flow-GRPO) or 'cps' (coefficients-preserving)"
+        )
 
     if prev_sample is None:
         eps = randn_tensor(x.shape, generator=generator, device=x.device, dtype=torch.float32)
@@ -200,19 +234,23 @@ def sde_step_with_logprob(
 def ratio_norm(log_ratio, mean, old_mean, std_dev_t, sigma, sigma_next) -> torch.Tensor:
     """GRPO-Guard's normalised log-ratio of one SDE step (E7), per sample -> shape [B].
 
-    Why: the stored action is x_next = mu_old + s eps, so with dmu = mu - mu_old the step's log-ratio (a mean over
-    elements, like the log-prob) is log r = <eps, dmu> / s - <dmu^2> / (2 s^2). Its second term pulls the mean of
-    log r below 0 whenever the policy has moved, and its first has a spread |dmu| / s that grows as s shrinks (the
-    late, low-noise steps): the ratio sits left of 1 and one clip range fits no step, so the clip stops too few of
-    the over-confident positive updates (the paper's diagnosis). Adding the bias back leaves <eps, dmu> / s; times s
-    it is <eps, dmu>: zero-mean, with a spread that no longer depends on the step's noise. On-policy (mu == mu_old)
-    it is exactly 0 (ratio 1), as without it. The bias term is differentiated, as in the released code (whose
-    s = mean(std_dev_t) mean(sqrt|dt|) over a batch of one timestep is, per sample, this s).
-    log_ratio, sigma, sigma_next: [B]; mean, old_mean: [B, ...]; std_dev_t: what sde_step_with_logprob returns for
-    sde_type "sde" (CPS's released log-prob has neither 1 / (2 s^2) nor sqrt|dt|: not defined for it).
+    Why: the stored action is x_next = mu_old + s eps, so with dmu = mu - mu_old the step's
+    log-ratio (a mean over elements, like the log-prob) is
+    log r = <eps, dmu> / s - <dmu^2> / (2 s^2). Its second term pulls the mean of log r below 0
+    whenever the policy has moved, and its first has a spread |dmu| / s that grows as s shrinks (the
+    late, low-noise steps): the ratio sits left of 1 and one clip range fits no step, so the clip
+    stops too few of the over-confident positive updates (the paper's diagnosis). Adding the bias
+    back leaves <eps, dmu> / s; times s it is <eps, dmu>: zero-mean, with a spread that no longer
+    depends on the step's noise. On-policy (mu == mu_old) it is exactly 0 (ratio 1), as without it.
+    The bias term is differentiated, as in the released code
+    (whose s = mean(std_dev_t) mean(sqrt|dt|) over a batch of one timestep is, per sample, this s).
+    log_ratio, sigma, sigma_next: [B]; mean, old_mean: [B, ...]; std_dev_t: what
+    sde_step_with_logprob returns for sde_type "sde" (CPS's released log-prob has
+    neither 1 / (2 s^2) nor sqrt|dt|: not defined for it).
     """
     s = _per_sample(std_dev_t, log_ratio).reshape(-1) * torch.sqrt((sigma - sigma_next).float())
-    safe = torch.where(s > 0, s, 1.0)  # a noise-free step (noise_level 0) has no density: it stays at log r_hat = 0
+    # a noise-free step (noise_level 0) has no density: it stays at log r_hat = 0
+    safe = torch.where(s > 0, s, 1.0)
     bias = _mean_non_batch((mean.float() - old_mean.float()) ** 2) / (2 * safe**2)
     return (log_ratio + bias) * s
 
@@ -220,13 +258,14 @@ def ratio_norm(log_ratio, mean, old_mean, std_dev_t, sigma, sigma_next) -> torch
 def gaussian_kl(mean, mean_ref, std_dev_t) -> torch.Tensor:
     """KL (E5) between the policy's and the reference's step Gaussians, per sample -> shape [B].
 
-    Both share one std, so KL = |mean - mean_ref|^2 / (2 s^2). Pass the std_dev_t that sde_step_with_logprob returns.
-    "sde": the paper's closed form takes the step variance s^2 = std_dev_t^2 |dt| and sums over elements; Flow-GRPO's
-    code (and we) average over elements and divide by std_dev_t^2 only. Dropping |dt| changes the weight beta gets at
-    each step (Flow-GRPO issue #78). "cps": std_dev_t is the step std itself, so this is the exact KL of the two step
-    Gaussians (averaged over elements); the released code uses the same expression, (mean - mean_ref)^2 / (2
-    std_dev_t^2), for both types. Undefined where std_dev_t is 0 (noise_level 0; CPS at sigma_next = 0), where
-    nothing is trained.
+    Both share one std, so KL = |mean - mean_ref|^2 / (2 s^2). Pass the std_dev_t that
+    sde_step_with_logprob returns. "sde": the paper's closed form takes the step variance
+    s^2 = std_dev_t^2 |dt| and sums over elements; Flow-GRPO's code (and we) average over elements
+    and divide by std_dev_t^2 only. Dropping |dt| changes the weight beta gets at each step
+    (Flow-GRPO issue #78). "cps": std_dev_t is the step std itself, so this is the exact KL of the
+    two step Gaussians (averaged over elements); the released code uses the same expression,
+    (mean - mean_ref)^2 / (2 std_dev_t^2), for both types. Undefined where std_dev_t
+    is 0 (noise_level 0; CPS at sigma_next = 0), where nothing is trained.
     """
     sq = (mean.float() - mean_ref.float()) ** 2
     return _mean_non_batch(sq) / (2 * _per_sample(std_dev_t, sq).reshape(-1) ** 2)
@@ -234,14 +273,16 @@ def gaussian_kl(mean, mean_ref, std_dev_t) -> torch.Tensor:
 
 @torch.no_grad()
 def ode_along_paths(velocity, x, paths: list[torch.Tensor], batch_size: int, first_velocity=None):
-    """Euler ODE (E1) of every row x[m] along its own decreasing sigma path paths[m] (ending at 0, say).
+    """Euler ODE (E1) of every row x[m] along its own decreasing sigma path paths[m]
+    (ending at 0, say).
 
-    The rows share the transformer: each call advances up to batch_size unfinished rows by one step, each at its
-    own sigma (per-sample sigmas). Longest paths start first, a finished row leaves and a waiting one joins (a
-    "staircase"), so calls stay full: ~NFE / batch_size calls for the NFE of running the rows one by one. Rows go
-    through a call in index order. velocity(x [B, ...], sigma [B], rows [B] CPU long) -> v.
-    first_velocity [M, ...]: v(x[m], paths[m][0]) when the caller has it already (e.g. from the SDE step at that
-    state); the first step of every row then costs no call.
+    The rows share the transformer: each call advances up to batch_size unfinished rows by one step,
+    each at its own sigma (per-sample sigmas). Longest paths start first, a finished row leaves
+    and a waiting one joins (a "staircase"), so calls stay full: ~NFE / batch_size calls for the NFE
+    of running the rows one by one. Rows go through a call in index order.
+    velocity(x [B, ...], sigma [B], rows [B] CPU long) -> v.
+    first_velocity [M, ...]: v(x[m], paths[m][0]) when the caller has it already (e.g. from the SDE
+    step at that state); the first step of every row then costs no call.
     Returns (x_0 [M, ...] float32, NFE = rows evaluated, calls)."""
     x = x.float().clone()
     pos = [0] * len(paths)  # steps taken by row m
@@ -249,12 +290,16 @@ def ode_along_paths(velocity, x, paths: list[torch.Tensor], batch_size: int, fir
         first = [m for m, p in enumerate(paths) if len(p) > 1]
         if first:
             r = torch.tensor(first, device=x.device)
-            s0, s1 = torch.stack([paths[m][0] for m in first]), torch.stack([paths[m][1] for m in first])
+            s0, s1 = (
+                torch.stack([paths[m][0] for m in first]),
+                torch.stack([paths[m][1] for m in first]),
+            )
             x[r] = ode_step(first_velocity[r], x[r], s0, s1)
             for m in first:
                 pos[m] = 1
     left = [len(p) - 1 - pos[m] for m, p in enumerate(paths)]  # steps still to go
-    waiting = sorted((m for m in range(len(paths)) if left[m] > 0), key=lambda m: -left[m])  # longest first
+    # longest first
+    waiting = sorted((m for m in range(len(paths)) if left[m] > 0), key=lambda m: -left[m])
     active, nfe, calls = [], 0, 0
     while waiting or active:
         take = batch_size - len(active)

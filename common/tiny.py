@@ -1,9 +1,9 @@
 """Random-weight SD3 / SD3.5 / FLUX.1 pipelines written to disk in diffusers layout, fully offline.
 
 Tests, the toy-world pretraining script and the GPU benchmark build their models here and then load
-them through `common.backbones.load_backbone(path)`: the very same `from_pretrained(folder)` path a user
-takes with real SD3.5 / FLUX.1 weights. Nothing downloads anything: both tokenizers are built in memory
-from a word list (transformers 5 accepts `vocab=`/`merges=` directly).
+them through `common.backbones.load_backbone(path)`: the very same `from_pretrained(folder)` path a
+user takes with real SD3.5 / FLUX.1 weights. Nothing downloads anything: both tokenizers are built
+in memory from a word list (transformers 5 accepts `vocab=`/`merges=` directly).
 
 Shape rules (see ../shared/reference/offline.md §2):
 - SD3: the two CLIP hidden states are concatenated and padded to the T5 width, so
@@ -30,7 +30,8 @@ from transformers import (
     T5Tokenizer,
 )
 
-# A small vocabulary: every word is one token; unknown words still tokenize (CLIP falls back to bytes).
+# A small vocabulary: every word is one token; unknown words still tokenize (CLIP falls back to
+# bytes).
 WORDS = (
     "a an the of in on with and photo picture red green blue yellow magenta cyan black white "
     "circle circles square squares triangle triangles two three four left right above below "
@@ -51,10 +52,12 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def make_clip_tokenizer(words=WORDS, model_max_length: int = 16) -> CLIPTokenizer:
-    """Byte-level BPE whose merges turn every listed word into a single token (word-level in practice).
+    """Byte-level BPE whose merges turn every listed word into a single token (word-level in
+    practice).
 
-    The merges are learned as BPE learns them (repeatedly merge the most frequent adjacent pair over the word
-    list), so applying them in rank order rebuilds every listed word; unknown words fall back to pieces.
+    The merges are learned as BPE learns them (repeatedly merge the most frequent adjacent pair over
+    the word list), so applying them in rank order rebuilds every listed word; unknown words fall
+    back to pieces.
     """
     chars = list(bytes_to_unicode().values())
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
@@ -144,9 +147,9 @@ def tiny_vae(
     shift_factor=0.0609,
     mid_attention=False,
 ):
-    """AutoencoderKL with vae_scale_factor = 2 ** (len(block_out_channels) - 1). With latent_channels=16,
-    block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_groups=32, mid_attention=True it is the
-    SD3 / FLUX autoencoder's architecture."""
+    """AutoencoderKL with vae_scale_factor = 2 ** (len(block_out_channels) - 1). With
+    latent_channels=16, block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_groups=32,
+    mid_attention=True it is the SD3 / FLUX autoencoder's architecture."""
     from diffusers import AutoencoderKL
 
     n = len(block_out_channels)
@@ -186,17 +189,28 @@ def build_sd3(
 ):
     """A StableDiffusion3Pipeline with random weights; saved to `path` (diffusers layout) if given.
 
-    `sd35=True` adds what SD3.5 adds to the block: dual attention in the first layer and RMS qk-norm.
-    `t5_dim=None` leaves out the T5 encoder; the SD3 pipeline then feeds zeros in its place.
+    `sd35=True` adds what SD3.5 adds to the block: dual attention in the first layer and RMS
+    qk-norm. `t5_dim=None` leaves out the T5 encoder; the SD3 pipeline then feeds zeros in its
+    place.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
 
     torch.manual_seed(seed)
     joint = t5_dim if t5_dim is not None else 2 * clip_dim
-    assert joint >= 2 * clip_dim, "SD3 pads the two CLIP states to the T5 width: t5_dim >= 2 * clip_dim"
+    assert joint >= 2 * clip_dim, (
+        "SD3 pads the two CLIP states to the T5 width: t5_dim >= 2 * clip_dim"
+    )
     tok, tok2 = make_clip_tokenizer(words, max_len), make_clip_tokenizer(words, max_len)
-    te = CLIPTextModelWithProjection(clip_text_config(len(tok), clip_dim, clip_layers, max_len=max_len))
-    te2 = CLIPTextModelWithProjection(clip_text_config(len(tok2), clip_dim, clip_layers, max_len=max_len))
+    te = CLIPTextModelWithProjection(
+        clip_text_config(len(tok), clip_dim, clip_layers, max_len=max_len)
+    )
+    te2 = CLIPTextModelWithProjection(
+        clip_text_config(len(tok2), clip_dim, clip_layers, max_len=max_len)
+    )
     tok3 = make_t5_tokenizer(words) if t5_dim is not None else None
     te3 = T5EncoderModel(t5_config(len(tok3), t5_dim)) if t5_dim is not None else None
     vae = vae if vae is not None else tiny_vae(latent_channels)
@@ -249,7 +263,8 @@ def build_flux(
     words=WORDS,
     transformer_kwargs: dict | None = None,
 ):
-    """A FluxPipeline with random weights (FLUX.1-dev style when `guidance_embeds`), saved to `path` if given."""
+    """A FluxPipeline with random weights (FLUX.1-dev style when `guidance_embeds`), saved to `path`
+    if given."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     torch.manual_seed(seed)

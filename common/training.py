@@ -1,13 +1,19 @@
-"""Bookkeeping of the shared training section: the transitions contract, the micro-batch plan, metrics, EMA.
+"""Bookkeeping of the shared training section: the transitions contract, the micro-batch plan,
+metrics, EMA.
 
-The three scripts keep the algorithm of their training section inline (velocity with gradient, log-prob of the
-stored action, ratio, clipped loss, KL, backward). What is here is the plumbing around it, which must behave the same
-in all three and is tested on its own (tests/test_training.py):
+The three scripts keep the algorithm of their training section inline (velocity with gradient,
+log-prob of the stored action, ratio, clipped loss, KL, backward). What is here is the plumbing
+around it, which must behave the same in all three and is tested on its own
+(tests/test_training.py):
 
-- `check_transitions`: the hand-over from rollout to training, checked (fields, shapes, dtypes, order).
-- `plan_updates`: which transitions go into which micro-batch and optimizer step, with equal shapes on every rank.
-- `Stats`: named weighted means (overall and per trained step), reduced over the ranks in one all-reduce.
-- `GradShare`: the diagnostic that splits an iteration's gradient by trained step (--grad-share-every).
+- `check_transitions`: the hand-over from rollout to training, checked (fields,
+  shapes, dtypes, order).
+- `plan_updates`: which transitions go into which micro-batch and optimizer step, with equal shapes
+  on every rank.
+- `Stats`: named weighted means (overall and per trained step), reduced over the ranks in one
+  all-reduce.
+- `GradShare`: the diagnostic that splits an iteration's gradient by trained step
+  (--grad-share-every).
 - `EMA`: Flow-GRPO's moving average of the trained weights (update interval and warm-up decay).
 """
 
@@ -40,29 +46,38 @@ OPTIONAL = {
 }  # mean: the rollout step's Gaussian mean, [N, ...] like latents (--ratio-norm needs it)
 
 
-# ------------------------------------------------------------------------------------------ the contract
+# ------------------------------------------------------------------------------------- the contract
 def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int) -> dict:
-    """Assert what the training section relies on, at the hand-over from rollout to training (docs/design.md).
+    """Assert what the training section relies on, at the hand-over from rollout to training
+    (docs/design.md).
 
-    Every field is [N, ...] with one row per transition (one SDE step the policy took). Besides the types:
-    - sigma / sigma_next are the schedule's values at step_index / step_index + 1 (so the rows are in step order);
+    Every field is [N, ...] with one row per transition (one SDE step the policy took). Besides the
+    types:
+    - sigma / sigma_next are the schedule's values at step_index / step_index + 1 (so the rows are
+      in step order);
     - prompt_index points into this rank's prompt embeddings (0 <= i < n_prompts);
-    - trajectory (optional; one id per sampled chain): a trajectory keeps its prompt, and where it has steps j and
-      j + 1, next_latents of the first is latents of the second (catches rows of two fields stacked in two orders);
-    - state_index (optional; transitions that start from one shared state, G²RPO's branches): rows of one state have
-      the same latents, sigma, sigma_next, noise_level and prompt, so one forward serves them all.
+    - trajectory (optional; one id per sampled chain): a trajectory keeps its prompt, and where it
+      has steps j and j + 1, next_latents of the first is latents of the second (catches rows of two
+      fields stacked in two orders);
+    - state_index (optional; transitions that start from one shared state, G²RPO's branches): rows
+      of one state have the same latents, sigma, sigma_next, noise_level and prompt, so one forward
+      serves them all.
     Returns the dict unchanged, so it reads `tr = check_transitions(transitions, ...)`.
     """
     missing = sorted(set(REQUIRED) - set(tr))
     unknown = sorted(set(tr) - set(REQUIRED) - set(OPTIONAL))
-    assert not missing and not unknown, f"transitions: missing fields {missing}, unknown fields {unknown}"
+    assert not missing and not unknown, (
+        f"transitions: missing fields {missing}, unknown fields {unknown}"
+    )
     n = len(tr["advantage"])
     for k, kind in {**REQUIRED, **OPTIONAL}.items():
         if k not in tr:
             continue
         t = tr[k]
         assert len(t) == n, f"transitions['{k}'] has {len(t)} rows, expected {n}"
-        assert (t.dtype == torch.long) if kind == "long" else t.dtype == torch.float32, f"{k}: dtype {t.dtype}"
+        assert (t.dtype == torch.long) if kind == "long" else t.dtype == torch.float32, (
+            f"{k}: dtype {t.dtype}"
+        )
         if k not in ("latents", "next_latents", "mean"):
             assert t.ndim == 1, f"transitions['{k}'] must be [N], got {tuple(t.shape)}"
         if kind == "float":
@@ -83,7 +98,9 @@ def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int) -> dict:
         for (a, b), i in key.items():
             nxt = key.get((a, b + 1))
             if nxt is not None:
-                assert p[i] == p[nxt], f"trajectory {a} changes prompt between steps {b} and {b + 1}"
+                assert p[i] == p[nxt], (
+                    f"trajectory {a} changes prompt between steps {b} and {b + 1}"
+                )
                 assert torch.equal(tr["next_latents"][i], tr["latents"][nxt]), (
                     f"trajectory {a}: next_latents of step {b} is not latents of step {b + 1}"
                 )
@@ -93,19 +110,25 @@ def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int) -> dict:
         first[st.flip(0)] = torch.arange(n - 1, -1, -1)  # the first row of every state
         rep = first[st]
         for k in ("latents", "sigma", "sigma_next", "noise_level", "prompt_index"):
-            assert torch.equal(tr[k], tr[k][rep.to(tr[k].device)]), f"rows of one state differ in '{k}'"
+            assert torch.equal(tr[k], tr[k][rep.to(tr[k].device)]), (
+                f"rows of one state differ in '{k}'"
+            )
     return tr
 
 
-# ------------------------------------------------------------------------------------------ the micro-batch plan
+# ----------------------------------------------------------------------------- the micro-batch plan
 @dataclass
 class MicroBatch:
-    states: torch.Tensor  # row of one representative transition per state (the training forward runs on these)
+    # row of one representative transition per state (the training forward runs on these)
+    states: torch.Tensor
     rows: torch.Tensor  # every transition of those states
-    expand: torch.Tensor  # position in `states` of each row's state: v[expand] gives every row its state's v
+    # position in `states` of each row's state: v[expand] gives every row its state's v
+    expand: torch.Tensor
     weight: torch.Tensor  # 1 for kept transitions, 0 for dropped ones and for padding
-    sync: bool  # last micro-batch of its optimizer step: its backward all-reduces the gradients, then the step
-    divisor: float = 1.0  # kept transitions of its optimizer step over all ranks / world_size (see plan_updates)
+    # last micro-batch of its optimizer step: its backward all-reduces the gradients, then the step
+    sync: bool
+    # kept transitions of its optimizer step over all ranks / world_size (see plan_updates)
+    divisor: float = 1.0
 
 
 def plan_updates(
@@ -118,35 +141,49 @@ def plan_updates(
     generator: torch.Generator | None = None,
     epochs: int = 1,
 ) -> list[MicroBatch]:
-    """Split `epochs` passes over the transitions into micro-batches, in order, grouped into optimizer steps: the
-    last micro-batch of each step has `sync` (each pass shuffled anew).
+    """Split `epochs` passes over the transitions into micro-batches, in order, grouped into
+    optimizer steps: the last micro-batch of each step has `sync` (each pass shuffled anew).
 
-    keep [N] bool: transitions that carry loss (advantage != 0 with --drop-zero-advantage). States (state_index; by
-    default every transition is its own state) with at least one kept transition are shuffled and cut into
-    `optimizer_steps` equal parts, each into micro-batches of `states_per_batch` states. Every backward under DDP is a
-    collective, so every rank must run the same number of micro-batches: a rank with fewer kept states pads with
-    weight-0 copies of a state, which cost compute and no gradient. The loss of a micro-batch is
-    sum(weight * loss) / mb.divisor with divisor = (kept transitions of its optimizer step on all ranks) / world_size:
-    DDP averages the ranks' gradients, so each step's gradient is the mean over all its kept transitions.
-    update_block [N] (optional): blocks in increasing order, each with its own `optimizer_steps` steps (G²RPO's
-    one update per branch step). A step with no kept transition on any rank is left out (its divisor would be 0).
-    Collectives: one all_gather of the kept-state counts and one all_reduce of the per-step counts per block.
+    keep [N] bool: transitions that carry loss (advantage != 0 with --drop-zero-advantage). States
+    (state_index; by default every transition is its own state) with at least one kept transition
+    are shuffled and cut into `optimizer_steps` equal parts, each into micro-batches of
+    `states_per_batch` states. Every backward under DDP is a collective, so every rank must run the
+    same number of micro-batches: a rank with fewer kept states pads with weight-0 copies of a
+    state, which cost compute and no gradient. The loss of a micro-batch is
+    sum(weight * loss) / mb.divisor with divisor = (kept transitions of its optimizer step on all
+    ranks) / world_size: DDP averages the ranks' gradients, so each step's gradient is the mean over
+    all its kept transitions. update_block [N] (optional): blocks in increasing order, each with its
+    own `optimizer_steps` steps (G²RPO's one update per branch step). A step with no kept transition
+    on any rank is left out (its divisor would be 0). Collectives: one all_gather of the kept-state
+    counts and one all_reduce of the per-step counts per block.
     """
     return [
         step
         for _ in range(epochs)
         for step in _plan_pass(
-            keep, states_per_batch, optimizer_steps, world_size, state_index, update_block, generator
+            keep,
+            states_per_batch,
+            optimizer_steps,
+            world_size,
+            state_index,
+            update_block,
+            generator,
         )
     ]
 
 
-def _plan_pass(keep, states_per_batch, optimizer_steps, world_size, state_index, update_block, generator):
+def _plan_pass(
+    keep, states_per_batch, optimizer_steps, world_size, state_index, update_block, generator
+):
     """One pass of plan_updates."""
     n = len(keep)
     device = keep.device
     state = torch.arange(n, device=device) if state_index is None else state_index.to(device)
-    block = torch.zeros(n, dtype=torch.long, device=device) if update_block is None else update_block.to(device)
+    block = (
+        torch.zeros(n, dtype=torch.long, device=device)
+        if update_block is None
+        else update_block.to(device)
+    )
     n_blocks = int(block.max()) + 1 if n else 0
     if world_size > 1:  # blocks agree across ranks (a rank may lack the last one)
         nb = torch.tensor([n_blocks], device=device)
@@ -162,13 +199,17 @@ def _plan_pass(keep, states_per_batch, optimizer_steps, world_size, state_index,
         kept_states = st[kept_per_state[st] > 0]
         kept_states = kept_states[torch.randperm(len(kept_states), generator=generator).to(device)]
         counts = _gather_counts(len(kept_states), world_size, device)
-        n_rows = max(counts)  # states every rank runs this block, padded up to the largest rank's count
+        # states every rank runs this block, padded up to the largest rank's count
+        n_rows = max(counts)
         if n_rows == 0:
             continue
         pad_state = st[0] if len(st) else state[0]
         order = torch.cat([kept_states, pad_state.repeat(n_rows - len(kept_states))])
         real = torch.arange(n_rows, device=device) < len(kept_states)
-        parts = [p for p in torch.arange(n_rows, device=device).tensor_split(min(optimizer_steps, n_rows))]
+        parts = [
+            p
+            for p in torch.arange(n_rows, device=device).tensor_split(min(optimizer_steps, n_rows))
+        ]
         steps, local_kept = [], []
         for part in parts:
             mbs, kept_here = [], 0.0
@@ -177,7 +218,9 @@ def _plan_pass(keep, states_per_batch, optimizer_steps, world_size, state_index,
                 states = order[chunk]
                 rows_of = [(state == s_) & in_block for s_ in states]
                 rows = torch.cat([r.nonzero().squeeze(1) for r in rows_of])
-                expand = torch.cat([torch.full((int(r.sum()),), i, device=device) for i, r in enumerate(rows_of)])
+                expand = torch.cat(
+                    [torch.full((int(r.sum()),), i, device=device) for i, r in enumerate(rows_of)]
+                )
                 weight = (keep[rows] & real[chunk][expand]).float()
                 kept_here += float(weight.sum())
                 first = torch.stack([r.nonzero()[0, 0] for r in rows_of])
@@ -204,11 +247,13 @@ def _gather_counts(k: int, world_size: int, device) -> list[int]:
 # ------------------------------------------------------------------------------------------ metrics
 @dataclass
 class Stats:
-    """Weighted means by name, overall and per trained step, reduced over the ranks once per iteration.
+    """Weighted means by name, overall and per trained step, reduced over the ranks once per
+    iteration.
 
-    add(weight, by=step_index, name=values, ...) accumulates sum(weight * values) per step slot; extremes (ratio
-    min / max) are kept apart; `keep_first` keeps the first value given for a name (this rank's, not reduced). Every
-    rank must add the same names (they are reduced by name, in sorted order).
+    add(weight, by=step_index, name=values, ...) accumulates sum(weight * values) per step slot;
+    extremes (ratio min / max) are kept apart; `keep_first` keeps the first value given for a name
+    (this rank's, not reduced). Every rank must add the same names (they are reduced by name, in
+    sorted order).
     """
 
     num_slots: int
@@ -219,7 +264,8 @@ class Stats:
     first: dict = field(default_factory=dict)
 
     def keep_first(self, **values: torch.Tensor) -> None:
-        """E.g. the ratio's deviation from 1 in the first micro-batch, before any update: it must be 0 on-policy."""
+        """E.g. the ratio's deviation from 1 in the first micro-batch, before any update: it must
+        be 0 on-policy."""
         for name, v in values.items():
             if name not in self.first:
                 self.first[name] = float(v)
@@ -228,15 +274,21 @@ class Stats:
         w = weight.detach().double()
         slot = by.long()
         for name, v in values.items():
-            s = self.sums.setdefault(name, torch.zeros(self.num_slots, dtype=torch.float64, device=w.device))
+            s = self.sums.setdefault(
+                name, torch.zeros(self.num_slots, dtype=torch.float64, device=w.device)
+            )
             s.index_add_(0, slot, w * v.detach().double())
-            c = self.weights.setdefault(name, torch.zeros(self.num_slots, dtype=torch.float64, device=w.device))
+            c = self.weights.setdefault(
+                name, torch.zeros(self.num_slots, dtype=torch.float64, device=w.device)
+            )
             c.index_add_(0, slot, w)
 
     def add_extremes(self, weight: torch.Tensor, **values: torch.Tensor) -> None:
         for name, v in values.items():
             v = v.detach().double()[weight > 0]
-            cur = self.maxima.get(name, torch.full((2,), -math.inf, dtype=torch.float64, device=weight.device))
+            cur = self.maxima.get(
+                name, torch.full((2,), -math.inf, dtype=torch.float64, device=weight.device)
+            )
             if len(v):
                 cur = torch.maximum(cur, torch.stack([v.max(), -v.min()]))
             self.maxima[name] = cur
@@ -256,7 +308,11 @@ class Stats:
             if names or tots
             else torch.zeros(0, dtype=torch.float64, device=device)
         )
-        ext = torch.cat([self.maxima[k] for k in maxes]).to(device) if maxes else torch.zeros(0, device=device)
+        ext = (
+            torch.cat([self.maxima[k] for k in maxes]).to(device)
+            if maxes
+            else torch.zeros(0, device=device)
+        )
         if world_size > 1:
             dist.all_reduce(flat)
             dist.all_reduce(ext, op=dist.ReduceOp.MAX)
@@ -276,13 +332,14 @@ class Stats:
 class GradShare:
     """Diagnostic (--grad-share-every): where the iteration's update comes from, step by step.
 
-    The iteration's gradient (before clipping) is a sum over its transitions, so it splits exactly by trained step:
-    g = sum_j g_j, g_j the gradient of the loss of step j's transitions alone. Step j's share is its projection on
-    the whole, share_j = g_j . g / |g|^2: the shares sum to 1, a step pulling against the others has a negative
-    share, and a step that carries the update has a share near 1. `add(row_loss, step_index)`, called with the
-    micro-batch's per-transition loss before its backward, takes one extra backward per step present in the
-    micro-batch (autograd.grad, which leaves .grad alone: the update is unchanged), so a measured iteration trains
-    at a few times the cost; an inactive one (active=False, the iterations not measured) costs nothing. One process
+    The iteration's gradient (before clipping) is a sum over its transitions, so it splits exactly
+    by trained step: g = sum_j g_j, g_j the gradient of the loss of step j's transitions alone. Step
+    j's share is its projection on the whole, share_j = g_j . g / |g|^2: the shares sum to 1, a step
+    pulling against the others has a negative share, and a step that carries the update has a share
+    near 1. `add(row_loss, step_index)`, called with the micro-batch's per-transition loss before
+    its backward, takes one extra backward per step present in the micro-batch (autograd.grad, which
+    leaves .grad alone: the update is unchanged), so a measured iteration trains at a few times the
+    cost; an inactive one (active=False, the iterations not measured) costs nothing. One process
     only: the per-step gradients are this rank's.
     """
 
@@ -298,12 +355,16 @@ class GradShare:
                 row_loss[step_index == j].sum(), self.params, retain_graph=True, allow_unused=True
             )
             flat = torch.cat(
-                [(g if g is not None else torch.zeros_like(p)).flatten().double() for g, p in zip(grads, self.params)]
+                [
+                    (g if g is not None else torch.zeros_like(p)).flatten().double()
+                    for g, p in zip(grads, self.params)
+                ]
             )
             self.grads[j] = flat if self.grads[j] is None else self.grads[j] + flat
 
     def shares(self) -> dict[int, float]:
-        """{step: share} of the steps that had a gradient (empty when nothing was trained or g = 0)."""
+        """{step: share} of the steps that had a gradient (empty when nothing was trained
+        or g = 0)."""
         steps = [j for j, g in enumerate(self.grads) if g is not None]
         if not steps:
             return {}
@@ -320,16 +381,20 @@ class GradShare:
 class EMA:
     """Flow-GRPO's EMA of the trained weights (flow_grpo/ema.py): after optimizer step s (0-based),
 
-        if (s + 1) % interval == 0:   ema += (1 - d_s) (p - ema),   d_s = min((1 + s) / (10 + s), decay)  (warm-up)
+        if (s + 1) % interval == 0:   ema += (1 - d_s) (p - ema),
+                                      d_s = min((1 + s) / (10 + s), decay)  (warm-up)
 
-    so the average starts close to the live weights and settles at `decay` (0.9 every 8 steps: a horizon of about
-    8 / (1 - 0.9) = 80 optimizer steps). warmup=False uses d_s = decay from the start; interval=1, warmup=False is a
-    plain per-step EMA. The released train_sd3.py calls its EMA step after every accumulation micro-step with the
-    optimizer-step counter, which blends once per micro-step inside an update step; this class blends once per
-    optimizer step, what the wrapper's interface describes.
+    so the average starts close to the live weights and settles at `decay` (0.9 every 8 steps: a
+    horizon of about 8 / (1 - 0.9) = 80 optimizer steps). warmup=False uses d_s = decay from the
+    start; interval=1, warmup=False is a plain per-step EMA. The released train_sd3.py calls its EMA
+    step after every accumulation micro-step with the optimizer-step counter, which blends once per
+    micro-step inside an update step; this class blends once per optimizer step, what the wrapper's
+    interface describes.
     """
 
-    def __init__(self, params: dict[str, torch.Tensor], decay: float, interval: int = 1, warmup: bool = True):
+    def __init__(
+        self, params: dict[str, torch.Tensor], decay: float, interval: int = 1, warmup: bool = True
+    ):
         self.params, self.decay, self.interval, self.warmup = params, decay, interval, warmup
         self.shadow = {n: p.detach().clone() for n, p in params.items()}
         self.steps = 0  # optimizer steps seen
@@ -371,7 +436,8 @@ class EMA:
 
 @contextmanager
 def ema_weights(ema: EMA | None):
-    """`with ema_weights(ema):` evaluates / saves the EMA weights when there is an EMA, the live ones otherwise."""
+    """`with ema_weights(ema):` evaluates / saves the EMA weights when there is an EMA, the live
+    ones otherwise."""
     if ema is None:
         yield
     else:
@@ -380,17 +446,24 @@ def ema_weights(ema: EMA | None):
 
 
 class NonFiniteUpdate(SystemExit):
-    """A non-finite loss or gradient: the run stops before the update, in one line (a SystemExit, no traceback)."""
+    """A non-finite loss or gradient: the run stops before the update, in one line (a
+    SystemExit, no traceback)."""
 
 
 def optimizer_step(
-    params: dict, optimizer, max_grad_norm: float, ema: EMA | None, iteration: int = -1, run_dir: str = ""
+    params: dict,
+    optimizer,
+    max_grad_norm: float,
+    ema: EMA | None,
+    iteration: int = -1,
+    run_dir: str = "",
 ) -> float:
-    """Clip the gradient norm, step, zero the gradients, update the EMA. Returns the norm before clipping.
+    """Clip the gradient norm, step, zero the gradients, update the EMA. Returns the norm before
+    clipping.
 
-    A non-finite norm (a NaN or inf loss or gradient) stops the run before the update with one line that says how to
-    go on. Under DDP the gradients are already all-reduced, so every rank sees the same norm and stops together (no
-    extra collective)."""
+    A non-finite norm (a NaN or inf loss or gradient) stops the run before the update with one line
+    that says how to go on. Under DDP the gradients are already all-reduced, so every rank sees the
+    same norm and stops together (no extra collective)."""
     norm = torch.nn.utils.clip_grad_norm_(params.values(), max_grad_norm)
     if not torch.isfinite(norm):
         raise NonFiniteUpdate(
@@ -404,15 +477,17 @@ def optimizer_step(
     return float(norm)
 
 
-# ------------------------------------------------------------------------------------------ trained weights
+# ---------------------------------------------------------------------------------- trained weights
 class Trainable:
-    """What is trained: a LoRA on the transformer (default) or every transformer weight (full_finetune).
+    """What is trained: a LoRA on the transformer (default) or every transformer weight
+    (full_finetune).
 
-    LoRA: Gaussian init of A and zeros for B, so the adapter starts as an exact no-op (Flow-GRPO's choice), and the
-    KL reference is the same network with the adapter switched off (no second copy in memory). Full fine-tuning keeps
-    a frozen copy as the reference, only when the KL needs one. Trained weights are fp32 master weights even when the
-    frozen base runs in bf16. `params` maps names to the trained tensors (the optimizer's, the EMA's, the checkpoint's);
-    under --parallel fsdp, common/parallel.py re-points it at the shards (DTensors) after fully_shard.
+    LoRA: Gaussian init of A and zeros for B, so the adapter starts as an exact no-op (Flow-GRPO's
+    choice), and the KL reference is the same network with the adapter switched off (no second copy
+    in memory). Full fine-tuning keeps a frozen copy as the reference, only when the KL needs one.
+    Trained weights are fp32 master weights even when the frozen base runs in bf16. `params` maps
+    names to the trained tensors (the optimizer's, the EMA's, the checkpoint's); under --parallel
+    fsdp, common/parallel.py re-points it at the shards (DTensors) after fully_shard.
     """
 
     def __init__(
@@ -438,20 +513,24 @@ class Trainable:
             transformer.requires_grad_(False)
             transformer.add_adapter(
                 LoraConfig(
-                    r=lora_rank, lora_alpha=lora_alpha, init_lora_weights="gaussian", target_modules=lora_targets
+                    r=lora_rank,
+                    lora_alpha=lora_alpha,
+                    init_lora_weights="gaussian",
+                    target_modules=lora_targets,
                 )
             )
         self.params = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
         for p in self.params.values():
             p.data = p.data.float()
-        # A fully trained transformer is now fp32 while its inputs are in the backbone's bf16/fp16: compute under
-        # autocast (a LoRA needs none: peft casts its input to the adapter's dtype and the output back).
+        # A fully trained transformer is now fp32 while its inputs are in the backbone's bf16/fp16:
+        # compute under autocast (a LoRA needs none: peft casts its input to the adapter's dtype and
+        # the output back).
         backbone.autocast = full_finetune and backbone.dtype != torch.float32
 
     def reference(self, *args, **kwargs):
-        """The KL reference policy's transformer, called as the transformer is (`backbone.velocity(..., model=
-        trainable.reference)`): the frozen copy, or the LoRA-carrying network with its adapter off; never with
-        gradient."""
+        """The KL reference policy's transformer, called as the transformer is
+        (`backbone.velocity(..., model= trainable.reference)`): the frozen copy, or the
+        LoRA-carrying network with its adapter off; never with gradient."""
         with torch.no_grad():
             if self.ref_model is not None:
                 return self.ref_model(*args, **kwargs)
@@ -466,10 +545,11 @@ class Trainable:
         return self.backbone.velocity(x, sigma, emb, guidance_scale, model=self.reference)
 
     def save_weights(self, folder: str) -> None:
-        """Weights for users: a LoRA that a stock pipeline loads with `load_lora_weights(folder)`, or (full
-        fine-tuning) a transformer folder that `from_pretrained` loads. FSDP: every rank must call it; the weights are
-        gathered one tensor at a time into rank 0's host memory (never the whole model on one GPU) and rank 0 writes
-        the same files as DDP (diffusers' layout and shard size for a full model)."""
+        """Weights for users: a LoRA that a stock pipeline loads with `load_lora_weights(folder)`,
+        or (full fine-tuning) a transformer folder that `from_pretrained` loads. FSDP: every rank
+        must call it; the weights are gathered one tensor at a time into rank 0's host memory (never
+        the whole model on one GPU) and rank 0 writes the same files as DDP (diffusers' layout and
+        shard size for a full model)."""
         import os
 
         from common.parallel import gather_state_dict, is_sharded, save_pretrained_gathered
@@ -481,10 +561,13 @@ class Trainable:
                 return
         if self.full_finetune:
             out = os.path.join(folder, "transformer")
-            transformer.save_pretrained(out) if state is None else save_pretrained_gathered(transformer, state, out)
+            transformer.save_pretrained(out) if state is None else save_pretrained_gathered(
+                transformer, state, out
+            )
         else:
             from peft.utils import get_peft_model_state_dict
 
             type(self.backbone.pipe).save_lora_weights(
-                folder, transformer_lora_layers=get_peft_model_state_dict(transformer, state_dict=state)
+                folder,
+                transformer_lora_layers=get_peft_model_state_dict(transformer, state_dict=state),
             )

@@ -1,9 +1,9 @@
-"""Plumbing shared by the three training scripts: distributed set-up (with a collective timeout), run logging
-(pictures: common/plots.py, checkpoints: common/checkpoint.py).
+"""Plumbing shared by the three training scripts: distributed set-up (with a collective timeout),
+run logging (pictures: common/plots.py, checkpoints: common/checkpoint.py).
 
-None of this is algorithm: a reader can follow flowgrpo_baseline.py / g2rpo.py / densegrpo.py without
-opening this file. It lives here because it must behave identically in all three (CleanRL keeps the same
-kind of code in cleanrl_utils).
+None of this is algorithm: a reader can follow flowgrpo_baseline.py / g2rpo.py / densegrpo.py
+without opening this file. It lives here because it must behave identically in all three (CleanRL
+keeps the same kind of code in cleanrl_utils).
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-# ---------------------------------------------------------------------------------------- distributed
+# -------------------------------------------------------------------------------------- distributed
 TIMEOUT_ENV = "FLOW_RL_DIST_TIMEOUT"
-DEFAULT_TIMEOUT_S = 1800.0  # PyTorch's gloo default and PyTorch Lightning's; a long rank-0 checkpoint save must fit
+# PyTorch's gloo default and PyTorch Lightning's; a long rank-0 checkpoint save must fit
+DEFAULT_TIMEOUT_S = 1800.0
 
 
 def collective_timeout() -> datetime.timedelta:
-    """How long a rank waits in a collective for the others before it gives up: $FLOW_RL_DIST_TIMEOUT seconds."""
+    """How long a rank waits in a collective for the others before it gives up:
+    $FLOW_RL_DIST_TIMEOUT seconds."""
     raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
     try:
         seconds = float(raw)
@@ -35,33 +37,38 @@ def collective_timeout() -> datetime.timedelta:
         from common.backbones import ConfigError
 
         raise ConfigError(
-            f"{TIMEOUT_ENV}={raw!r}: give the collective timeout in seconds, > 0 (default {DEFAULT_TIMEOUT_S:g})"
+            f"{TIMEOUT_ENV}={raw!r}: give the collective timeout in seconds, > 0 (default "
+            f"{DEFAULT_TIMEOUT_S:g})"
         ) from None
     return datetime.timedelta(seconds=seconds)
 
 
 def is_collective_failure(e: BaseException) -> bool:
-    """A collective that failed because a peer died, hung or was stopped (gloo / NCCL / c10d errors)."""
+    """A collective that failed because a peer died, hung or was stopped
+    (gloo / NCCL / c10d errors)."""
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
     return isinstance(e, RuntimeError) and any(s in str(e) for s in ("gloo", "NCCL", "c10d"))
 
 
 def _install_collective_failure_hook(rank: int, timeout: datetime.timedelta) -> None:
-    """Turn an uncaught collective failure into one line (instead of a C++-flavoured traceback), then exit at once:
-    tearing the process group down normally would wait on the lost peer again."""
+    """Turn an uncaught collective failure into one line (instead of a C++-flavoured traceback),
+    then exit at once: tearing the process group down normally would wait on the lost peer again."""
     previous = sys.excepthook
 
     def hook(kind, e, tb):
         if not is_collective_failure(e):
             return previous(kind, e, tb)
-        # gloo: "[.../pair.cc:537] Read error [127.0.0.1]:20902: Connection reset by peer. This is typically ...":
-        # keep its first sentence, without the source location
-        first = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [kind.__name__])[-1]).split(". ")[0][:160]
+        # gloo: "[.../pair.cc:537] Read error [127.0.0.1]:20902: Connection reset by peer. This is
+        # typically ...": keep its first sentence, without the source location
+        first = re.sub(
+            r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [kind.__name__])[-1]
+        ).split(". ")[0][:160]
         print(
-            f"error: rank {rank}: a collective operation failed ({first}): another rank died, hung or was stopped "
-            f"(collective timeout {timeout.total_seconds():g} s, set by {TIMEOUT_ENV}); look at the other ranks' "
-            "output, then continue from the run's last complete checkpoint with --resume RUN_FOLDER",
+            f"error: rank {rank}: a collective operation failed ({first}): another rank died, hung "
+            f"or was stopped (collective timeout {timeout.total_seconds():g} s, set by "
+            f"{TIMEOUT_ENV}); look at the other ranks' output, then continue from the run's last "
+            "complete checkpoint with --resume RUN_FOLDER",
             file=sys.stderr,
             flush=True,
         )
@@ -73,10 +80,11 @@ def _install_collective_failure_hook(rank: int, timeout: datetime.timedelta) -> 
 def setup_distributed() -> tuple[int, int, torch.device]:
     """One code path for `python script.py` and `torchrun --nproc_per_node N script.py`.
 
-    torchrun sets RANK/WORLD_SIZE/LOCAL_RANK and the rendezvous variables (also across nodes); we only pick
-    the backend: NCCL between GPUs, gloo between CPU processes. Returns (rank, world_size, device).
-    Every collective gives up after $FLOW_RL_DIST_TIMEOUT seconds (default 1800): a rank whose peer died or hangs
-    exits with one line instead of waiting forever (under torchrun the agent also stops the survivors of a dead rank).
+    torchrun sets RANK/WORLD_SIZE/LOCAL_RANK and the rendezvous variables (also across nodes); we
+    only pick the backend: NCCL between GPUs, gloo between CPU processes. Returns
+    (rank, world_size, device). Every collective gives up after $FLOW_RL_DIST_TIMEOUT seconds
+    (default 1800): a rank whose peer died or hangs exits with one line instead of waiting forever
+    (under torchrun the agent also stops the survivors of a dead rank).
     """
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -119,9 +127,19 @@ def seed_everything(seed: int, deterministic: bool = True) -> None:
 
 # ---------------------------------------------------------------------------------------- logging
 class RunLogger:
-    """metrics.jsonl (one JSON object per iteration) and, with --track, the same numbers to wandb. Rank 0 only."""
+    """metrics.jsonl (one JSON object per iteration) and, with --track, the same numbers to wandb.
+    Rank 0 only."""
 
-    def __init__(self, run_dir: str, enabled: bool, track: bool, config: dict, project: str, entity, name: str):
+    def __init__(
+        self,
+        run_dir: str,
+        enabled: bool,
+        track: bool,
+        config: dict,
+        project: str,
+        entity,
+        name: str,
+    ):
         self.enabled, self.wandb = enabled, None
         self.path = os.path.join(run_dir, "metrics.jsonl")
         if not enabled:
@@ -131,7 +149,9 @@ class RunLogger:
         if track:
             import wandb  # lazy: only runs that ask for wandb pay for it (WANDB_MODE=offline works)
 
-            self.wandb = wandb.init(project=project, entity=entity, name=name, config=config, dir=run_dir)
+            self.wandb = wandb.init(
+                project=project, entity=entity, name=name, config=config, dir=run_dir
+            )
 
     def log(self, metrics: dict, images: dict | None = None) -> None:
         if not self.enabled:
@@ -141,9 +161,12 @@ class RunLogger:
         if self.wandb is not None:
             import wandb
 
-            # an image, or a list of (image, caption) pairs (wandb shows them as one captioned gallery)
+            # an image, or a list of (image, caption) pairs (wandb shows them as one captioned
+            # gallery)
             extra = {
-                k: [wandb.Image(im, caption=c) for im, c in v] if isinstance(v, list) else wandb.Image(v)
+                k: [wandb.Image(im, caption=c) for im, c in v]
+                if isinstance(v, list)
+                else wandb.Image(v)
                 for k, v in (images or {}).items()
             }
             self.wandb.log({**metrics, **extra}, step=metrics["iteration"])
@@ -157,9 +180,10 @@ class RunLogger:
 
 
 def atomic_write(path: str, text: str) -> None:
-    """Replace the file at `path` by `text` so that a kill or a full disk at any instant leaves either the old file or
-    the new one, whole: write a temporary file beside it, flush it to the disk, then rename it over the old one (one
-    atomic rename on POSIX). A failure removes the temporary file and raises."""
+    """Replace the file at `path` by `text` so that a kill or a full disk at any instant leaves
+    either the old file or the new one, whole: write a temporary file beside it, flush it to the
+    disk, then rename it over the old one (one atomic rename on POSIX). A failure removes the
+    temporary file and raises."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "w") as f:
@@ -174,8 +198,8 @@ def atomic_write(path: str, text: str) -> None:
 
 
 def read_metrics_lines(path: str) -> tuple[list[dict], int]:
-    """(the rows of a metrics.jsonl, how many lines could not be read): a kill or a full disk in the middle of an
-    append leaves a cut last line, which is not a row."""
+    """(the rows of a metrics.jsonl, how many lines could not be read): a kill or a full disk in the
+    middle of an append leaves a cut last line, which is not a row."""
     rows, bad = [], 0
     if os.path.exists(path):
         with open(path) as f:
@@ -190,14 +214,18 @@ def read_metrics_lines(path: str) -> tuple[list[dict], int]:
 
 
 def truncate_metrics(run_dir: str, iteration: int) -> None:
-    """On resume, drop metric lines of iterations >= the checkpoint's (they will be produced again), and a line cut by
-    a kill or a full disk; the file is replaced atomically, so a kill during this never loses the earlier rows."""
+    """On resume, drop metric lines of iterations >= the checkpoint's (they will be produced again),
+    and a line cut by a kill or a full disk; the file is replaced atomically, so a kill during this
+    never loses the earlier rows."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return
     rows, bad = read_metrics_lines(path)
     if bad:
-        print(f"{path}: dropped {bad} unreadable line(s), cut by a kill or a full disk mid-write", flush=True)
+        print(
+            f"{path}: dropped {bad} unreadable line(s), cut by a kill or a full disk mid-write",
+            flush=True,
+        )
     atomic_write(path, "".join(json.dumps(r) + "\n" for r in rows if r["iteration"] < iteration))
 
 

@@ -3,7 +3,7 @@
     python tests/bench_code_shape.py                 # this checkout
     python tests/bench_code_shape.py --root DIR      # another checkout (e.g. a worktree at an older commit)
 
-Every number is taken after `ruff format --line-length 120` of a temporary copy (so packing lines cannot move it):
+Every number is taken after `ruff format --line-length 100` of a temporary copy (so packing lines cannot move it):
 lines per script; lines > 100 characters; the main loop's lines (the `for iteration in ...` statement, whole) and the
 share of them that is the algorithm (the rollout section between its ROLLOUT and END OF ROLLOUT banners, and the
 loss: from the policy's log-prob to `loss.backward()`); the deepest statement of the training section (indent levels
@@ -28,13 +28,19 @@ def formatted(root: str) -> dict[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         for s in SCRIPTS:
             shutil.copy(os.path.join(root, s), os.path.join(tmp, s))
-        subprocess.run(["ruff", "format", "--quiet", "--line-length", "120", "--no-cache", tmp], check=True)
+        subprocess.run(
+            ["ruff", "format", "--quiet", "--line-length", "100", "--no-cache", tmp], check=True
+        )
         return {s: open(os.path.join(tmp, s)).read() for s in SCRIPTS}
 
 
 def main_loop(tree: ast.Module) -> ast.For:
     for node in ast.walk(tree):
-        if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and node.target.id == "iteration":
+        if (
+            isinstance(node, ast.For)
+            and isinstance(node.target, ast.Name)
+            and node.target.id == "iteration"
+        ):
             return node
     raise ValueError("no `for iteration in ...` loop")
 
@@ -127,7 +133,9 @@ def measure(root: str) -> dict:
         tree = ast.parse(text)
         loop = main_loop(tree)
         depth = depth_of_statements(tree)
-        train_first = next(i for i, line in enumerate(lines, 1) if "TRAINING on transitions" in line)
+        train_first = next(
+            i for i, line in enumerate(lines, 1) if "TRAINING on transitions" in line
+        )
         train_last = next(i for i, line in enumerate(lines, 1) if "END OF TRAINING" in line)
         deepest = max(d for line, d in depth.items() if train_first <= line <= train_last)
         own = sum(
@@ -140,7 +148,8 @@ def measure(root: str) -> dict:
             "lines": len(lines),
             "over_100": sum(len(line) > 100 for line in lines) / len(lines),
             "loop_lines": loop_lines,
-            "loop_algorithm": algorithm_lines_of_loop(lines, loop.lineno, loop.end_lineno) / loop_lines,
+            "loop_algorithm": algorithm_lines_of_loop(lines, loop.lineno, loop.end_lineno)
+            / loop_lines,
             "deepest_training_statement": deepest,
             "own_names_imported": own,
         }
@@ -155,10 +164,19 @@ def table(result: dict) -> str:
         ("lines (formatted)", lambda m: str(m["lines"])),
         ("lines > 100 characters", lambda m: f"{100 * m['over_100']:.1f} %"),
         ("main loop, lines", lambda m: str(m["loop_lines"])),
-        ("share of the main loop that is the algorithm", lambda m: f"{100 * m['loop_algorithm']:.0f} %"),
-        ("deepest statement of the training section", lambda m: str(m["deepest_training_statement"])),
+        (
+            "share of the main loop that is the algorithm",
+            lambda m: f"{100 * m['loop_algorithm']:.0f} %",
+        ),
+        (
+            "deepest statement of the training section",
+            lambda m: str(m["deepest_training_statement"]),
+        ),
         ("names imported from common/", lambda m: str(m["own_names_imported"])),
-        ("changed lines of the diff against the baseline", lambda m: str(m.get("diff_changed", "—"))),
+        (
+            "changed lines of the diff against the baseline",
+            lambda m: str(m.get("diff_changed", "—")),
+        ),
         (
             "share of the diff that is the algorithm",
             lambda m: f"{100 * m['diff_algorithm']:.0f} %" if "diff_algorithm" in m else "—",
@@ -166,7 +184,11 @@ def table(result: dict) -> str:
     ]
     head = "| | " + " | ".join(SCRIPTS) + " |\n|---|" + "---|" * len(SCRIPTS)
     return (
-        head + "\n" + "\n".join(f"| {name} | " + " | ".join(f(result[s]) for s in SCRIPTS) + " |" for name, f in rows)
+        head
+        + "\n"
+        + "\n".join(
+            f"| {name} | " + " | ".join(f(result[s]) for s in SCRIPTS) + " |" for name, f in rows
+        )
     )
 
 

@@ -49,7 +49,10 @@ SCRIPTS = {
 }
 ALGOS = tuple(SCRIPTS)
 START = "start"  # the seed slot of the zero-iteration run that evaluates the starting model
-BUDGETS = {"trajectories": "trajectories", "scored_images": "scored images"}  # counter -> column name
+BUDGETS = {
+    "trajectories": "trajectories",
+    "scored_images": "scored images",
+}  # counter -> column name
 
 
 # ------------------------------------------------------------------------------------------------ statistics
@@ -78,7 +81,9 @@ def betainc(a: float, b: float, x: float) -> float:
     """I_x(a, b), the regularised incomplete beta function."""
     if x <= 0 or x >= 1:
         return 0.0 if x <= 0 else 1.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    front = math.exp(
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
     if x < (a + 1) / (a + b + 2):
         return front * _betacf(a, b, x) / a
     return 1 - front * _betacf(b, a, 1 - x) / b
@@ -114,12 +119,16 @@ def mean_ci(xs: list[float], level: float = 0.95) -> tuple[float, float | None, 
     return m, m - half, m + half
 
 
-def welch_ci(xs: list[float], ys: list[float], level: float = 0.95) -> tuple[float, float | None, float | None]:
+def welch_ci(
+    xs: list[float], ys: list[float], level: float = 0.95
+) -> tuple[float, float | None, float | None]:
     """(d, low, high) for d = mean(xs) - mean(ys): Welch's t-interval (unequal variances, Welch-Satterthwaite df)."""
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     if len(xs) < 2 or len(ys) < 2:
         return mx - my, None, None
-    vx, vy = (sum((v - m) ** 2 for v in vs) / (len(vs) - 1) / len(vs) for vs, m in ((xs, mx), (ys, my)))
+    vx, vy = (
+        sum((v - m) ** 2 for v in vs) / (len(vs) - 1) / len(vs) for vs, m in ((xs, mx), (ys, my))
+    )
     if vx + vy == 0:
         return mx - my, mx - my, mx - my
     df = (vx + vy) ** 2 / (vx**2 / (len(xs) - 1) + vy**2 / (len(ys) - 1))
@@ -168,7 +177,9 @@ def eval_points(rows: list[dict], trajectories_per_iteration: int = 0) -> list[d
                         if k.startswith("eval/accuracy_") and k != "eval/accuracy_se"
                     },
                     "cpu_s": prev.get("time/cpu_s", 0.0),
-                    "trajectories": prev.get("trajectories", r["iteration"] * trajectories_per_iteration),
+                    "trajectories": prev.get(
+                        "trajectories", r["iteration"] * trajectories_per_iteration
+                    ),
                     "scored_images": prev.get("scored_images", prev.get("images", 0)),
                     "nfe": prev.get("nfe", 0),
                     "final": bool(r.get("final")),
@@ -210,7 +221,11 @@ def collect(out: str, merge: tuple = ()) -> dict:
     for folder in (out, *merge):
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
             parts = name.split("__")
-            if len(parts) != 3 or parts[0] not in SCRIPTS or not os.path.isdir(os.path.join(folder, name)):
+            if (
+                len(parts) != 3
+                or parts[0] not in SCRIPTS
+                or not os.path.isdir(os.path.join(folder, name))
+            ):
                 continue
             s = summarize(os.path.join(folder, name))
             if s is None:
@@ -232,7 +247,11 @@ def accuracy_at(points: list[dict], key: str, x: float) -> float | None:
     """A run's accuracy at `x` of `key` (e.g. trajectories), linear between its evaluations; None beyond its last."""
     for a, b in zip(points, points[1:]):
         if a[key] <= x <= b[key]:
-            return a["acc"] if b[key] == a[key] else a["acc"] + (b["acc"] - a["acc"]) * (x - a[key]) / (b[key] - a[key])
+            return (
+                a["acc"]
+                if b[key] == a[key]
+                else a["acc"] + (b["acc"] - a["acc"]) * (x - a[key]) / (b[key] - a[key])
+            )
     return None
 
 
@@ -272,14 +291,21 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
     groups = collect(out, merge)
     missing = [o for o in only if tuple(o.split(":", 1)) not in groups]
     if missing:
-        raise ConfigError(f"--only {' '.join(missing)}: no such group among {sorted(':'.join(k) for k in groups)}")
+        raise ConfigError(
+            f"--only {' '.join(missing)}: no such group among {sorted(':'.join(k) for k in groups)}"
+        )
     groups = {k: g for k, g in groups.items() if not only or ":".join(k) in only}
     ref = tuple(reference.split(":", 1)) if reference else None
     if ref is not None and ref not in groups:
-        raise ConfigError(f"--reference {reference}: no such group among {sorted(':'.join(k) for k in groups)}")
+        raise ConfigError(
+            f"--reference {reference}: no such group among {sorted(':'.join(k) for k in groups)}"
+        )
     # Equal budgets: every run's accuracy where the run that consumed the fewest trajectories (scored images) ended,
     # read off its curve of periodic evaluations (2 seeds per prompt) and against its own first evaluation.
-    equal = {k: min([s["final"][k] for g in groups.values() for s in g["seeds"].values()] or [0]) for k in BUDGETS}
+    equal = {
+        k: min([s["final"][k] for g in groups.values() for s in g["seeds"].values()] or [0])
+        for k in BUDGETS
+    }
     cats = []
     for g in groups.values():
         for s in [g["start"], *g["seeds"].values()]:
@@ -322,7 +348,9 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
         st = [start or s["points"][0] for s in runs]
         return runs, start, st, [s["final"]["acc"] - b["acc"] for s, b in zip(runs, st)]
 
-    for (algo, variant), g in sorted(groups.items(), key=lambda kv: (ALGOS.index(kv[0][0]), kv[0][1])):
+    for (algo, variant), g in sorted(
+        groups.items(), key=lambda kv: (ALGOS.index(kv[0][0]), kv[0][1])
+    ):
         runs, start, st, gains = gains_of(g)
         for s in [g["start"], *runs]:
             if s and s["meta"].get("command"):
@@ -330,11 +358,17 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
         if not runs:
             continue
         if start is None:
-            notes.append(f"{algo} {variant}: no start run; gains are against each run's first evaluation")
+            notes.append(
+                f"{algo} {variant}: no start run; gains are against each run's first evaluation"
+            )
         vs_ref = (
             []
             if ref is None
-            else ["—" if (algo, variant) == ref else fmt_ci(*welch_ci(gains, gains_of(groups[ref])[3]))]
+            else [
+                "—"
+                if (algo, variant) == ref
+                else fmt_ci(*welch_ci(gains, gains_of(groups[ref])[3]))
+            ]
         )
         cat_gains = [
             fmt_ci(*mean_ci([s["final"]["cats"][c] - b["cats"][c] for s, b in zip(runs, st)]))
@@ -350,11 +384,15 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
         for k in BUDGETS:
             at = [accuracy_at(s["points"], k, equal[k]) for s in runs]
             at_txt.append(
-                "—" if None in at else fmt_ci(*mean_ci([a - s["points"][0]["acc"] for a, s in zip(at, runs)]))
+                "—"
+                if None in at
+                else fmt_ci(*mean_ci([a - s["points"][0]["acc"] for a, s in zip(at, runs)]))
             )
         ses = [s["final"]["se"] for s in runs if s["final"]["se"] is not None]
         par = sorted({parallel(s["meta"]) for s in runs})
-        proc = [s["meta"]["process_cpu_s"] for s in runs if s["meta"].get("process_cpu_s") is not None]
+        proc = [
+            s["meta"]["process_cpu_s"] for s in runs if s["meta"].get("process_cpu_s") is not None
+        ]
         start_txt = (
             "—"
             if start is None
@@ -402,7 +440,9 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
             )
             if busy(s["meta"]):
                 flags = s["meta"].get("flags", [])  # --cpu-budget-s 0: a fixed number of iterations
-                fixed = "--cpu-budget-s" in flags and flags[flags.index("--cpu-budget-s") + 1] == "0"
+                fixed = (
+                    "--cpu-budget-s" in flags and flags[flags.index("--cpu-budget-s") + 1] == "0"
+                )
                 notes.append(
                     f"{algo} {variant} seed {seed} ran on a busy machine (load {load_text(s['meta'])} for "
                     f"{s['meta'].get('jobs')} x {s['meta'].get('threads')} threads of its own): "
@@ -494,7 +534,12 @@ def _save(plt, fig, ax, path: str, xlabel: str, ylabel: str, title: str) -> None
 
 
 def plot(
-    groups: dict, key: str, xlabel: str, path: str, y: str = "acc", ylabel: str = "eval/accuracy (held-out, strict)"
+    groups: dict,
+    key: str,
+    xlabel: str,
+    path: str,
+    y: str = "acc",
+    ylabel: str = "eval/accuracy (held-out, strict)",
 ) -> None:
     """`y` (an evaluation point's "acc" or "reward") against `key`: every seed faint, the mean over seeds bold
     (interpolated on the range that every seed covers), one colour per (algorithm, variant)."""
@@ -515,7 +560,9 @@ def plot(
         ]
         for xs, ys in curves:
             ax.plot(xs, ys, color=colour, alpha=0.25, lw=1)
-            ax.plot(xs[-1:], ys[-1:], "o", color=colour, alpha=0.4, ms=3)  # the final (many-seed) evaluation
+            ax.plot(
+                xs[-1:], ys[-1:], "o", color=colour, alpha=0.4, ms=3
+            )  # the final (many-seed) evaluation
         end = min(xs[-1] for xs, _ in curves)
         grid = np.linspace(0, end, 50) if end > 0 else np.zeros(1)
         ax.plot(
@@ -525,7 +572,15 @@ def plot(
             lw=2.5,
             label=f"{algo} {variant} ({len(runs)} seeds)",
         )
-    _save(plt, fig, ax, path, xlabel, ylabel, "faint: each seed (dot: its final evaluation); bold: mean over seeds")
+    _save(
+        plt,
+        fig,
+        ax,
+        path,
+        xlabel,
+        ylabel,
+        "faint: each seed (dot: its final evaluation); bold: mean over seeds",
+    )
 
 
 def tradeoff_plot(groups: dict, path: str) -> None:
@@ -539,7 +594,10 @@ def tradeoff_plot(groups: dict, path: str) -> None:
     for i, ((algo, variant), g) in enumerate(sorted(groups.items())):
         runs = [g["seeds"][k] for k in sorted(g["seeds"])]
         paths = [
-            np.array([(p["reward"], p["acc"]) for p in s["points"] if p["reward"] is not None], float) for s in runs
+            np.array(
+                [(p["reward"], p["acc"]) for p in s["points"] if p["reward"] is not None], float
+            )
+            for s in runs
         ]
         paths = [q for q in paths if len(q)]
         if not paths:
@@ -550,7 +608,13 @@ def tradeoff_plot(groups: dict, path: str) -> None:
         n = min(len(q) for q in paths)
         mean = np.mean([q[:n] for q in paths], 0)
         ax.plot(
-            mean[:, 0], mean[:, 1], "-o", color=colour, lw=2.5, ms=4, label=f"{algo} {variant} ({len(paths)} seeds)"
+            mean[:, 0],
+            mean[:, 1],
+            "-o",
+            color=colour,
+            lw=2.5,
+            ms=4,
+            label=f"{algo} {variant} ({len(paths)} seeds)",
         )
         ax.plot(mean[-1:, 0], mean[-1:, 1], "s", color=colour, ms=8)  # the final evaluation
     _save(
@@ -570,7 +634,12 @@ def parse_variants(specs: list[str]) -> dict[str, list[str]]:
     out = {}
     for s in specs:
         name, sep, flags = s.partition("=")
-        if not sep or not name or "__" in name or not name.replace("-", "").replace(".", "").replace("_", "").isalnum():
+        if (
+            not sep
+            or not name
+            or "__" in name
+            or not name.replace("-", "").replace(".", "").replace("_", "").isalnum()
+        ):
             raise ConfigError(
                 f"--variants '{s}': expected NAME=FLAGS with NAME of letters, digits, '.', '-', single "
                 "'_' (it names the run folders), e.g. \"lr1e-4=--learning-rate 1e-4\""
@@ -653,12 +722,22 @@ def run_env(threads: int) -> dict:
     }
 
 
-def launch(out: str, run: dict, threads: int, jobs: int, command: str, probe: float | None = None) -> subprocess.Popen:
+def launch(
+    out: str, run: dict, threads: int, jobs: int, command: str, probe: float | None = None
+) -> subprocess.Popen:
     run_dir = os.path.join(out, run["name"])
     shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run starts again from nothing
     os.makedirs(run_dir)
     env = run_env(threads)
-    cmd = [sys.executable, run["script"], "--output-dir", out, "--run-name", run["name"], *run["flags"]]
+    cmd = [
+        sys.executable,
+        run["script"],
+        "--output-dir",
+        out,
+        "--run-name",
+        run["name"],
+        *run["flags"],
+    ]
     meta = {
         "flags": run["flags"],
         "threads": threads,
@@ -744,7 +823,13 @@ def speed_spread(metas: list[dict]) -> str | None:
 
 
 def run_grid(
-    out: str, runs: list[dict], jobs: int, threads: int, max_wall_s: float, command: str, probe: float | None = None
+    out: str,
+    runs: list[dict],
+    jobs: int,
+    threads: int,
+    max_wall_s: float,
+    command: str,
+    probe: float | None = None,
 ) -> list[str]:
     """Run what is not finished, `jobs` at a time; return the names of runs that failed. `probe`: this machine's
     speed_probe(), recorded in every run's harness.json."""
@@ -762,14 +847,20 @@ def run_grid(
                 active.append(launch(out, todo.pop(0), threads, jobs, command, probe))
                 print(f"started  {active[-1].run['name']}", flush=True)
             time.sleep(0.2)
-            if time.time() - last_load > 5:  # the machine's load: other work inflates CPU seconds per iteration
+            if (
+                time.time() - last_load > 5
+            ):  # the machine's load: other work inflates CPU seconds per iteration
                 last_load, load = time.time(), os.getloadavg()[0]
                 for p in active:
                     p.meta.setdefault("load", []).append(round(load, 2))
             for p in list(active):
                 if time.time() - p.t0 > max_wall_s and not p.meta.get("killed"):
-                    print(f"killing  {p.run['name']}: over --max-wall-s {max_wall_s:.0f}", flush=True)
-                    os.kill(p.pid, signal.SIGKILL)  # not p.kill(): its poll() would reap the child before reap()
+                    print(
+                        f"killing  {p.run['name']}: over --max-wall-s {max_wall_s:.0f}", flush=True
+                    )
+                    os.kill(
+                        p.pid, signal.SIGKILL
+                    )  # not p.kill(): its poll() would reap the child before reap()
                     p.meta["killed"] = True
                 if not reap(p):
                     continue
@@ -802,7 +893,9 @@ def eval_prompt_counts() -> dict[str, int]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
     ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
     ap.add_argument(
@@ -819,15 +912,27 @@ def main(argv=None):
         "CPU: for curves read per iteration, e.g. the reward-hacking lab)",
     )
     ap.add_argument("--jobs", type=int, default=1, help="runs side by side")
-    ap.add_argument("--threads", type=int, default=None, help="threads per run (default: 2 with --jobs 1, else 1)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads per run (default: 2 with --jobs 1, else 1)",
+    )
     ap.add_argument(
         "--final-se",
         type=float,
         default=0.02,
         help="the final evaluation gets enough seeds per test prompt for this standard error at p = 0.5",
     )
-    ap.add_argument("--eval-every", type=int, default=10, help="iterations between the periodic evaluations")
-    ap.add_argument("--eval-seeds-per-prompt", type=int, default=2, help="seeds per test prompt, periodic evaluations")
+    ap.add_argument(
+        "--eval-every", type=int, default=10, help="iterations between the periodic evaluations"
+    )
+    ap.add_argument(
+        "--eval-seeds-per-prompt",
+        type=int,
+        default=2,
+        help="seeds per test prompt, periodic evaluations",
+    )
     ap.add_argument(
         "--variants",
         nargs="*",
@@ -847,7 +952,9 @@ def main(argv=None):
         help="kill a run after this many wall-clock seconds (default: 4 x budget / threads + 3600; "
         "none with --iterations, whose runs the CPU budget does not bound)",
     )
-    ap.add_argument("--report-only", action="store_true", help="only rebuild the table and plots from --out")
+    ap.add_argument(
+        "--report-only", action="store_true", help="only rebuild the table and plots from --out"
+    )
     ap.add_argument(
         "--reference",
         default=None,
@@ -855,7 +962,11 @@ def main(argv=None):
         help="add every group's gain minus this group's, with Welch's 95 %% interval",
     )
     ap.add_argument(
-        "--only", nargs="+", default=[], metavar="ALGO:VARIANT", help="with --report-only: report just these groups"
+        "--only",
+        nargs="+",
+        default=[],
+        metavar="ALGO:VARIANT",
+        help="with --report-only: report just these groups",
     )
     ap.add_argument(
         "--merge",
@@ -864,13 +975,17 @@ def main(argv=None):
         metavar="DIR",
         help="with --report-only: also report the finished runs in these folders (the table goes to --out)",
     )
-    ap.add_argument("--dry-run", action="store_true", help="print the runs and their commands, run nothing")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="print the runs and their commands, run nothing"
+    )
     ap.add_argument(
         "--no-speed-probe",
         action="store_true",
         help="skip timing the machine before the grid (speed_probe_cpu_s in every harness.json)",
     )
-    ap.add_argument("--probe-only", action="store_true", help=argparse.SUPPRESS)  # speed_probe()'s child process
+    ap.add_argument(
+        "--probe-only", action="store_true", help=argparse.SUPPRESS
+    )  # speed_probe()'s child process
     ap.add_argument("extra", nargs="*", help="flags for every script (after --)")
     args = ap.parse_args(argv)
     if args.probe_only:
@@ -902,14 +1017,23 @@ def main(argv=None):
                 print(r["name"], " ".join([r["script"], *r["flags"]]))
             return
         os.makedirs(args.out, exist_ok=True)
-        max_wall = args.max_wall_s or (math.inf if args.iterations else 4 * args.cpu_seconds / threads + 3600)
-        command = shlex.join(["python", "tests/bench_compare.py", *(sys.argv[1:] if argv is None else argv)])
+        max_wall = args.max_wall_s or (
+            math.inf if args.iterations else 4 * args.cpu_seconds / threads + 3600
+        )
+        command = shlex.join(
+            ["python", "tests/bench_compare.py", *(sys.argv[1:] if argv is None else argv)]
+        )
         probe = None if args.no_speed_probe else speed_probe()
         if probe is not None:
-            print(f"speed probe: {probe:.2f} CPU s for {PROBE_CALLS} toy forwards at batch 64, one thread", flush=True)
+            print(
+                f"speed probe: {probe:.2f} CPU s for {PROBE_CALLS} toy forwards at batch 64, one thread",
+                flush=True,
+            )
         failed = run_grid(args.out, runs, args.jobs, threads, max_wall, command, probe)
         if failed:
-            print(f"{len(failed)} run(s) failed (they start again on the next call): {', '.join(failed)}")
+            print(
+                f"{len(failed)} run(s) failed (they start again on the next call): {', '.join(failed)}"
+            )
     print(report(args.out, tuple(args.merge), args.reference, tuple(args.only)))
 
 

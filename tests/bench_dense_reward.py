@@ -40,11 +40,19 @@ def pearson(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--trajectories", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--psi-file", default=None, help="a run's psi.json (default: psi = --noise-level at every step)")
-    ap.add_argument("--completion-steps", default="t,2,1", help="comma-separated n; t = all remaining steps")
+    ap.add_argument(
+        "--psi-file",
+        default=None,
+        help="a run's psi.json (default: psi = --noise-level at every step)",
+    )
+    ap.add_argument(
+        "--completion-steps", default="t,2,1", help="comma-separated n; t = all remaining steps"
+    )
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
     if a.threads:
@@ -54,7 +62,9 @@ def main() -> None:
     reward_model = build_reward(args.reward)
     sigmas = backbone.schedule(args.num_steps, args.resolution, args.resolution, args.shift)
     if a.psi_file:
-        psi = torch.tensor(D.load_psi(a.psi_file, args.num_steps, args.psi_scale)["psi"], dtype=torch.float32)
+        psi = torch.tensor(
+            D.load_psi(a.psi_file, args.num_steps, args.psi_scale)["psi"], dtype=torch.float32
+        )
     else:
         psi = torch.full((args.num_steps,), args.noise_level)
     noise_levels = D.step_noise_levels(psi, sigmas, args.psi_scale)
@@ -63,27 +73,46 @@ def main() -> None:
     prompts = [pool[i] for i in torch.randint(len(pool), (a.trajectories,), generator=g).tolist()]
     emb = backbone.encode(prompts)
     T = args.num_steps
-    print(f"{a.trajectories} trajectories, {T} steps, psi = {', '.join(f'{p:.2f}' for p in psi.tolist())}")
+    print(
+        f"{a.trajectories} trajectories, {T} steps, psi = {', '.join(f'{p:.2f}' for p in psi.tolist())}"
+    )
 
     R, cost = {}, {}
     for name in a.completion_steps.split(","):
         args.completion_steps = None if name == "t" else int(name)
         t0 = time.process_time()
         out = D.dense_rollout(
-            backbone, reward_model, prompts, emb, sigmas, noise_levels, args, torch.Generator().manual_seed(a.seed)
+            backbone,
+            reward_model,
+            prompts,
+            emb,
+            sigmas,
+            noise_levels,
+            args,
+            torch.Generator().manual_seed(a.seed),
         )
-        R[name] = reward_model.mix(out["scores"])  # [N, T+1]: column k = R(ODE_n(latents[k])), last = the SDE image
+        R[name] = reward_model.mix(
+            out["scores"]
+        )  # [N, T+1]: column k = R(ODE_n(latents[k])), last = the SDE image
         cost[name] = (out["nfe"]["completion"] / a.trajectories, time.process_time() - t0)
-        print(f"n = {name}: {cost[name][0]:.0f} completion NFE per trajectory, {cost[name][1]:.0f} CPU s")
+        print(
+            f"n = {name}: {cost[name][0]:.0f} completion NFE per trajectory, {cost[name][1]:.0f} CPU s"
+        )
     ref = next(iter(R))
     final = R[ref][:, T]
-    for name in R:  # the same trajectories for every n: the SDE image's reward must agree to the last bit
-        assert torch.equal(R[name][:, T], final), "the trajectories differ between completion settings"
+    for (
+        name
+    ) in R:  # the same trajectories for every n: the SDE image's reward must agree to the last bit
+        assert torch.equal(R[name][:, T], final), (
+            "the trajectories differ between completion settings"
+        )
 
     print(
         f"\nfinal reward R(x_0): mean {final.mean():.3f}, zero for {(final == 0).float().mean():.0%} of trajectories\n"
     )
-    head = "| step k (t = T - k) | " + " | ".join(f"n = {n}: corr / abs gap / dR = 0 / sign as n = t" for n in R)
+    head = "| step k (t = T - k) | " + " | ".join(
+        f"n = {n}: corr / abs gap / dR = 0 / sign as n = t" for n in R
+    )
     print(head + " |")
     print("|---" * (len(R) + 1) + "|")
     dR_ref = D.dense_step_rewards(R["t"]) if "t" in R else None
@@ -91,13 +120,20 @@ def main() -> None:
         cells = []
         for r in R.values():
             dR = D.dense_step_rewards(r)[:, k]
-            same = (torch.sign(dR) == torch.sign(dR_ref[:, k])).float().mean() if dR_ref is not None else float("nan")
+            same = (
+                (torch.sign(dR) == torch.sign(dR_ref[:, k])).float().mean()
+                if dR_ref is not None
+                else float("nan")
+            )
             cells.append(
                 f"{pearson(r[:, k], final):+.2f} / {(r[:, k] - final).abs().mean():.2f} / "
                 f"{(dR == 0).float().mean():.2f} / {same:.2f}"
             )
         print(f"| {k} (t = {T - k}) | " + " | ".join(cells) + " |")
-    print("\ncompletion NFE per trajectory: " + ", ".join(f"n = {n}: {c[0]:.0f}" for n, c in cost.items()))
+    print(
+        "\ncompletion NFE per trajectory: "
+        + ", ".join(f"n = {n}: {c[0]:.0f}" for n, c in cost.items())
+    )
 
 
 if __name__ == "__main__":

@@ -68,7 +68,9 @@ def build_folder(name: str, cache: str, tiny: bool, device: str) -> str:
     dtype = torch.float32 if tiny else torch.bfloat16
     if not os.path.exists(os.path.join(path, "model_index.json")):
         t0 = time.perf_counter()
-        with torch.device(device):  # random init of 2-12 B parameters is minutes on a CPU, seconds on a GPU
+        with torch.device(
+            device
+        ):  # random init of 2-12 B parameters is minutes on a CPU, seconds on a GPU
             if name == "sd35":
                 size = (
                     {}
@@ -80,12 +82,19 @@ def build_folder(name: str, cache: str, tiny: bool, device: str) -> str:
                         clip_dim=1024,
                         t5_dim=4096,
                         transformer_kwargs=dict(
-                            sample_size=128, pos_embed_max_size=384, dual_attention_layers=tuple(range(13))
+                            sample_size=128,
+                            pos_embed_max_size=384,
+                            dual_attention_layers=tuple(range(13)),
                         ),
                     )
                 )
                 pipe = build_sd3(
-                    None, sd35=True, latent_channels=16, max_len=77, vae=real_vae(1.5305, 0.0609, tiny), **size
+                    None,
+                    sd35=True,
+                    latent_channels=16,
+                    max_len=77,
+                    vae=real_vae(1.5305, 0.0609, tiny),
+                    **size,
                 )
             else:
                 size = (
@@ -101,13 +110,18 @@ def build_folder(name: str, cache: str, tiny: bool, device: str) -> str:
                         transformer_kwargs=dict(axes_dims_rope=(16, 56, 56)),
                     )
                 )
-                pipe = build_flux(None, latent_channels=16, max_len=77, vae=real_vae(0.3611, 0.1159, tiny), **size)
+                pipe = build_flux(
+                    None, latent_channels=16, max_len=77, vae=real_vae(0.3611, 0.1159, tiny), **size
+                )
         pipe.transformer.to(dtype)
         n = sum(p.numel() for p in pipe.transformer.parameters())
         pipe.save_pretrained(path)
         del pipe
         gc.collect()
-        print(f"built {path}: transformer {n / 1e9:.2f} B params in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(
+            f"built {path}: transformer {n / 1e9:.2f} B params in {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
     return path
 
 
@@ -129,8 +143,12 @@ class Probe:
             out = fn(*args, **kwargs)
             sync()
             dt, rows = time.perf_counter() - t0, args[1].shape[0]
-            reference = getattr(kwargs.get("model"), "__name__", "") == "reference"  # the KL reference: no gradient
-            if kind == "velocity" and torch.is_grad_enabled() and not reference:  # a training forward: the train phase
+            reference = (
+                getattr(kwargs.get("model"), "__name__", "") == "reference"
+            )  # the KL reference: no gradient
+            if (
+                kind == "velocity" and torch.is_grad_enabled() and not reference
+            ):  # a training forward: the train phase
                 self.add("train_rows", rows)
             else:  # velocity without grad (sampling, completions, KL reference), decode, reward
                 key = "forward" if kind == "velocity" else kind
@@ -211,7 +229,9 @@ def run_one(script: str, flags: list[str], model: str) -> dict:
         "s_per_group": total / int(flags[flags.index("--groups-per-iteration") + 1]),
         "floor_s": floor,
         "x_floor": total / floor if floor else float("nan"),
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30
+        if torch.cuda.is_available()
+        else None,
         "run_wall_s": wall,
     }
     return row
@@ -235,7 +255,9 @@ def write_report(out: str, rows: list[dict], header: str) -> None:
             f"{r['reward_s']:.2f} | {r['train_s']:.2f} ({r['train_rows']}) | {r['nfe_iteration']} | "
             f"{r['images_per_s']:.2f} | {r['s_per_group']:.2f} | {r['floor_s']:.2f} | {r['x_floor']:.2f} | {mem} |"
         )
-    batched, single = (next((r for r in rows if r["name"] == n), None) for n in ("g2rpo batched", "g2rpo batch-1"))
+    batched, single = (
+        next((r for r in rows if r["name"] == n), None) for n in ("g2rpo batched", "g2rpo batch-1")
+    )
     if batched and single:
         lines += [
             "",
@@ -250,12 +272,23 @@ def write_report(out: str, rows: list[dict], header: str) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "throughput"))
-    ap.add_argument("--cache", default="/tmp/flow_rl_fullsize", help="where the random-weight model folders go")
-    ap.add_argument("--tiny", action="store_true", help="tiny models at 64 px: a CPU dry run of this benchmark")
+    ap.add_argument(
+        "--cache", default="/tmp/flow_rl_fullsize", help="where the random-weight model folders go"
+    )
+    ap.add_argument(
+        "--tiny", action="store_true", help="tiny models at 64 px: a CPU dry run of this benchmark"
+    )
     ap.add_argument("--only", nargs="*", default=None, help="run names to run (default: all)")
-    ap.add_argument("--budget-s", type=float, default=1e9, help="skip runs that would start after this many seconds")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=1e9,
+        help="skip runs that would start after this many seconds",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available() and not args.tiny:
         print("bench_gpu_throughput: skipped, no CUDA device (use --tiny for a CPU dry run)")
@@ -298,7 +331,12 @@ def main():
     ]
     sd35 = ["--model-path", "{sd35}", "--guidance-scale", "4.5", "--max-sequence-length", "256"]
     flux = ["--model-path", "{flux}", "--guidance-scale", "3.5", "--max-sequence-length", "512"]
-    paper = ["--timestep-fraction", "0.99", "--optimizer-steps-per-iteration", "1"]  # not the toy defaults
+    paper = [
+        "--timestep-fraction",
+        "0.99",
+        "--optimizer-steps-per-iteration",
+        "1",
+    ]  # not the toy defaults
     g2 = [
         "--branch-steps",
         "0",
@@ -319,10 +357,29 @@ def main():
             "sd35",
             sd35
             + paper
-            + ["--group-size", "8", "--groups-per-iteration", "2", "--rollout-batch-size", "8", "--beta", "0.04"],
+            + [
+                "--group-size",
+                "8",
+                "--groups-per-iteration",
+                "2",
+                "--rollout-batch-size",
+                "8",
+                "--beta",
+                "0.04",
+            ],
         ),
-        ("g2rpo batched", "g2rpo.py", "sd35", sd35 + g2 + ["--rollout-batch-size", "32", "--train-batch-size", "8"]),
-        ("g2rpo batch-1", "g2rpo.py", "sd35", sd35 + g2 + ["--rollout-batch-size", "1", "--train-batch-size", "8"]),
+        (
+            "g2rpo batched",
+            "g2rpo.py",
+            "sd35",
+            sd35 + g2 + ["--rollout-batch-size", "32", "--train-batch-size", "8"],
+        ),
+        (
+            "g2rpo batch-1",
+            "g2rpo.py",
+            "sd35",
+            sd35 + g2 + ["--rollout-batch-size", "1", "--train-batch-size", "8"],
+        ),
         (
             "densegrpo",
             "densegrpo.py",
@@ -400,7 +457,16 @@ def main():
             "sd35",
             sd35
             + paper
-            + ["--group-size", "16", "--groups-per-iteration", "1", "--rollout-batch-size", "16", "--beta", "0.04"],
+            + [
+                "--group-size",
+                "16",
+                "--groups-per-iteration",
+                "1",
+                "--rollout-batch-size",
+                "16",
+                "--beta",
+                "0.04",
+            ],
         ),
         (
             "flux flowgrpo",
@@ -475,9 +541,12 @@ def main():
             print(f"skipped {name}: over --budget-s", flush=True)
             continue
         try:
-            path = build_folder(model, args.cache, args.tiny, device)  # the first run of a model builds it
+            path = build_folder(
+                model, args.cache, args.tiny, device
+            )  # the first run of a model builds it
             run_flags = [
-                f.replace("{" + model + "}", path) for f in [*common, *flags, "--run-name", name.replace(" ", "_")]
+                f.replace("{" + model + "}", path)
+                for f in [*common, *flags, "--run-name", name.replace(" ", "_")]
             ]
             row = run_one(script, run_flags, model)
         except (Exception, SystemExit) as e:  # noqa: BLE001 -- one failed run must not lose the others' numbers

@@ -161,7 +161,11 @@ def figure(data: dict, path: str) -> None:
         steps = list(dense["dR_abs"])
         bx.plot(steps, list(dense["dR_abs"].values()), "o-", color="tab:blue", label="mean |ΔR_t|")
         bx.plot(
-            steps, list(dense["dR_zero"].values()), "s--", color="tab:red", label="share of trajectories with ΔR_t = 0"
+            steps,
+            list(dense["dR_zero"].values()),
+            "s--",
+            color="tab:red",
+            label="share of trajectories with ΔR_t = 0",
         )
         bx.set_ylim(0, 1)
         bx.set_xticks(steps)

@@ -42,14 +42,20 @@ def snr_from_gram(gram: torch.Tensor) -> tuple[float, float, float]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--script", default="flowgrpo_baseline.py")
-    ap.add_argument("--batches", type=int, default=32, help="gradient estimates (optimizer steps) to record")
+    ap.add_argument(
+        "--batches", type=int, default=32, help="gradient estimates (optimizer steps) to record"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("flags", nargs="*", help="flags for the script (after --)")
     a = ap.parse_args()
     if a.batches < 3:
-        raise SystemExit(f"error: --batches {a.batches}: the jackknife needs at least 3 gradients (try 32)")
+        raise SystemExit(
+            f"error: --batches {a.batches}: the jackknife needs at least 3 gradients (try 32)"
+        )
     torch.set_num_threads(a.threads)
 
     grads = []
@@ -60,7 +66,12 @@ def main():
         def step(self, closure=None):
             grads.append(
                 torch.cat(
-                    [p.grad.detach().flatten() for g in self.param_groups for p in g["params"] if p.grad is not None]
+                    [
+                        p.grad.detach().flatten()
+                        for g in self.param_groups
+                        for p in g["params"]
+                        if p.grad is not None
+                    ]
                 )
                 .float()
                 .cpu()
@@ -70,7 +81,9 @@ def main():
 
     torch.optim.AdamW = Recorder
     script = os.path.join(ROOT, a.script)
-    with tempfile.TemporaryDirectory(prefix="grad_snr_") as out:  # the run's metrics and samples are not kept
+    with tempfile.TemporaryDirectory(
+        prefix="grad_snr_"
+    ) as out:  # the run's metrics and samples are not kept
         sys.argv = [
             script,
             "--num-iterations",
@@ -91,7 +104,9 @@ def main():
             pass
     g = torch.stack(grads)
     n = len(g)
-    chunks = (g[:, c : c + (1 << 20)].double() for c in range(0, g.shape[1], 1 << 20))  # float64 sums, bounded memory
+    chunks = (
+        g[:, c : c + (1 << 20)].double() for c in range(0, g.shape[1], 1 << 20)
+    )  # float64 sums, bounded memory
     gram = sum(x @ x.T for x in chunks)
     snr, signal, noise = snr_from_gram(gram)
     others = ~torch.eye(n, dtype=torch.bool)  # row i: every gradient but the i-th
@@ -100,7 +115,9 @@ def main():
     norms = gram.diagonal().sqrt()
     pair_cos = float((gram / norms[:, None] / norms[None, :])[others].mean())
     print(f"{a.script} {' '.join(a.flags)}")
-    print(f"  {n} gradients of {g.shape[1]:,} trainable numbers; mean norm {float(norms.mean()):.3e}")
+    print(
+        f"  {n} gradients of {g.shape[1]:,} trainable numbers; mean norm {float(norms.mean()):.3e}"
+    )
     print(
         f"  one batch: SNR {snr:+.4f} +- {se:.4f} (signal {signal:.3e}, noise {noise:.3e}); "
         f"mean pairwise cosine {pair_cos:+.4f}"
@@ -108,7 +125,9 @@ def main():
     if snr > 2 * se:
         print(f"  batches to average for SNR 1: about {1 / snr:.0f}")
     else:
-        print(f"  the signal is not distinguishable from 0 with {n} gradients (SNR < {max(snr, 0) + 2 * se:.4f})")
+        print(
+            f"  the signal is not distinguishable from 0 with {n} gradients (SNR < {max(snr, 0) + 2 * se:.4f})"
+        )
 
 
 if __name__ == "__main__":

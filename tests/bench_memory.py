@@ -86,7 +86,11 @@ def build(kind: str, config: dict, device="meta", dtype=None):
 
 def lora_count(model, rank: int) -> int:
     """Trained weights of an all-linear LoRA (--lora-target all-linear): r (in + out) per Linear."""
-    return sum(rank * (m.in_features + m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return sum(
+        rank * (m.in_features + m.out_features)
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear)
+    )
 
 
 def blocks(model) -> list:
@@ -116,7 +120,13 @@ def describe(name: str, lora_rank: int = 32) -> dict:
 
 
 def per_gpu(
-    m: dict, full: bool, parallel: str, n: int, offload: bool = False, accumulate: bool = False, reference: bool = False
+    m: dict,
+    full: bool,
+    parallel: str,
+    n: int,
+    offload: bool = False,
+    accumulate: bool = False,
+    reference: bool = False,
 ) -> dict:
     """Bytes per GPU of the weights, gradients and Adam state (see the module docstring), without activations."""
     P, T = m["P"], (m["P"] if full else m["T_lora"])
@@ -131,7 +141,9 @@ def per_gpu(
         grads=4 * T / n + block_grad + (4 * T if accumulate else 0),
         adam=8 * T / n,
     )
-    if offload:  # the shards in host memory; the gathered blocks and the block gradient stay on the GPU
+    if (
+        offload
+    ):  # the shards in host memory; the gathered blocks and the block gradient stay on the GPU
         out = dict(weights=gathered, grads=block_grad + (4 * T if accumulate else 0), adam=0.0)
     return out
 
@@ -143,14 +155,18 @@ class _FlashAttentionSaves(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v):
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))  # + logsumexp
+        ctx.save_for_backward(
+            q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32)
+        )  # + logsumexp
         return out
 
 
 @contextlib.contextmanager
 def flash_attention_shapes():
     F, orig = torch.nn.functional, torch.nn.functional.scaled_dot_product_attention
-    F.scaled_dot_product_attention = lambda query, key, value, *a, **kw: _FlashAttentionSaves.apply(query, key, value)
+    F.scaled_dot_product_attention = lambda query, key, value, *a, **kw: _FlashAttentionSaves.apply(
+        query, key, value
+    )
     try:
         yield
     finally:
@@ -160,7 +176,13 @@ def flash_attention_shapes():
 def saved_for_backward(model, inputs: dict) -> dict:
     """Bytes autograd keeps for the backward of one forward of `model` (parameters excluded; a view counts once, with
     its base): total, the largest block's share, and the blocks' inputs (what checkpointing keeps instead)."""
-    params, seen, total, per_block, block_inputs = {id(p) for p in model.parameters()}, set(), [0], [], [0]
+    params, seen, total, per_block, block_inputs = (
+        {id(p) for p in model.parameters()},
+        set(),
+        [0],
+        [],
+        [0],
+    )
 
     def pack(t):
         while t._base is not None:
@@ -184,7 +206,9 @@ def saved_for_backward(model, inputs: dict) -> dict:
     for b in blocks(model):
         hooks += [
             b.register_forward_pre_hook(pre, with_kwargs=True),
-            b.register_forward_hook(lambda m, a, o: per_block.__setitem__(-1, per_block[-1] + total[0])),
+            b.register_forward_hook(
+                lambda m, a, o: per_block.__setitem__(-1, per_block[-1] + total[0])
+            ),
         ]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -192,11 +216,22 @@ def saved_for_backward(model, inputs: dict) -> dict:
     finally:
         for h in hooks:
             h.remove()
-    return dict(total=total[0], block_max=max(per_block), blocks=sum(per_block), block_inputs=block_inputs[0])
+    return dict(
+        total=total[0],
+        block_max=max(per_block),
+        blocks=sum(per_block),
+        block_inputs=block_inputs[0],
+    )
 
 
 def forward_inputs(
-    model, kind: str, rows: int, image_tokens: int, text_tokens: int, device="meta", dtype=torch.bfloat16
+    model,
+    kind: str,
+    rows: int,
+    image_tokens: int,
+    text_tokens: int,
+    device="meta",
+    dtype=torch.bfloat16,
 ) -> dict:
     """The transformer's inputs for `rows` rows at the given token counts (SD3: a square latent of that many patches)."""
     c, kw = model.config, dict(device=device, dtype=dtype)
@@ -239,21 +274,32 @@ def trainable(model, lora_targets, rank: int = 32):
     return model
 
 
-def activations(name: str, micro_batch: int, full: bool, checkpointing: bool, lora_target: str = "all-linear") -> float:
+def activations(
+    name: str, micro_batch: int, full: bool, checkpointing: bool, lora_target: str = "all-linear"
+) -> float:
     """Bytes saved for the backward by one training micro-batch (CFG: 2 rows per transition), computed on the meta
     device. Full fine-tuning counts a bf16 forward (FSDP's compute dtype; DDP's autocast copies are in per_gpu)."""
     from common.backbones import LORA_TARGETS
 
     kind, config = CONFIGS[name]
     s = SETTING[name]
-    model = trainable(build(kind, config, dtype=torch.bfloat16), None if full else LORA_TARGETS[lora_target])
+    model = trainable(
+        build(kind, config, dtype=torch.bfloat16), None if full else LORA_TARGETS[lora_target]
+    )
     if full:  # the fp32 masters compute in bf16 (FSDP's param_dtype, DDP's autocast)
         model.to(torch.bfloat16)
     with flash_attention_shapes():
         b = saved_for_backward(
-            model, forward_inputs(model, kind, micro_batch * s["rows_per_sample"], s["image_tokens"], s["text_tokens"])
+            model,
+            forward_inputs(
+                model, kind, micro_batch * s["rows_per_sample"], s["image_tokens"], s["text_tokens"]
+            ),
         )
-    return b["total"] - b["blocks"] + b["block_inputs"] + b["block_max"] if checkpointing else b["total"]
+    return (
+        b["total"] - b["blocks"] + b["block_inputs"] + b["block_max"]
+        if checkpointing
+        else b["total"]
+    )
 
 
 # Measured H200 peaks (docs/results.md, compute table): (peak bytes, micro-batch), LoRA r 32 on the attention, 512 px.
@@ -270,7 +316,9 @@ def check() -> str:
         model = trainable(build(kind, config, dtype=torch.bfloat16), LORA_TARGETS["attention"])
         T = sum(p.numel() for p in model.parameters() if p.requires_grad)
         P = sum(p.numel() for p in model.parameters()) - T
-        fixed = 2 * P + 4 * T + 4 * T + 8 * T  # bf16 base, fp32 LoRA, its gradient, Adam (one GPU: no DDP buckets)
+        fixed = (
+            2 * P + 4 * T + 4 * T + 8 * T
+        )  # bf16 base, fp32 LoRA, its gradient, Adam (one GPU: no DDP buckets)
         act = activations(name, mb, False, False, "attention")
         lines.append(
             f"{name}, attention LoRA ({T / 1e6:.1f} M), micro-batch {mb}: weights + LoRA state "
@@ -309,11 +357,17 @@ def table() -> str:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="only the model against the measured H200 peaks")
+    ap.add_argument(
+        "--check", action="store_true", help="only the model against the measured H200 peaks"
+    )
     if not ap.parse_args().check:
         for name in CONFIGS:
             m = describe(name)
-            acts = {(f, c): activations(name, 1, f, c) / GB for f in (False, True) for c in (False, True)}
+            acts = {
+                (f, c): activations(name, 1, f, c) / GB
+                for f in (False, True)
+                for c in (False, True)
+            }
             print(
                 f"{name}: {m['P'] / 1e9:.2f} B weights, LoRA r 32 all-linear {m['T_lora'] / 1e6:.1f} M, largest "
                 f"block {m['block_max'] / 1e6:.0f} M, width {m['width']}, blocks {m['blocks']}; activations per "

@@ -63,15 +63,26 @@ def main():
         "|---|" + "---|" * (len(PHASES) + 5),
     ]
     for s in a.scripts:
-        extra = ["--calibration-iterations", "0"] if s == "densegrpo" else []  # time the loop, not Algorithm 1
-        m = [r for r in run(a.repo, s, a.iterations, a.threads, extra) if 1 <= r["iteration"] < a.iterations]
+        extra = (
+            ["--calibration-iterations", "0"] if s == "densegrpo" else []
+        )  # time the loop, not Algorithm 1
+        m = [
+            r
+            for r in run(a.repo, s, a.iterations, a.threads, extra)
+            if 1 <= r["iteration"] < a.iterations
+        ]
         t = {ph: sum(r.get(f"time/{ph}_s", 0.0) for r in m) / len(m) for ph in PHASES}
         nfe = ["", "", "", ""]
         if "nfe/rollout" in m[-1]:  # per-phase counts exist from the training-section refactor on
             prev = m[0]
             nfe = [
                 f"{(m[-1][k] - prev[k]) / (len(m) - 1):.0f}" if len(m) > 1 else ""
-                for k in ("nfe/rollout", "nfe/completion", "nfe/train_forward", "nfe/train_backward")
+                for k in (
+                    "nfe/rollout",
+                    "nfe/completion",
+                    "nfe/train_forward",
+                    "nfe/train_backward",
+                )
             ]
         rows.append(
             f"| {s} | "

@@ -57,8 +57,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pass-at-k", type=int, default=16, help="seeds per test prompt for pass@k (0: skip)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--pass-at-k", type=int, default=16, help="seeds per test prompt for pass@k (0: skip)"
+    )
     a = ap.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     t = time.perf_counter()
@@ -72,10 +76,18 @@ def main():
     images = sample(bb, GRID_PROMPTS, list(range(16)))
     grid_s = time.perf_counter() - t
     os.makedirs(os.path.join(ROOT, "docs", "img"), exist_ok=True)
-    toyworld.image_grid(images, nrow=4, scale=4).save(os.path.join(ROOT, "docs", "img", "toy_base_grid.png"))
-    result = {"load_cold_s": round(cold, 3), "load_warm_s": round(warm, 3), "grid16_20steps_s": round(grid_s, 3)}
+    toyworld.image_grid(images, nrow=4, scale=4).save(
+        os.path.join(ROOT, "docs", "img", "toy_base_grid.png")
+    )
+    result = {
+        "load_cold_s": round(cold, 3),
+        "load_warm_s": round(warm, 3),
+        "grid16_20steps_s": round(grid_s, 3),
+    }
 
-    from common.toyworld.pretrain import evaluate  # after the timed loads: its imports are not theirs
+    from common.toyworld.pretrain import (
+        evaluate,
+    )  # after the timed loads: its imports are not theirs
 
     for cfg in (1.0, 3.0):  # the scripts' prompts, seeds and sampler
         r, _ = evaluate(bb, steps=20, cfg=cfg, batch=100)
@@ -86,13 +98,21 @@ def main():
         test = toyworld.load_prompts(toyworld.TEST_FILE)
         n = a.pass_at_k
         prompts = [p for p in test for _ in range(n)]
-        seeds = [10_000 * s + i for i in range(len(test)) for s in range(n)]  # s = 0, 1 are the evaluation seeds
-        images = torch.cat([sample(bb, prompts[b : b + 256], seeds[b : b + 256]) for b in range(0, len(prompts), 256)])
+        seeds = [
+            10_000 * s + i for i in range(len(test)) for s in range(n)
+        ]  # s = 0, 1 are the evaluation seeds
+        images = torch.cat(
+            [
+                sample(bb, prompts[b : b + 256], seeds[b : b + 256])
+                for b in range(0, len(prompts), 256)
+            ]
+        )
         correct = toyworld.score(images, prompts)[1].reshape(len(test), n).sum(1)
         cats = [toyworld.category_of(p) for p in test]
         for k in (k for k in (1, 2, 4, 8, 16, 32) if k <= n):
             per = {
-                c: sum(pass_at_k(n, int(x), k) for x, cc in zip(correct, cats) if cc == c) / cats.count(c)
+                c: sum(pass_at_k(n, int(x), k) for x, cc in zip(correct, cats) if cc == c)
+                / cats.count(c)
                 for c in toyworld.CATEGORIES
             }
             per["overall (mean of categories)"] = sum(per.values()) / len(toyworld.CATEGORIES)

@@ -18,7 +18,9 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "pictures: the script runs of this test draw their end-of-run pictures")
+    config.addinivalue_line(
+        "markers", "pictures: the script runs of this test draw their end-of-run pictures"
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -31,7 +31,9 @@ def run_script(script: str, *flags: str, nproc: int = 1, check: bool = True, tim
         cmd = [sys.executable, os.path.join(ROOT, script), *flags]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     if check and r.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+        )
     return r
 
 
@@ -60,7 +62,9 @@ def write_prompts(path, prompts) -> str:
     return str(path)
 
 
-def tiny_flags(model_path: str, out_dir: str, prompts_file: str, run_name: str = "run") -> list[str]:
+def tiny_flags(
+    model_path: str, out_dir: str, prompts_file: str, run_name: str = "run"
+) -> list[str]:
     """The smallest meaningful run on a tiny random model: 2 prompts x group 2, 3 steps, 64 px."""
     return [
         "--model-path",
@@ -107,11 +111,15 @@ def assert_resume_is_exact(script: str, flags_for, total: int, extra, between=No
     run_main(script, *flags_for("straight"), "--num-iterations", str(total), *extra)
     run_main(script, *flags_for("split"), "--num-iterations", str(total // 2), *extra)
     out = flags_for("split")[flags_for("split").index("--output-dir") + 1]
-    run = os.path.join(out, "split")  # the run folder: resume takes its latest complete checkpoint-N
+    run = os.path.join(
+        out, "split"
+    )  # the run folder: resume takes its latest complete checkpoint-N
     if between is not None:
         between(run)
     run_main(script, *flags_for("split"), "--num-iterations", str(total), "--resume", run, *extra)
-    a = torch.load(os.path.join(out, "straight", f"checkpoint-{total}", "trainer_state.pt"), weights_only=False)
+    a = torch.load(
+        os.path.join(out, "straight", f"checkpoint-{total}", "trainer_state.pt"), weights_only=False
+    )
     b = torch.load(os.path.join(run, f"checkpoint-{total}", "trainer_state.pt"), weights_only=False)
     assert a["iteration"] == b["iteration"] == total and a["counts"] == b["counts"]
     for k in a["params"]:

@@ -66,7 +66,9 @@ def main(runs_file: str, smooth_reward: bool) -> None:
 
     if smooth_reward:
         common.rewards._jpeg_kb = smooth_jpeg_kb
-    common.run.run_pictures = lambda *a, **k: []  # as in tests/conftest.py: the pictures, most of a tiny run's time
+    common.run.run_pictures = (
+        lambda *a, **k: []
+    )  # as in tests/conftest.py: the pictures, most of a tiny run's time
 
     with open(runs_file) as f:
         runs = json.load(f)
@@ -77,10 +79,20 @@ def main(runs_file: str, smooth_reward: bool) -> None:
     ]
     for i, (script, *flags) in enumerate(runs):
         tee = Tee(sys.stdout)
-        with mock.patch.object(sys, "argv", [script, *flags]), contextlib.redirect_stdout(tee), keep[0], keep[1]:
+        with (
+            mock.patch.object(sys, "argv", [script, *flags]),
+            contextlib.redirect_stdout(tee),
+            keep[0],
+            keep[1],
+        ):
             g = runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
         digest = re.findall(r"final weights: rank \d+ sha256 (\w+)", tee.copy.getvalue())[-1]
-        state = [v for s in g["optimizer"].state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        state = [
+            v
+            for s in g["optimizer"].state.values()
+            for v in s.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        ]
         sys.stdout.write(
             "RESULT "
             + json.dumps(

@@ -30,19 +30,27 @@ def test_a_writer_killed_at_random_instants_leaves_a_whole_file(tmp_path):
     path.write_text("a" * 3_000_000)
     rng = random.Random(0)
     for _ in range(12):
-        p = subprocess.Popen([sys.executable, "-c", WRITER, str(path), ROOT], stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(path), ROOT], stdout=subprocess.PIPE, text=True
+        )
         assert p.stdout.readline().strip() == "ready"
         time.sleep(rng.uniform(0.0, 0.3))
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
         text = path.read_text()
-        assert len(text) == 3_000_000 and len(set(text)) == 1  # the old file or the new one, never a mix or a cut
+        assert (
+            len(text) == 3_000_000 and len(set(text)) == 1
+        )  # the old file or the new one, never a mix or a cut
     left = [n for n in os.listdir(tmp_path) if n != "side.json"]
-    assert all(n.startswith("side.json.tmp.") for n in left)  # only a killed writer's own temporary file remains
+    assert all(
+        n.startswith("side.json.tmp.") for n in left
+    )  # only a killed writer's own temporary file remains
 
 
 def test_a_metrics_line_cut_mid_write_does_not_stop_a_resume(tiny_sd3, tmp_path):
-    prompts = write_prompts(tmp_path / "p.txt", ["a photo of a red circle", "a photo of two blue squares"])
+    prompts = write_prompts(
+        tmp_path / "p.txt", ["a photo of a red circle", "a photo of two blue squares"]
+    )
     flags = tiny_flags(tiny_sd3, tmp_path, prompts)
     run_main("flowgrpo_baseline.py", *flags, "--num-iterations", "2")
     run = tmp_path / "run"

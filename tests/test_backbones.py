@@ -22,12 +22,15 @@ def our_sample(bb, steps, guidance, seed, noise_level=0.0):
         if noise_level == 0:
             x = ode_step(v, x, sigmas[i], sigmas[i + 1])
         else:
-            x = sde_step_with_logprob(v, x, sigmas[i], sigmas[i + 1], noise_level, sigma_max=sigmas[1])[0]
+            x = sde_step_with_logprob(
+                v, x, sigmas[i], sigmas[i + 1], noise_level, sigma_max=sigmas[1]
+            )[0]
     return bb.decode(x, H, W)
 
 
 @pytest.mark.parametrize(
-    "fixture,guidance", [("tiny_sd3", 1.0), ("tiny_sd3", 4.5), ("tiny_sd35", 4.5), ("tiny_flux", 3.5)]
+    "fixture,guidance",
+    [("tiny_sd3", 1.0), ("tiny_sd3", 4.5), ("tiny_sd35", 4.5), ("tiny_flux", 3.5)],
 )
 def test_adapter_reproduces_stock_pipeline(request, fixture, guidance):
     path = request.getfixturevalue(fixture)
@@ -68,12 +71,17 @@ def test_resolution_check(tiny_sd3, tiny_flux):
 
 
 def test_bad_model_path_is_one_clear_line(tmp_path, capsys):
-    for bad, expect in [(tmp_path / "missing", "is not a folder"), (tmp_path, "has no model_index.json")]:
+    for bad, expect in [
+        (tmp_path / "missing", "is not a folder"),
+        (tmp_path, "has no model_index.json"),
+    ]:
         with pytest.raises(ConfigError) as e:
             load_backbone(str(bad))
         msg = str(e.value.code)
         assert expect in msg and "huggingface-cli download" in msg and "\n" not in msg
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    (tmp_path / "model_index.json").write_text(
+        json.dumps({"_class_name": "StableDiffusionPipeline"})
+    )
     with pytest.raises(ConfigError, match="expected one of"):
         load_backbone(str(tmp_path))
     (tmp_path / "model_index.json").write_text("{not json")
@@ -108,7 +116,9 @@ def lora_modules(transformer, target):
     from common.backbones import LORA_TARGETS
 
     transformer.add_adapter(
-        LoraConfig(r=2, lora_alpha=4, init_lora_weights="gaussian", target_modules=LORA_TARGETS[target])
+        LoraConfig(
+            r=2, lora_alpha=4, init_lora_weights="gaussian", target_modules=LORA_TARGETS[target]
+        )
     )
     return {n.rsplit(".lora_A", 1)[0] for n, _ in transformer.named_parameters() if ".lora_A" in n}
 
@@ -118,14 +128,24 @@ def test_attention_lora_targets_skip_sd35_attn2():
     train_sd3.py; "attention-ff" adds the feed-forward layers (its train_flux.py set) and nothing else."""
     from common.tiny import build_sd3
 
-    names = {n for n, m in build_sd3(sd35=True).transformer.named_modules() if isinstance(m, torch.nn.Linear)}
-    assert "transformer_blocks.0.attn2.to_q" in names  # the tiny SD3.5 does have a dual-attention block
+    names = {
+        n
+        for n, m in build_sd3(sd35=True).transformer.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
+    assert (
+        "transformer_blocks.0.attn2.to_q" in names
+    )  # the tiny SD3.5 does have a dual-attention block
     attn = lora_modules(build_sd3(sd35=True).transformer, "attention")
-    assert "transformer_blocks.0.attn.to_q" in attn and "transformer_blocks.0.attn.to_add_out" in attn
+    assert (
+        "transformer_blocks.0.attn.to_q" in attn and "transformer_blocks.0.attn.to_add_out" in attn
+    )
     assert not any(".attn2." in n for n in attn)
     assert all(".attn." in n for n in attn)
     ff = lora_modules(build_sd3(sd35=True).transformer, "attention-ff")
-    assert {n for n in ff - attn} == {n for n in names if ".ff.net." in n or ".ff_context.net." in n}
+    assert {n for n in ff - attn} == {
+        n for n in names if ".ff.net." in n or ".ff_context.net." in n
+    }
     assert not any(".attn2." in n for n in ff)
 
 
@@ -135,8 +155,13 @@ def test_flux_lora_targets():
     from common.tiny import build_flux
 
     attn = lora_modules(build_flux().transformer, "attention")
-    assert {n for n in attn if n.startswith("single_")} == {f"single_transformer_blocks.0.attn.to_{x}" for x in "qkv"}
-    assert "transformer_blocks.0.attn.add_q_proj" in attn and "transformer_blocks.0.attn.to_out.0" in attn
+    assert {n for n in attn if n.startswith("single_")} == {
+        f"single_transformer_blocks.0.attn.to_{x}" for x in "qkv"
+    }
+    assert (
+        "transformer_blocks.0.attn.add_q_proj" in attn
+        and "transformer_blocks.0.attn.to_out.0" in attn
+    )
     ff = lora_modules(build_flux().transformer, "attention-ff")
     assert ff - attn == {
         "transformer_blocks.0.ff.net.0.proj",

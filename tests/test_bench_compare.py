@@ -83,7 +83,9 @@ def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path
         "1",
     ]
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.setattr(bc, "speed_probe", lambda: 2.5)  # the real one loads the toy model (test below)
+    monkeypatch.setattr(
+        bc, "speed_probe", lambda: 2.5
+    )  # the real one loads the toy model (test below)
     monkeypatch.setenv("STUB_CRASH", "yardstick__default__2")
     bc.main(argv)
     first = launches(out)
@@ -104,7 +106,9 @@ def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path
 
     monkeypatch.delenv("STUB_CRASH")
     bc.main(argv)
-    assert launches(out)[len(first) :] == ["yardstick__default__2"]  # only the unfinished run ran again
+    assert launches(out)[len(first) :] == [
+        "yardstick__default__2"
+    ]  # only the unfinished run ran again
     assert bc.is_finished(crashed) and not os.path.exists(os.path.join(crashed, "leftover"))
     bc.main(argv)
     assert len(launches(out)) == len(first) + 1  # a complete grid launches nothing
@@ -123,7 +127,12 @@ def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path
     s = flags["yardstick__default__start"]
     assert s[s.index("--num-iterations") + 1] == "0"
     meta = json.load(open(os.path.join(out, "flowgrpo_baseline__default__1", "harness.json")))
-    assert meta["jobs"] == 2 and meta["threads"] == 1 and meta["returncode"] == 0 and meta["process_cpu_s"] >= 0
+    assert (
+        meta["jobs"] == 2
+        and meta["threads"] == 1
+        and meta["returncode"] == 0
+        and meta["process_cpu_s"] >= 0
+    )
     assert meta["omp_wait_policy"] == "PASSIVE" and meta["speed_probe_cpu_s"] == 2.5
 
     # a finished run made with another budget is not silently mixed into the table
@@ -136,13 +145,24 @@ def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path
     bc.main(["--out", out, "--report-only"])
     text = open(os.path.join(out, "results.md")).read()
     assert os.path.getsize(os.path.join(out, "accuracy_vs_cpu.png")) > 0
-    for name in ("accuracy_vs_trajectories.png", "accuracy_vs_scored.png", "reward_vs_trajectories.png"):
+    for name in (
+        "accuracy_vs_trajectories.png",
+        "accuracy_vs_scored.png",
+        "reward_vs_trajectories.png",
+    ):
         assert os.path.getsize(os.path.join(out, name)) > 0
     assert os.path.getsize(os.path.join(out, "accuracy_vs_reward.png")) > 0
     # gains 0.05 and 0.10 over 2 seeds: mean 0.075, half-width t_{0.975,1} * 0.03536 / sqrt(2) = 0.3177
-    assert "| flowgrpo_baseline | default | 2 | 0.500 (0.013) | 0.575 | +0.075 [-0.243, +0.393] |" in text
-    assert "| 1 x 2" not in text and "| 2 x 1, passive |" in text  # side by side, 1 thread, no spinning
-    assert text.count("| 2.50 |") == 4 and "machines of different speed" not in text  # the probe, per run
+    assert (
+        "| flowgrpo_baseline | default | 2 | 0.500 (0.013) | 0.575 | +0.075 [-0.243, +0.393] |"
+        in text
+    )
+    assert (
+        "| 1 x 2" not in text and "| 2 x 1, passive |" in text
+    )  # side by side, 1 thread, no spinning
+    assert (
+        text.count("| 2.50 |") == 4 and "machines of different speed" not in text
+    )  # the probe, per run
 
 
 def write_run(out, name, rows):
@@ -206,7 +226,9 @@ def test_table_numbers(tmp_path):
                 },
             ],
         )
-    write_run(out, "g2rpo__lr1e-4__4", [{"iteration": 0, "eval/accuracy": 0.5, "nfe": 0}])  # unfinished: left out
+    write_run(
+        out, "g2rpo__lr1e-4__4", [{"iteration": 0, "eval/accuracy": 0.5, "nfe": 0}]
+    )  # unfinished: left out
     text = bc.report(out)
     row = next(line for line in text.splitlines() if line.startswith("| g2rpo | lr1e-4 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -214,7 +236,11 @@ def test_table_numbers(tmp_path):
         c.strip()
         for c in text.splitlines()[
             text.splitlines().index(
-                next(line for line in text.splitlines() if line.startswith("| algorithm | variant | seeds"))
+                next(
+                    line
+                    for line in text.splitlines()
+                    if line.startswith("| algorithm | variant | seeds")
+                )
             )
         ]
         .strip("|")
@@ -222,16 +248,30 @@ def test_table_numbers(tmp_path):
     ]
     got = dict(zip(head, cells))
     assert got["seeds"] == "3" and got["start (SE)"] == "0.500 (0.019)" and got["final"] == "0.700"
-    assert got["gain [95 % CI]"] == "+0.200 [-0.048, +0.448]"  # gains .1 .2 .3: s = .1, t_{.975,2} = 4.303
-    assert got["gain single"] == "+0.200 [-0.048, +0.448]" and got["gain position"] == "+0.200 [-0.048, +0.448]"
-    assert got["reward gain [95 % CI]"] == "+0.700 [+0.452, +0.948]"  # .8 .9 1.0 against the start's .2
+    assert (
+        got["gain [95 % CI]"] == "+0.200 [-0.048, +0.448]"
+    )  # gains .1 .2 .3: s = .1, t_{.975,2} = 4.303
+    assert (
+        got["gain single"] == "+0.200 [-0.048, +0.448]"
+        and got["gain position"] == "+0.200 [-0.048, +0.448]"
+    )
+    assert (
+        got["reward gain [95 % CI]"] == "+0.700 [+0.452, +0.948]"
+    )  # .8 .9 1.0 against the start's .2
     assert got["final-eval SE"] == "0.018" and got["iterations"] == "2"
     # consumption at the final evaluation = the counters of the row before it (the last training iteration)
     # (a log from before 2026-12-03: its one `images` counter counted the scored images)
-    assert got["scored images"] == "128" and got["NFE (training)"] == "1600" and got["CPU s in loop"] == "22"
+    assert (
+        got["scored images"] == "128"
+        and got["NFE (training)"] == "1600"
+        and got["CPU s in loop"] == "22"
+    )
     # the best evaluation only beside the last: bests .75 .7 .8 minus .5
     assert got["best eval − start (beside the last, biased up)"] == "+0.250 [+0.126, +0.374]"
-    assert "| g2rpo | lr1e-4 | 4 |" not in text and "| g2rpo | lr1e-4 | 3 | 2 | 0.500 | 0.800 | +0.300 |" in text
+    assert (
+        "| g2rpo | lr1e-4 | 4 |" not in text
+        and "| g2rpo | lr1e-4 | 3 | 2 | 0.500 | 0.800 | +0.300 |" in text
+    )
 
 
 def counted(trajectories, scored):
@@ -242,28 +282,48 @@ def test_merged_folders_and_the_gain_at_equal_trajectories_and_scored_images(tmp
     """--merge reports grids from several folders as one table (a run found twice is refused), and every group's
     gain is also read where the run with the fewest trajectories (scored images) ended: equal budgets on both axes."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    for seed, final in [(1, 0.6), (2, 0.8)]:  # ends at 128 trajectories, 1280 scored images (completions)
+    for seed, final in [
+        (1, 0.6),
+        (2, 0.8),
+    ]:  # ends at 128 trajectories, 1280 scored images (completions)
         write_run(
             a,
             f"g2rpo__small__{seed}",
             [
                 {"iteration": 0, "eval/accuracy": 0.4, **counted(64, 640), "time/cpu_s": 1.0},
                 {"iteration": 1, **counted(128, 1280), "time/cpu_s": 2.0},
-                {"iteration": 2, "eval/accuracy": final, **counted(128, 1280), "time/cpu_s": 3.0, "final": True},
+                {
+                    "iteration": 2,
+                    "eval/accuracy": final,
+                    **counted(128, 1280),
+                    "time/cpu_s": 3.0,
+                    "final": True,
+                },
             ],
         )
-    for seed, mid in [(1, 0.5), (2, 0.6)]:  # 512 trajectories; at 128 it is halfway from its first eval to `mid`
+    for seed, mid in [
+        (1, 0.5),
+        (2, 0.6),
+    ]:  # 512 trajectories; at 128 it is halfway from its first eval to `mid`
         write_run(
             b,
             f"densegrpo__big__{seed}",
             [
                 {"iteration": 0, "eval/accuracy": 0.4, **counted(256, 256), "time/cpu_s": 1.0},
                 {"iteration": 1, "eval/accuracy": mid, **counted(512, 512), "time/cpu_s": 2.0},
-                {"iteration": 2, "eval/accuracy": 0.9, **counted(512, 512), "time/cpu_s": 3.0, "final": True},
+                {
+                    "iteration": 2,
+                    "eval/accuracy": 0.9,
+                    **counted(512, 512),
+                    "time/cpu_s": 3.0,
+                    "final": True,
+                },
             ],
         )
     text = bc.report(str(tmp_path / "verdict"), (a, b))
-    head = next(line for line in text.splitlines() if line.startswith("| algorithm | variant | seeds"))
+    head = next(
+        line for line in text.splitlines() if line.startswith("| algorithm | variant | seeds")
+    )
     cols = [c.strip() for c in head.strip("|").split("|")]
     col = cols.index("gain at 128 trajectories (periodic evals)")
     scored = cols.index("gain at 512 scored images (periodic evals)")
@@ -272,17 +332,31 @@ def test_merged_folders_and_the_gain_at_equal_trajectories_and_scored_images(tmp
         line = next(line for line in text.splitlines() if line.startswith(f"| {algo} |"))
         return [c.strip() for c in line.strip("|").split("|")]
 
-    assert row("g2rpo")[col] == "+0.300 [-0.971, +1.571]"  # gains .2 .4 at their end: s = .141, t_{.975,1} = 12.71
-    assert row("densegrpo")[col] == "+0.075 [-0.243, +0.393]"  # (.5 - .4) / 2 and (.6 - .4) / 2 at 128 of 256
+    assert (
+        row("g2rpo")[col] == "+0.300 [-0.971, +1.571]"
+    )  # gains .2 .4 at their end: s = .141, t_{.975,1} = 12.71
+    assert (
+        row("densegrpo")[col] == "+0.075 [-0.243, +0.393]"
+    )  # (.5 - .4) / 2 and (.6 - .4) / 2 at 128 of 256
     # at 512 scored images DenseGRPO has ended (its final evaluation: .9 - .4 in both seeds), and G²RPO is 0.4 of the
     # way from its first evaluation (0 scored) to its last (1280): gains .08 and .16
-    assert row("densegrpo")[scored] == "+0.500 [+0.500, +0.500]" and row("g2rpo")[scored].startswith("+0.120 [")
+    assert row("densegrpo")[scored] == "+0.500 [+0.500, +0.500]" and row("g2rpo")[
+        scored
+    ].startswith("+0.120 [")
     assert os.path.exists(tmp_path / "verdict" / "results.md")
-    text = bc.report(str(tmp_path / "verdict"), (a, b), reference="g2rpo:small")  # gain minus the reference's
-    head = next(line for line in text.splitlines() if line.startswith("| algorithm | variant | seeds"))
-    col = [c.strip() for c in head.strip("|").split("|")].index("gain − g2rpo:small's (Welch 95 % CI)")
+    text = bc.report(
+        str(tmp_path / "verdict"), (a, b), reference="g2rpo:small"
+    )  # gain minus the reference's
+    head = next(
+        line for line in text.splitlines() if line.startswith("| algorithm | variant | seeds")
+    )
+    col = [c.strip() for c in head.strip("|").split("|")].index(
+        "gain − g2rpo:small's (Welch 95 % CI)"
+    )
     assert row("g2rpo")[col] == "—"
-    assert row("densegrpo")[col] == "+0.200 [-1.071, +1.471]"  # .5 .5 against .2 .4: df 1, t 12.706, SE .1
+    assert (
+        row("densegrpo")[col] == "+0.200 [-1.071, +1.471]"
+    )  # .5 .5 against .2 .4: df 1, t 12.706, SE .1
     text = bc.report(str(tmp_path / "verdict"), (a, b), only=("densegrpo:big",))
     assert "| densegrpo | big |" in text and "| g2rpo |" not in text
     with pytest.raises(ConfigError, match="--only g2rpo:none: no such group"):
@@ -299,7 +373,9 @@ def test_bad_variant_is_one_clear_line():
         bc.parse_variants(["lr__1=--learning-rate 1e-4"])
     with pytest.raises(ConfigError, match="NAME=FLAGS"):
         bc.parse_variants(["--learning-rate 1e-4"])
-    assert bc.parse_variants(["lr1e-4=--learning-rate 1e-4"]) == {"lr1e-4": ["--learning-rate", "1e-4"]}
+    assert bc.parse_variants(["lr1e-4=--learning-rate 1e-4"]) == {
+        "lr1e-4": ["--learning-rate", "1e-4"]
+    }
     assert bc.parse_variants([]) == {"default": []}
     with pytest.raises(ConfigError, match="iterations >= 1"):
         bc.main(["--iterations", "0", "--dry-run"])
@@ -323,18 +399,31 @@ def test_fixed_iterations_replace_the_cpu_budget_except_for_the_start_run(capsys
             "5",
         ]
     )
-    cmd = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if "__" in line}
+    cmd = {
+        line.split()[0]: line.split()[1:]
+        for line in capsys.readouterr().out.splitlines()
+        if "__" in line
+    }
     start, run = cmd["g2rpo__hack__start"], cmd["g2rpo__hack__3"]
     flag = lambda argv, name: argv[max(i for i, a in enumerate(argv) if a == name) + 1]  # noqa: E731  (last wins)
     assert flag(start, "--num-iterations") == "0" and flag(run, "--num-iterations") == "30"
-    assert flag(run, "--cpu-budget-s") == "0" and flag(run, "--beta") == "0.04" and flag(run, "--eval-every") == "5"
+    assert (
+        flag(run, "--cpu-budget-s") == "0"
+        and flag(run, "--beta") == "0.04"
+        and flag(run, "--eval-every") == "5"
+    )
 
 
 def test_a_run_on_a_busy_machine_is_flagged():
     """The load sampled while a run ran: its own jobs x threads are expected, more means other work shared the
     machine (which costs CPU seconds per iteration, so the budget bought fewer iterations)."""
-    quiet, loaded = {"jobs": 2, "threads": 1, "load": [1.9, 2.1, 2.2]}, {"jobs": 2, "threads": 1, "load": [2.9, 3.1]}
-    assert not bc.busy(quiet) and bc.busy(loaded) and not bc.busy({"jobs": 2, "threads": 1})  # old runs: no samples
+    quiet, loaded = (
+        {"jobs": 2, "threads": 1, "load": [1.9, 2.1, 2.2]},
+        {"jobs": 2, "threads": 1, "load": [2.9, 3.1]},
+    )
+    assert (
+        not bc.busy(quiet) and bc.busy(loaded) and not bc.busy({"jobs": 2, "threads": 1})
+    )  # old runs: no samples
     assert bc.load_text(loaded) == "3.0 (3.1)" and bc.load_text({}) == "—"
 
 
@@ -342,7 +431,11 @@ def test_the_speed_probe_times_the_toy_model_and_flags_runs_from_machines_of_dif
     """CPU seconds are equal work only on one machine (the same G2RPO iteration: 45.9 CPU s on 2026-12-01's,
     86.3 on 2026-12-02's): every run records a timed workload, and a table that mixes speeds says so."""
     assert 0 < bc.probe_workload(calls=1) < 60
-    same = [{"speed_probe_cpu_s": 2.7}, {"speed_probe_cpu_s": 3.0}, {}]  # {}: a run from before the probe
+    same = [
+        {"speed_probe_cpu_s": 2.7},
+        {"speed_probe_cpu_s": 3.0},
+        {},
+    ]  # {}: a run from before the probe
     assert bc.speed_spread(same) is None and bc.speed_spread([{"speed_probe_cpu_s": 2.7}]) is None
     note = bc.speed_spread([*same, {"speed_probe_cpu_s": 5.3}])
     assert "from 2.70 to 5.30 CPU s" in note and "different speed" in note
@@ -358,10 +451,18 @@ def test_a_log_from_before_the_two_counters_is_read_under_their_names(tmp_path):
         [
             {"iteration": 0, "eval/accuracy": 0.4, "images": 0, "time/cpu_s": 1.0},
             {"iteration": 1, "images": 704, "time/cpu_s": 2.0},
-            {"iteration": 2, "eval/accuracy": 0.5, "images": 1408, "time/cpu_s": 3.0, "final": True},
+            {
+                "iteration": 2,
+                "eval/accuracy": 0.5,
+                "images": 1408,
+                "time/cpu_s": 3.0,
+                "final": True,
+            },
         ],
     )
     with open(os.path.join(out, "densegrpo__old__1", "args.json"), "w") as f:
         json.dump({"groups_per_iteration": 8, "group_size": 8}, f)
     last = bc.summarize(os.path.join(out, "densegrpo__old__1"))["final"]
-    assert last["trajectories"] == 2 * 64 and last["scored_images"] == 704  # the counters of the row before
+    assert (
+        last["trajectories"] == 2 * 64 and last["scored_images"] == 704
+    )  # the counters of the row before

@@ -51,7 +51,9 @@ def args_for(**kw):
 def test_completion_grid_and_its_nfe():
     T = 10
     for k in range(T):
-        assert D.completion_grid(T, k, None) == list(range(k, T + 1))  # n = t: the rest of the rollout grid
+        assert D.completion_grid(T, k, None) == list(
+            range(k, T + 1)
+        )  # n = t: the rest of the rollout grid
         assert D.completion_grid(T, k, 1) == [k, T]  # n = 1: one jump, the x0 prediction
         g2 = D.completion_grid(T, k, 2)
         assert g2[0] == k and g2[-1] == T and g2 == sorted(set(g2)) and len(g2) - 1 == min(2, T - k)
@@ -110,21 +112,37 @@ def test_dense_rewards_unchanged_by_reuse_and_skip(sd3, n, monkeypatch):
     velocity, seen = counting(sd3)
     monkeypatch.setattr(sd3, "velocity", velocity)
     out = D.dense_rollout(
-        sd3, reward, prompts, emb, sigmas, noise, args_for(completion_steps=n), torch.Generator().manual_seed(1)
+        sd3,
+        reward,
+        prompts,
+        emb,
+        sigmas,
+        noise,
+        args_for(completion_steps=n),
+        torch.Generator().manual_seed(1),
     )
     assert sum(seen) == out["nfe"]["rollout"] + out["nfe"]["completion"]
     assert len(seen) == out["calls"]["rollout"] + out["calls"]["completion"] and max(seen) <= 5
     monkeypatch.undo()
     dR = D.dense_step_rewards(reward.mix(out["scores"]))
-    dR_old = D.dense_step_rewards(old_latent_rewards(sd3, reward, prompts, emb, sigmas, out["latents"], n))
+    dR_old = D.dense_step_rewards(
+        old_latent_rewards(sd3, reward, prompts, emb, sigmas, out["latents"], n)
+    )
     assert dR.shape == (6, T)
     torch.testing.assert_close(dR, dR_old, atol=1e-6, rtol=0)  # measured: 3e-8
-    assert dR[:, :2].abs().min() > 2e-5  # the early noisy steps do move the reward: the comparison is not vacuous
-    skipped = n in (None, 2)  # grid_2[1:] == grid_3: the psi = 0 step is the first step of one shared completion
+    assert (
+        dR[:, :2].abs().min() > 2e-5
+    )  # the early noisy steps do move the reward: the comparison is not vacuous
+    skipped = n in (
+        None,
+        2,
+    )  # grid_2[1:] == grid_3: the psi = 0 step is the first step of one shared completion
     if skipped:
         assert (dR[:, 2] == 0).all() and dR_old[:, 2].abs().max() < 1e-6
     steps = sum(len(D.completion_grid(T, k, n)) - 1 for k in range(T))
-    assert out["nfe"]["completion"] == 6 * (steps - T - (len(D.completion_grid(T, 2, n)) - 2 if skipped else 0))
+    assert out["nfe"]["completion"] == 6 * (
+        steps - T - (len(D.completion_grid(T, 2, n)) - 2 if skipped else 0)
+    )
 
 
 @pytest.mark.parametrize("n", [None, 2, 1])
@@ -158,7 +176,11 @@ def test_trained_steps_only_complete_the_latents_they_need(sd3, upto):
     values), and the later completions are not run. T = 6 with psi = 0 at k = 3: R_3 is R_4 (one completion), so
     L = 3 takes it from there; the last two completions cost nothing (their one step is reused), so only L = 1 saves."""
     T, prompts = 6, PROMPTS * 2
-    sigmas, noise, emb = sd3.schedule(T, RES, RES), torch.tensor([0.7, 0.9, 0.7, 0.0, 0.7, 0.7]), sd3.encode(prompts)
+    sigmas, noise, emb = (
+        sd3.schedule(T, RES, RES),
+        torch.tensor([0.7, 0.9, 0.7, 0.0, 0.7, 0.7]),
+        sd3.encode(prompts),
+    )
     full, part = (
         D.dense_rollout(
             sd3,
@@ -173,8 +195,12 @@ def test_trained_steps_only_complete_the_latents_they_need(sd3, upto):
         )
         for u in (None, upto)
     )
-    torch.testing.assert_close(part["scores"][:, : upto + 1], full["scores"][:, : upto + 1], atol=1e-6, rtol=0)
-    torch.testing.assert_close(part["scores"][:, -1], full["scores"][:, -1], atol=0, rtol=0)  # the SDE image
+    torch.testing.assert_close(
+        part["scores"][:, : upto + 1], full["scores"][:, : upto + 1], atol=1e-6, rtol=0
+    )
+    torch.testing.assert_close(
+        part["scores"][:, -1], full["scores"][:, -1], atol=0, rtol=0
+    )  # the SDE image
     assert part["nfe"]["rollout"] == full["nfe"]["rollout"]
     assert part["nfe"]["completion"] <= full["nfe"]["completion"]
     assert (part["nfe"]["completion"] < full["nfe"]["completion"]) == (upto == 1)
@@ -190,7 +216,14 @@ def test_step_rewards_telescope_to_sde_minus_ode_image(sd3):
     reward = smooth_reward()
     args = args_for(rollout_batch_size=2)
     out = D.dense_rollout(
-        sd3, reward, prompts, emb, sigmas, torch.full((T,), 0.7), args, torch.Generator().manual_seed(3)
+        sd3,
+        reward,
+        prompts,
+        emb,
+        sigmas,
+        torch.full((T,), 0.7),
+        args,
+        torch.Generator().manual_seed(3),
     )
     R = reward.mix(out["scores"])  # [n, T+1]
     dR = D.dense_step_rewards(R)
@@ -201,7 +234,9 @@ def test_step_rewards_telescope_to_sde_minus_ode_image(sd3):
             x = sd3.initial_noise(2, RES, RES, generator=gen)
             for j in range(T):
                 v = sd3.velocity(x, sigmas[j], emb[b : b + 2], 4.5)
-                x = sde_step_with_logprob(v, x, sigmas[j], sigmas[j + 1], 0.7, generator=gen, sigma_max=sigmas[1])[0]
+                x = sde_step_with_logprob(
+                    v, x, sigmas[j], sigmas[j + 1], 0.7, generator=gen, sigma_max=sigmas[1]
+                )[0]
             finals.append(x)
         assert torch.equal(torch.cat(finals), out["latents"][T])
         x = out["latents"][0]  # the initial noise x_T
@@ -217,18 +252,24 @@ def test_step_rewards_telescope_to_sde_minus_ode_image(sd3):
 def test_per_step_advantages_normalise_each_timestep_in_each_group():
     g = torch.Generator().manual_seed(0)
     dR = torch.randn(12, 5, generator=g) * torch.tensor([1.0, 10.0, 0.1, 1.0, 1.0])
-    dR[:, 3] = 0.0  # nothing happened at this timestep: advantage 0, dropped by the training section
+    dR[:, 3] = (
+        0.0  # nothing happened at this timestep: advantage 0, dropped by the training section
+    )
     group = torch.tensor([0, 1] * 6)
     dR[group == 0, 4] = 2.0  # one group all equal at this timestep
     A = D.per_step_advantages(dR, group, global_std=False, eps=1e-4)
     for k in (0, 1):
         a = A[group == k]
         assert torch.allclose(a.mean(0), torch.zeros(5), atol=1e-5)
-        assert torch.allclose(a[:, :3].std(0, unbiased=False), torch.ones(3), atol=5e-3)  # scale-free per column (+eps)
+        assert torch.allclose(
+            a[:, :3].std(0, unbiased=False), torch.ones(3), atol=5e-3
+        )  # scale-free per column (+eps)
     assert (A[:, 3] == 0).all()
     assert (A[group == 0, 4] == 0).all() and (A[group == 1, 4] != 0).all()
     Ag = D.per_step_advantages(dR, group, global_std=True, eps=1e-4)
-    assert torch.allclose(Ag[:, 1].std(unbiased=False), torch.ones(()), atol=0.2)  # std over all, per timestep
+    assert torch.allclose(
+        Ag[:, 1].std(unbiased=False), torch.ones(()), atol=0.2
+    )  # std over all, per timestep
 
 
 # ---------------------------------------------------------------------------------------------- calibration
@@ -239,7 +280,11 @@ def rule(name, e=None):
 
 def p_up(name, N, q=0.5):
     """Probability that N nonzero DeltaR, each positive with probability q, move psi up under a +-1 rule."""
-    return sum(math.comb(N, p) * q**p * (1 - q) ** (N - p) for p in range(N + 1) if rule(name)(p, N - p, N) > 0)
+    return sum(
+        math.comb(N, p) * q**p * (1 - q) ** (N - p)
+        for p in range(N + 1)
+        if rule(name)(p, N - p, N) > 0
+    )
 
 
 def test_rules_on_counts_and_their_statistics():
@@ -258,7 +303,9 @@ def test_rules_on_counts_and_their_statistics():
     # not 1/2 (at 1/2 it still says "up" 71 % of the time). The share rule's expected move is 2q - 1: 0 at q = 1/2.
     assert 0.7 < p_up("ratio", 8) and abs(p_up("ratio", 8, q=0.34) - 0.5) < 0.05
     for q in (0.2, 0.5, 0.7):
-        e_move = sum(math.comb(8, p) * q**p * (1 - q) ** (8 - p) * share(p, 8 - p, 8) for p in range(9))
+        e_move = sum(
+            math.comb(8, p) * q**p * (1 - q) ** (8 - p) * share(p, 8 - p, 8) for p in range(9)
+        )
         assert abs(e_move - (2 * q - 1)) < 1e-12
 
 
@@ -284,7 +331,13 @@ ZEROS = torch.tensor([0.5] * 6 + [1.0])  # the last timestep: every DeltaR is 0
 
 def calibrate(sample, iterations, step, average, rule_name, bounds=(0.0, 1.5), start=0.7):
     return D.calibrate_psi(
-        torch.full((len(PSI_STAR),), start), sample, iterations, step, bounds, rule(rule_name), average
+        torch.full((len(PSI_STAR),), start),
+        sample,
+        iterations,
+        step,
+        bounds,
+        rule(rule_name),
+        average,
     )
 
 
@@ -304,9 +357,13 @@ def test_default_calibration_lands_on_the_known_balance(seed):
         args.calibration_average,
     )
     assert (
-        args.balance_test == "share" and args.psi_bounds[0] <= PSI_STAR.min() and PSI_STAR.max() <= args.psi_bounds[1]
+        args.balance_test == "share"
+        and args.psi_bounds[0] <= PSI_STAR.min()
+        and PSI_STAR.max() <= args.psi_bounds[1]
     )
-    psi, hist = calibrate(sigmoid_dR(PSI_STAR, N=N, zero_frac=ZEROS, seed=seed), K, step, avg, "share")
+    psi, hist = calibrate(
+        sigmoid_dR(PSI_STAR, N=N, zero_frac=ZEROS, seed=seed), K, step, avg, "share"
+    )
     err = (psi - PSI_STAR)[:6].abs()
     assert err.mean() < 0.08 and err.max() < 0.2, (psi, err)
     assert psi[6] == 0.7 and all(h["move"][6] == 0 for h in hist)
@@ -314,7 +371,9 @@ def test_default_calibration_lands_on_the_known_balance(seed):
 
     old, _ = calibrate(sigmoid_dR(PSI_STAR, N=16, zero_frac=ZEROS, seed=seed), 6, 0.01, 5, "ratio")
     assert (old - PSI_STAR)[:6].abs().mean() > 0.2 and (old - 0.7).abs().max() <= 0.06 + 1e-6
-    long, _ = calibrate(sigmoid_dR(PSI_STAR, N=16, zero_frac=ZEROS, seed=seed), 300, 0.02, 50, "ratio")
+    long, _ = calibrate(
+        sigmoid_dR(PSI_STAR, N=16, zero_frac=ZEROS, seed=seed), 300, 0.02, 50, "ratio"
+    )
     assert (long - PSI_STAR)[:6].abs().mean() > 0.1, long
 
 
@@ -358,7 +417,9 @@ def test_raw_scale_calibrates_the_same_noise_without_clamping_the_start():
     first = torch.tensor(hist[0]["psi_next"])
     assert ((first - a0 * unit).abs() <= 0.15 * unit + 1e-6).all() and first[0] > 3.3
     # the old raw calibration (bounds and step unscaled) clamps every start above 1.5 at the first update
-    _, old = D.calibrate_psi(a0 * unit, sigmoid_dR(star, seed=3, unit=unit), 1, 0.01, (0.0, 1.5), rule("share"), 1)
+    _, old = D.calibrate_psi(
+        a0 * unit, sigmoid_dR(star, seed=3, unit=unit), 1, 0.01, (0.0, 1.5), rule("share"), 1
+    )
     assert old[0]["psi_next"][0] == 1.5
 
 
@@ -368,7 +429,14 @@ def prompts_file(tmp_path):
     return write_prompts(tmp_path / "prompts.txt", PROMPTS)
 
 
-CALIB = ["--calibration-iterations", "2", "--calibration-trajectories", "2", "--completion-batch-size", "4"]
+CALIB = [
+    "--calibration-iterations",
+    "2",
+    "--calibration-trajectories",
+    "2",
+    "--completion-batch-size",
+    "4",
+]
 
 
 CPS = ["--sde-type", "cps"]  # psi(t) is then CPS's a, clamped to [0, 1] by default
@@ -384,7 +452,9 @@ CPS = ["--sde-type", "cps"]  # psi(t) is then CPS's a, clamped to [0, 1] by defa
     ],
     ids=["sd3", "flux", "sd3-cps", "flux-cps"],
 )
-def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(request, fixture, extra, tmp_path, prompts_file):
+def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(
+    request, fixture, extra, tmp_path, prompts_file
+):
     model = request.getfixturevalue(fixture)
     guidance = ["--guidance-scale", "4.5"] if fixture == "tiny_sd3" else ["--guidance-scale", "3.5"]
     run_main(
@@ -404,9 +474,13 @@ def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(request, fixt
     m = read_metrics(run)
     assert [x["iteration"] for x in m] == [0, 1]
     first = m[0]
-    shares = [v for k, v in first.items() if k.startswith("steps/grad_share/")]  # the diagnostic: 2 trained steps
+    shares = [
+        v for k, v in first.items() if k.startswith("steps/grad_share/")
+    ]  # the diagnostic: 2 trained steps
     assert len(shares) == 2 and sum(shares) == pytest.approx(1)
-    assert first["ratio/first_minibatch_max_dev"] < 1e-5  # psi(t) per transition is used consistently
+    assert (
+        first["ratio/first_minibatch_max_dev"] < 1e-5
+    )  # psi(t) per transition is used consistently
     for key in (
         "nfe",
         "train/reward_mean",
@@ -421,19 +495,33 @@ def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(request, fixt
     ):
         assert key in first, key
     T, n = 3, 4
-    assert first["rollout/completion_nfe"] == n * (T * (T + 1) // 2 - T)  # the first steps reuse the SDE's v
-    assert first["nfe/rollout"] == n * T and first["nfe/completion"] == first["rollout/completion_nfe"]
+    assert first["rollout/completion_nfe"] == n * (
+        T * (T + 1) // 2 - T
+    )  # the first steps reuse the SDE's v
+    assert (
+        first["nfe/rollout"] == n * T and first["nfe/completion"] == first["rollout/completion_nfe"]
+    )
     # trajectories: prompts x G; scored: the L + 1 latents whose completions the L = 2 trained steps need, and the SDE
     # image (--timestep-fraction 0.99 of T = 3 trains 2 steps)
     assert first["trajectories"] == n and first["scored_images"] == n * (2 + 1 + 1)
-    assert first["nfe/train_forward"] == 2 * first["nfe/train_backward"] > 0  # beta > 0: a reference forward each
+    assert (
+        first["nfe/train_forward"] == 2 * first["nfe/train_backward"] > 0
+    )  # beta > 0: a reference forward each
     psi = json.load(open(run / "psi.json"))
     assert len(psi["psi"]) == T and len(psi["history"]) == 2 and psi["balance_test"] == "share"
     assert all(abs(p - 0.7) <= 2 * 0.2 + 1e-6 for p in psi["psi"])  # two steps of 0.2 at most
-    assert os.path.exists(run / "psi.png") and os.path.exists(run / "checkpoint-1" / "pytorch_lora_weights.safetensors")
+    assert os.path.exists(run / "psi.png") and os.path.exists(
+        run / "checkpoint-1" / "pytorch_lora_weights.safetensors"
+    )
     if extra:  # CPS: the rollout's unnormalised log-prob is recomputed exactly, psi stays a valid CPS level
-        assert first["ratio/first_minibatch_max_dev"] == 0 and max(psi["psi"]) <= 1 and math.isfinite(first["kl"])
-    elif fixture == "tiny_sd3":  # reuse the calibration: no calibration time, same psi; the end-of-run pictures drawn
+        assert (
+            first["ratio/first_minibatch_max_dev"] == 0
+            and max(psi["psi"]) <= 1
+            and math.isfinite(first["kl"])
+        )
+    elif (
+        fixture == "tiny_sd3"
+    ):  # reuse the calibration: no calibration time, same psi; the end-of-run pictures drawn
         for picture in ("learning_curve.png", "steps_heatmap.png", "before_after.png"):
             assert os.path.getsize(run / picture) > 0, picture
         run_main(
@@ -487,7 +575,10 @@ def test_psi_file_must_match_the_sde_type(tmp_path):
         (["--completion-steps", "0"], "at least one ODE step"),
         (["--psi-bounds", "1.0", "0.5"], "low <= high"),
         (["--psi-bounds", "0.0", "0.5"], "do not contain the start --noise-level 0.7"),
-        (["--psi-bounds", "0.0", "1.5", "--psi-scale", "raw", "--noise-level", "2"], "do not contain the start"),
+        (
+            ["--psi-bounds", "0.0", "1.5", "--psi-scale", "raw", "--noise-level", "2"],
+            "do not contain the start",
+        ),
         (["--psi-file", "/no/psi.json"], "does not exist"),
         (["--calibration-average", "0"], "at least the last iterate"),
         (["--sde-type", "cps", "--psi-scale", "raw"], "raw reads it as the SDE's std_dev_t"),
@@ -498,7 +589,9 @@ def test_psi_file_must_match_the_sde_type(tmp_path):
 def test_bad_input_is_one_clear_line(monkeypatch, flags, expect, tmp_path, prompts_file, tiny_sd3):
     import runpy
 
-    monkeypatch.setattr(sys, "argv", [SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file), *flags])
+    monkeypatch.setattr(
+        sys, "argv", [SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file), *flags]
+    )
     with pytest.raises(SystemExit) as e:
         runpy.run_path(os.path.join(ROOT, SCRIPT), run_name="__main__")
     msg = str(e.value.code)

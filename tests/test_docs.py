@@ -53,9 +53,13 @@ def check_doc(doc: str, text: str, root: str = ROOT) -> tuple[list[str], int]:
         key, path, n, link, ln = m["key"], m["path"], int(m["n"]), m["link"], int(m["ln"])
         where = f"{doc}:{text.count(chr(10), 0, m.start()) + 1}: reference `{key}` ({path}:{n})"
         if not KEY_LEN[0] <= len(key) <= KEY_LEN[1]:
-            errors.append(f"{where}: the key is {len(key)} characters; use {KEY_LEN[0]}-{KEY_LEN[1]}")
+            errors.append(
+                f"{where}: the key is {len(key)} characters; use {KEY_LEN[0]}-{KEY_LEN[1]}"
+            )
         if link != prefix + path:
-            errors.append(f"{where}: the link goes to '{link}', expected '{prefix + path}' (from {doc})")
+            errors.append(
+                f"{where}: the link goes to '{link}', expected '{prefix + path}' (from {doc})"
+            )
         if ln != n:
             errors.append(f"{where}: the label says line {n} but the link says #L{ln}")
         full = os.path.join(root, path)
@@ -97,7 +101,9 @@ def test_line_references_point_at_their_key(doc):
 def test_algorithm_docs_reference_the_code(doc):
     with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
         _, count = check_doc(doc, f.read())
-    assert count >= MIN_REFS, f"{doc} has {count} checked line references; its implementation details need {MIN_REFS}+"
+    assert count >= MIN_REFS, (
+        f"{doc} has {count} checked line references; its implementation details need {MIN_REFS}+"
+    )
 
 
 def test_checker_catches_a_stale_number(tmp_path):
@@ -107,7 +113,10 @@ def test_checker_catches_a_stale_number(tmp_path):
     good = "`advantages.clamp(-args` ([script.py:2](../script.py#L2))"
     assert check_doc("docs/x.md", good, str(tmp_path)) == ([], 1)
     for bad, expect in [
-        ("`advantages.clamp(-args` ([script.py:1](../script.py#L1))", "now on line(s) 2 of script.py"),
+        (
+            "`advantages.clamp(-args` ([script.py:1](../script.py#L1))",
+            "now on line(s) 2 of script.py",
+        ),
         ("`advantages.clamp(-args` ([script.py:2](../script.py#L1))", "the link says #L1"),
         ("`advantages.clamp(-args` ([script.py:9](../script.py#L9))", "has only 2 lines"),
         ("`advantages.clamp(-args` ([script.py:2](script.py#L2))", "expected '../script.py'"),
@@ -140,12 +149,18 @@ def fix_doc(doc: str, text: str, root: str = ROOT) -> tuple[str, int]:
         if len(found) != 1 or found[0] == int(m["n"]) == int(m["ln"]):
             return m.group(0)
         moved += 1
-        return m.group(0).replace(f":{m['n']}]", f":{found[0]}]").replace(f"#L{m['ln']})", f"#L{found[0]})")
+        return (
+            m.group(0)
+            .replace(f":{m['n']}]", f":{found[0]}]")
+            .replace(f"#L{m['ln']})", f"#L{found[0]})")
+        )
 
     return REF.sub(renumber, text), moved
 
 
-if __name__ == "__main__":  # python tests/test_docs.py --fix : renumber references after the code moved
+if (
+    __name__ == "__main__"
+):  # python tests/test_docs.py --fix : renumber references after the code moved
     import sys
 
     for doc in doc_files():

@@ -20,7 +20,9 @@ def toy():
 def test_evaluate_scores_fixed_seed_ode_samples_per_category(toy):
     """The metrics are those of the ODE samples from seeds 10_000 * s + prompt index, recomputed here by hand:
     mean reward, guard means, strict accuracy per category and its mean over categories (not over images)."""
-    prompts = [p for c in toyworld.CATEGORIES for p in toyworld.all_prompts(c)[:2]] + ["a photo of a red circle"]
+    prompts = [p for c in toyworld.CATEGORIES for p in toyworld.all_prompts(c)[:2]] + [
+        "a photo of a red circle"
+    ]
     reward, guard = build_reward("toyworld"), build_reward("jpeg_compressibility")
     m, grid, panel = evaluate(
         toy,
@@ -37,19 +39,28 @@ def test_evaluate_scores_fixed_seed_ode_samples_per_category(toy):
     )
 
     ps = [p for p in prompts for _ in range(2)]
-    imgs = sample_ode(toy, ps, [10_000 * s + i for i in range(len(prompts)) for s in range(2)], 8, RES, RES)
+    imgs = sample_ode(
+        toy, ps, [10_000 * s + i for i in range(len(prompts)) for s in range(2)], 8, RES, RES
+    )
     _, correct = toyworld.score(imgs, ps)
     per_cat = {
-        c: np.mean([ok for ok, p in zip(correct, ps) if toyworld.category_of(p) == c]) for c in toyworld.CATEGORIES
+        c: np.mean([ok for ok, p in zip(correct, ps) if toyworld.category_of(p) == c])
+        for c in toyworld.CATEGORIES
     }
     for c in toyworld.CATEGORIES:
         assert m[f"eval/accuracy_{c}"] == pytest.approx(per_cat[c])
     assert m["eval/accuracy"] == pytest.approx(np.mean(list(per_cat.values())))
     p = np.array([per_cat[c] for c in toyworld.CATEGORIES])
-    n = np.array([sum(toyworld.category_of(q) == c for q in ps) for c in toyworld.CATEGORIES])  # images per category
+    n = np.array(
+        [sum(toyworld.category_of(q) == c for q in ps) for c in toyworld.CATEGORIES]
+    )  # images per category
     assert m["eval/accuracy_se"] == pytest.approx(np.sqrt(np.sum(p * (1 - p) / n)) / len(p))
-    assert m["eval/reward_mean"] == pytest.approx(reward.mix(reward(imgs, ps)).mean().item(), abs=1e-6)
-    assert m["eval/guard/jpeg_compressibility"] == pytest.approx(guard(imgs, ps)[:, 0].mean().item(), abs=1e-6)
+    assert m["eval/reward_mean"] == pytest.approx(
+        reward.mix(reward(imgs, ps)).mean().item(), abs=1e-6
+    )
+    assert m["eval/guard/jpeg_compressibility"] == pytest.approx(
+        guard(imgs, ps)[:, 0].mean().item(), abs=1e-6
+    )
     # The grid shows the fixed subset: the first 4 prompts of every category, seed index 0, category by category.
     shown = panel_jobs(prompts)
     assert [toyworld.category_of(prompts[i]) for i in shown] == [
@@ -61,7 +72,9 @@ def test_evaluate_scores_fixed_seed_ode_samples_per_category(toy):
     assert grid.size == panel.grid().size and grid.width >= 4 * 128  # 4 per row, upscaled to 128 px
 
     again, _ = evaluate(toy, reward, None, prompts, 8, None, 1.0, 2, len(prompts) * 2, RES)
-    assert {k: again[k] for k in m if "guard" not in k} == {k: m[k] for k in m if "guard" not in k}  # deterministic
+    assert {k: again[k] for k in m if "guard" not in k} == {
+        k: m[k] for k in m if "guard" not in k
+    }  # deterministic
 
 
 def test_evaluate_reports_accuracy_only_for_toy_prompts(toy):
@@ -82,5 +95,7 @@ def test_evaluate_reports_accuracy_only_for_toy_prompts(toy):
 
 def test_accuracy_se_is_the_standard_error_of_the_mean_of_category_means():
     # p = 3/4 and 1/4 over 4 images each: se_c^2 = 0.75 * 0.25 / 4; se = sqrt(2 se_c^2) / 2
-    assert accuracy_se({"a": [1, 0, 1, 1], "b": [0, 0, 1, 0]}) == pytest.approx(np.sqrt(2 * 0.75 * 0.25 / 4) / 2)
+    assert accuracy_se({"a": [1, 0, 1, 1], "b": [0, 0, 1, 0]}) == pytest.approx(
+        np.sqrt(2 * 0.75 * 0.25 / 4) / 2
+    )
     assert accuracy_se({"a": [1, 1], "b": [0, 0, 0]}) == 0.0

@@ -8,7 +8,15 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, assert_resume_is_exact, read_metrics, run_main, run_script, tiny_flags, write_prompts
+from helpers import (
+    ROOT,
+    assert_resume_is_exact,
+    read_metrics,
+    run_main,
+    run_script,
+    tiny_flags,
+    write_prompts,
+)
 
 from common.checkpoint import list_checkpoints
 
@@ -27,7 +35,9 @@ def test_smoke_one_iteration_and_ratio_is_one(request, fixture, tmp_path, prompt
     model = request.getfixturevalue(fixture)
     guidance = ["--guidance-scale", "4.5"] if fixture == "tiny_sd3" else ["--guidance-scale", "3.5"]
     # FLUX also exercises --track (wandb, offline) and a guard reward logged at evaluation.
-    extra = ["--track", "--guard-rewards", "jpeg_incompressibility"] if fixture == "tiny_flux" else []
+    extra = (
+        ["--track", "--guard-rewards", "jpeg_incompressibility"] if fixture == "tiny_flux" else []
+    )
     os.environ["WANDB_MODE"], saved = "offline", os.environ.get("WANDB_MODE")
     try:
         run_main(
@@ -51,7 +61,9 @@ def test_smoke_one_iteration_and_ratio_is_one(request, fixture, tmp_path, prompt
     # On-policy: the training forward recomputes the rollout's log-probs before any update.
     assert first["ratio/first_minibatch_max_dev"] < 1e-5
     # prompts x G trajectories, each image scored once; the final row carries the run's counters
-    assert first["trajectories"] == first["scored_images"] == 2 * 2 and m[-1]["trajectories"] == 2 * 2
+    assert (
+        first["trajectories"] == first["scored_images"] == 2 * 2 and m[-1]["trajectories"] == 2 * 2
+    )
     for key in (
         "nfe",
         "train/reward_mean",
@@ -67,7 +79,11 @@ def test_smoke_one_iteration_and_ratio_is_one(request, fixture, tmp_path, prompt
     ):
         assert key in first, key
     assert first["nfe"] > 0 and first["kl"] >= 0
-    for picture in ("learning_curve.png", "steps_heatmap.png", "before_after.png"):  # the end-of-run pictures
+    for picture in (
+        "learning_curve.png",
+        "steps_heatmap.png",
+        "before_after.png",
+    ):  # the end-of-run pictures
         assert os.path.getsize(tmp_path / "run" / picture) > 0, picture
     assert os.path.exists(tmp_path / "run" / "samples" / "eval_00000.png")
     assert os.path.exists(tmp_path / "run" / "checkpoint-1" / "pytorch_lora_weights.safetensors")
@@ -80,7 +96,13 @@ def window_flags(model, out_dir, prompts_file, run_name="run"):
     return flags[:i] + flags[i + 2 :]
 
 
-WINDOW = ["--sde-window-size", "1", "--sde-window-range", "0", "3"]  # one of the 3 steps, drawn per iteration
+WINDOW = [
+    "--sde-window-size",
+    "1",
+    "--sde-window-range",
+    "0",
+    "3",
+]  # one of the 3 steps, drawn per iteration
 
 
 def expected_window(iteration, size, lo, hi, seed=1, groups=2, group_size=2, n_prompts=2):
@@ -116,7 +138,14 @@ def test_saved_lora_loads_into_stock_pipeline(tiny_sd3, tmp_path, prompts_file):
         "100",
     )
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
-    kw = dict(height=64, width=64, num_inference_steps=2, guidance_scale=1.0, max_sequence_length=8, output_type="pt")
+    kw = dict(
+        height=64,
+        width=64,
+        num_inference_steps=2,
+        guidance_scale=1.0,
+        max_sequence_length=8,
+        output_type="pt",
+    )
     before = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
     pipe.load_lora_weights(str(tmp_path / "run" / "checkpoint-2"))
     after = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
@@ -177,13 +206,19 @@ def test_learning_on_the_toy_world(tmp_path):
 
 # ---- variants: CPS (--sde-type cps) and Flow-GRPO-Fast's SDE window (--sde-window-size / --sde-window-range)
 @pytest.mark.parametrize(
-    "fixture, extra", [("tiny_sd3", []), ("tiny_flux", ["--sde-window-size", "1"])], ids=["sd3", "flux-window"]
+    "fixture, extra",
+    [("tiny_sd3", []), ("tiny_flux", ["--sde-window-size", "1"])],
+    ids=["sd3", "flux-window"],
 )
 def test_cps_ratio_is_one(request, fixture, extra, tmp_path, prompts_file):
     """--sde-type cps end to end: finite log-probs (check_transitions asserts them), ratio exactly 1 before any update,
     a finite KL (beta > 0: the reference's CPS mean, gaussian_kl with the CPS std); FLUX also with a window."""
     model = request.getfixturevalue(fixture)
-    flags = window_flags(model, tmp_path, prompts_file) if extra else tiny_flags(model, tmp_path, prompts_file)
+    flags = (
+        window_flags(model, tmp_path, prompts_file)
+        if extra
+        else tiny_flags(model, tmp_path, prompts_file)
+    )
     run_main(
         SCRIPT,
         *flags,
@@ -200,11 +235,16 @@ def test_cps_ratio_is_one(request, fixture, extra, tmp_path, prompts_file):
         *extra,
     )
     first = read_metrics(tmp_path / "run")[0]
-    assert first["ratio/first_minibatch_max_dev"] == 0 and first["ratio/min"] == first["ratio/max"] == 1
+    assert (
+        first["ratio/first_minibatch_max_dev"] == 0
+        and first["ratio/min"] == first["ratio/max"] == 1
+    )
     assert first["train/kept_transitions"] > 0 and 0 <= first["kl"] < float("inf")
 
 
-def test_sde_window_trains_its_steps_only_and_is_ode_elsewhere(tiny_sd3, tmp_path, prompts_file, monkeypatch):
+def test_sde_window_trains_its_steps_only_and_is_ode_elsewhere(
+    tiny_sd3, tmp_path, prompts_file, monkeypatch
+):
     """A window of 2 of the 3 steps (start 0 or 1, drawn per iteration): the transitions are exactly the window's steps,
     one row per image and step; every rollout step outside it has noise 0 and is the exact Euler step (deterministic)."""
     import common.sampler as sampler
@@ -245,11 +285,18 @@ def test_sde_window_trains_its_steps_only_and_is_ode_elsewhere(tiny_sd3, tmp_pat
     )
     m = read_metrics(tmp_path / "run")
     starts = [m[i]["train/sde_window_start"] for i in range(2)]
-    assert starts == [expected_window(i, 2, 0, 3, seed=2) for i in range(2)] == [0, 1]  # seed 2: both windows
+    assert (
+        starts == [expected_window(i, 2, 0, 3, seed=2) for i in range(2)] == [0, 1]
+    )  # seed 2: both windows
     sigmas = sorted({s for s, _ in calls}, reverse=True)  # the 3 rollout sigmas, in step order
     for i, (w0, idx) in enumerate(zip(starts, seen)):
-        assert torch.equal(idx, torch.tensor([w0, w0 + 1]).repeat_interleave(4))  # step-major, 4 images per step
-        assert sorted(k for k in m[i] if k.startswith("steps/kept/")) == [f"steps/kept/{w0}", f"steps/kept/{w0 + 1}"]
+        assert torch.equal(
+            idx, torch.tensor([w0, w0 + 1]).repeat_interleave(4)
+        )  # step-major, 4 images per step
+        assert sorted(k for k in m[i] if k.startswith("steps/kept/")) == [
+            f"steps/kept/{w0}",
+            f"steps/kept/{w0 + 1}",
+        ]
         it_calls = calls[i * 6 : (i + 1) * 6]  # 2 rollout batches x 3 steps
         for s, a in it_calls:
             assert a == (0.7 if sigmas.index(s) in (w0, w0 + 1) else 0.0), (i, s, a)
@@ -265,17 +312,24 @@ def run_inprocess(monkeypatch, *flags) -> str:
 
 
 def test_bad_input_from_the_shell_is_one_line_without_traceback(tmp_path, prompts_file, tiny_sd3):
-    r = run_script(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file), "--reward", "nonsense", check=False)
+    r = run_script(
+        SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file), "--reward", "nonsense", check=False
+    )
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: unknown reward 'nonsense'") and "toyworld" in last  # lists the choices
+    assert (
+        last.startswith("error: unknown reward 'nonsense'") and "toyworld" in last
+    )  # lists the choices
 
 
 @pytest.mark.parametrize(
     "flags,expect",
     [
         (["--reward", "pickscore:abc"], "weight"),
-        (["--group-size", "3", "--rollout-batch-size", "4"], "not a multiple of --rollout-batch-size"),
+        (
+            ["--group-size", "3", "--rollout-batch-size", "4"],
+            "not a multiple of --rollout-batch-size",
+        ),
         (["--group-size", "1"], "at least 2 images"),
         (["--rollout-batch-size", "3"], "not a multiple of --rollout-batch-size"),
         (["--resolution", "50"], "not a multiple of 4"),
@@ -285,7 +339,10 @@ def test_bad_input_from_the_shell_is_one_line_without_traceback(tmp_path, prompt
         (["--sde-window-range", "0", "2"], "needs --sde-window-size > 0"),
         (["--sde-type", "cps", "--timestep-fraction", "1.0"], "the last step is trained"),
         (["--sde-type", "cps", "--noise-level", "1.2"], "must be in [0, 1]"),
-        (["--sde-type", "cps", "--noise-level", "0.8", "--ratio-norm", "ratio"], "defined for the SDE step"),
+        (
+            ["--sde-type", "cps", "--noise-level", "0.8", "--ratio-norm", "ratio"],
+            "defined for the SDE step",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line(monkeypatch, flags, expect, tmp_path, prompts_file, tiny_sd3):
@@ -296,13 +353,19 @@ def test_bad_input_is_one_clear_line(monkeypatch, flags, expect, tmp_path, promp
 
 def test_empty_or_missing_prompt_file(monkeypatch, tmp_path, tiny_sd3, prompts_file):
     empty = write_prompts(tmp_path / "empty.txt", [""])
-    msg = run_inprocess(monkeypatch, *tiny_flags(tiny_sd3, tmp_path, prompts_file), "--prompts-file", empty)
+    msg = run_inprocess(
+        monkeypatch, *tiny_flags(tiny_sd3, tmp_path, prompts_file), "--prompts-file", empty
+    )
     assert "is empty: expected one prompt per line" in msg
-    msg = run_inprocess(monkeypatch, *tiny_flags(tiny_sd3, tmp_path, prompts_file), "--eval-prompts", "/no/file")
+    msg = run_inprocess(
+        monkeypatch, *tiny_flags(tiny_sd3, tmp_path, prompts_file), "--eval-prompts", "/no/file"
+    )
     assert msg.startswith("error:") and "/no/file" in msg
 
 
-def test_non_finite_reward_stops_and_keeps_checkpoint(tmp_path, tiny_sd3, prompts_file, monkeypatch):
+def test_non_finite_reward_stops_and_keeps_checkpoint(
+    tmp_path, tiny_sd3, prompts_file, monkeypatch
+):
     """A reward that turns NaN at iteration 2 stops the run with the iteration number; checkpoint 2 survives."""
     import common.rewards as rewards
 
@@ -359,26 +422,54 @@ def test_ratio_norm_is_one_on_policy_and_trains(tiny_sd3, tmp_path, prompts_file
         "--train-batch-size",
         "2",
     ]
-    run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file), *two_steps, "--ratio-norm", "guard")
+    run_main(
+        SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file), *two_steps, "--ratio-norm", "guard"
+    )
     first = read_metrics(tmp_path / "run")[0]
     assert first["ratio/first_minibatch_max_dev"] == 0 and first["train/optimizer_steps"] == 2
-    assert all(math.isfinite(first[k]) for k in ("ratio/min", "ratio/max", "policy_loss", "grad_norm"))
+    assert all(
+        math.isfinite(first[k]) for k in ("ratio/min", "ratio/max", "policy_loss", "grad_norm")
+    )
     run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "plain"), *two_steps)
-    a = torch.load(tmp_path / "run" / "checkpoint-1" / "trainer_state.pt", weights_only=False)["params"]
-    b = torch.load(tmp_path / "plain" / "checkpoint-1" / "trainer_state.pt", weights_only=False)["params"]
+    a = torch.load(tmp_path / "run" / "checkpoint-1" / "trainer_state.pt", weights_only=False)[
+        "params"
+    ]
+    b = torch.load(tmp_path / "plain" / "checkpoint-1" / "trainer_state.pt", weights_only=False)[
+        "params"
+    ]
     assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
-def test_grad_share_diagnostic_sums_to_one_and_leaves_the_update_unchanged(tiny_sd3, tmp_path, prompts_file):
+def test_grad_share_diagnostic_sums_to_one_and_leaves_the_update_unchanged(
+    tiny_sd3, tmp_path, prompts_file
+):
     """--grad-share-every 1: every training row holds each trained step's share of the gradient (they sum to 1) and
     its norm, and the trained weights are bit for bit those of a run without the diagnostic (autograd.grad leaves
     .grad alone)."""
-    flags = ["--num-iterations", "2", "--eval-every", "100", "--train-batch-size", "2", "--save-every", "2"]
-    run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "share"), *flags, "--grad-share-every", "1")
+    flags = [
+        "--num-iterations",
+        "2",
+        "--eval-every",
+        "100",
+        "--train-batch-size",
+        "2",
+        "--save-every",
+        "2",
+    ]
+    run_main(
+        SCRIPT,
+        *tiny_flags(tiny_sd3, tmp_path, prompts_file, "share"),
+        *flags,
+        "--grad-share-every",
+        "1",
+    )
     run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "plain"), *flags)
     for row in read_metrics(tmp_path / "share")[:2]:
         shares = {k: v for k, v in row.items() if k.startswith("steps/grad_share/")}
-        assert sorted(shares) == ["steps/grad_share/0", "steps/grad_share/1"]  # 3 steps, fraction 0.99: 2 trained
+        assert sorted(shares) == [
+            "steps/grad_share/0",
+            "steps/grad_share/1",
+        ]  # 3 steps, fraction 0.99: 2 trained
         assert sum(shares.values()) == pytest.approx(1.0) and row["steps/grad_norm/1"] > 0
     assert not any(k.startswith("steps/grad_share/") for k in read_metrics(tmp_path / "plain")[0])
     a, b = (

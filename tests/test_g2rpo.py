@@ -45,9 +45,13 @@ def test_official_schedule_reproduces_the_released_code():
     sig = 3 * sig / (1 + 2 * sig)
     for e, g, at in [(0, 2, 0.300), (1, 2, 0.409), (0, 3, 0.577), (1, 3, 0.500), (7, 3, 0.500)]:
         idx = g2rpo.completion_schedule(e, g, 16, official=True)
-        code = list(range(e + 1, e + 2)) + list(range(e + 2, 17, g))  # sigma[0..e+1] ++ sigma[e+2::g], from e+1
+        code = list(range(e + 1, e + 2)) + list(
+            range(e + 2, 17, g)
+        )  # sigma[0..e+1] ++ sigma[e+2::g], from e+1
         assert idx[:-1] == code[:-1]  # the same model calls ...
-        assert abs(float(sig[idx[-2]]) - at) < 1e-3  # ... the last one at the quoted sigma, then a jump to 0
+        assert (
+            abs(float(sig[idx[-2]]) - at) < 1e-3
+        )  # ... the last one at the quoted sigma, then a jump to 0
         clean = g2rpo.completion_schedule(e, g, 16)
         assert clean[-2] > idx[-2] or clean == idx  # the default goes further before its last step
 
@@ -57,7 +61,9 @@ def test_mgai_on_a_hand_computed_table():
     # 2 prompts, K=2 branch steps, L=2 granularities, G=3 members, R=1 reward.
     r = torch.zeros(2, 2, 2, 3, 1)
     r[0, 0, 0, :, 0] = torch.tensor([1.0, 2.0, 3.0])  # mean 2, unbiased std 1        -> -1, 0, 1
-    r[0, 0, 1, :, 0] = torch.tensor([0.0, 0.0, 6.0])  # mean 2, std sqrt(12)          -> -2/s, -2/s, 4/s
+    r[0, 0, 1, :, 0] = torch.tensor(
+        [0.0, 0.0, 6.0]
+    )  # mean 2, std sqrt(12)          -> -2/s, -2/s, 4/s
     r[0, 1, 0, :, 0] = torch.tensor([5.0, 5.0, 5.0])  # equal: 0
     r[0, 1, 1, :, 0] = torch.tensor([4.0, 0.0, 2.0])  # mean 2, std 2                 -> 1, -1, 0
     r[1] = 10 * r[0] + 7  # normalisation is affine-invariant
@@ -69,14 +75,20 @@ def test_mgai_on_a_hand_computed_table():
     torch.testing.assert_close(adv[1], want)
     # eps enters the denominator only
     adv_eps = g2rpo.mgai_advantages(r, torch.ones(1), eps=1.0)
-    torch.testing.assert_close(adv_eps[0, 0], torch.tensor([-1 / 2 - 2 / (s + 1), -2 / (s + 1), 1 / 2 + 4 / (s + 1)]))
+    torch.testing.assert_close(
+        adv_eps[0, 0], torch.tensor([-1 / 2 - 2 / (s + 1), -2 / (s + 1), 1 / 2 + 4 / (s + 1)])
+    )
     # two reward models: per-reward normalisation, then the weighted sum (A_HPS + A_CLIP when both weights are 1)
     two = torch.cat([r, -r[..., :1] * 3], -1)
-    torch.testing.assert_close(g2rpo.mgai_advantages(two, torch.tensor([1.0, 0.5]), 0.0), adv - 0.5 * adv)
+    torch.testing.assert_close(
+        g2rpo.mgai_advantages(two, torch.tensor([1.0, 0.5]), 0.0), adv - 0.5 * adv
+    )
 
 
 def test_mgai_of_equal_rewards_is_exactly_zero():
-    r = torch.full((3, 2, 12, 2), 0.1)  # 0.1 is not exact in binary: a float32 mean would not return it
+    r = torch.full(
+        (3, 2, 12, 2), 0.1
+    )  # 0.1 is not exact in binary: a float32 mean would not return it
     r[1] = 0.3333
     assert (g2rpo.mgai_advantages(r, torch.ones(2), eps=1e-8) == 0).all()
 
@@ -126,7 +138,9 @@ def test_counted_nfe_equals_closed_form(T, M, G, lams, official):
 
 
 # ---------------------------------------------------------------------------------------------- sampling
-def _tiny_rollout(path, noise_level, prompts, M=(0, 2), lams=(1, 2), G=3, T=4, seed=0, official=False):
+def _tiny_rollout(
+    path, noise_level, prompts, M=(0, 2), lams=(1, 2), G=3, T=4, seed=0, official=False
+):
     bb = load_backbone(path)
     emb = bb.encode(prompts)
     gen = torch.Generator().manual_seed(seed)
@@ -156,10 +170,14 @@ def test_noise_zero_gives_identical_groups_and_zero_advantages(request, fixture)
     images = bb.decode(final.flatten(0, 3), RES, RES).view(P, K, L, G, 3, RES, RES)
     assert (images == images[:, :, :, :1]).all()  # every member of every group: the same image
     reward = build_reward("jpeg_compressibility,toyworld")
-    scores = reward(images.flatten(0, 3), [p for p in prompts for _ in range(K * L * G)]).view(P, K, L, G, 2)
+    scores = reward(images.flatten(0, 3), [p for p in prompts for _ in range(K * L * G)]).view(
+        P, K, L, G, 2
+    )
     assert (scores == scores[:, :, :, :1]).all()
     assert (g2rpo.mgai_advantages(scores, reward.weights, 1e-8) == 0).all()
-    assert (out["log_prob"] == 0).all()  # a deterministic step has no density (and nothing trains on it)
+    assert (
+        out["log_prob"] == 0
+    ).all()  # a deterministic step has no density (and nothing trains on it)
 
 
 def test_members_share_every_latent_before_k_and_differ_after(tiny_sd3):
@@ -171,7 +189,9 @@ def test_members_share_every_latent_before_k_and_differ_after(tiny_sd3):
         x = x_T[p : p + 1]
         for j in range(max(M) + 1):
             if j in M:
-                torch.testing.assert_close(out["latents"][M.index(j), p : p + 1], x, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(
+                    out["latents"][M.index(j), p : p + 1], x, atol=1e-5, rtol=1e-5
+                )
             x = ode_step(bb.velocity(x, sig[j], emb[p : p + 1]), x, sig[j], sig[j + 1])
     # At step k: G different draws from the SAME Gaussian (same mean, the shared velocity), scored by log_prob.
     for kk, k in enumerate(M):
@@ -179,7 +199,13 @@ def test_members_share_every_latent_before_k_and_differ_after(tiny_sd3):
         for p in range(len(prompts)):
             x = out["latents"][kk, p : p + 1].expand(G, *y.shape[2:])
             lp = sde_step_with_logprob(
-                bb.velocity(x, sig[k], emb[[p] * G]), x, sig[k], sig[k + 1], 0.7, prev_sample=y[p], sigma_max=sig[1]
+                bb.velocity(x, sig[k], emb[[p] * G]),
+                x,
+                sig[k],
+                sig[k + 1],
+                0.7,
+                prev_sample=y[p],
+                sigma_max=sig[1],
             )[1]
             torch.testing.assert_close(lp, out["log_prob"][kk, p], atol=1e-4, rtol=1e-4)
             for i in range(G):
@@ -194,7 +220,9 @@ def test_members_share_every_latent_before_k_and_differ_after(tiny_sd3):
                     x = out["next_latents"][kk, p, i : i + 1]
                     for a, b in zip(path[:-1], path[1:]):
                         x = ode_step(bb.velocity(x, a, emb[p : p + 1]), x, a, b)
-                    torch.testing.assert_close(out["final"][p, kk, li, i : i + 1], x, atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(
+                        out["final"][p, kk, li, i : i + 1], x, atol=1e-4, rtol=1e-4
+                    )
                 f = out["final"][p, kk, li]
                 assert (f[1:] - f[:1]).flatten(1).abs().amax(1).min() > 1e-3
 
@@ -205,7 +233,9 @@ SCRIPT = "g2rpo.py"
 
 def _flags(model, tmp_path, name="run", *extra):
     """A tiny run: 2 prompts, 4 steps, M = {0, 2}, Λ = {1, 2}, G = 3, 64 px, a reward that needs no weights."""
-    prompts = write_prompts(tmp_path / "prompts.txt", ["a photo of a red circle", "a photo of two blue squares"])
+    prompts = write_prompts(
+        tmp_path / "prompts.txt", ["a photo of a red circle", "a photo of two blue squares"]
+    )
     return [
         "--model-path",
         model,
@@ -279,8 +309,12 @@ def test_smoke_tiny_backbones(request, fixture, extra, tmp_path):
     m = read_metrics(tmp_path / "run")
     assert [x["iteration"] for x in m] == [0, 1]
     first = m[0]
-    shares = {k: v for k, v in first.items() if k.startswith("steps/grad_share/")}  # the diagnostic: M = {0, 2}
-    assert sorted(shares) == ["steps/grad_share/0", "steps/grad_share/2"] and sum(shares.values()) == pytest.approx(1)
+    shares = {
+        k: v for k, v in first.items() if k.startswith("steps/grad_share/")
+    }  # the diagnostic: M = {0, 2}
+    assert sorted(shares) == ["steps/grad_share/0", "steps/grad_share/2"] and sum(
+        shares.values()
+    ) == pytest.approx(1)
     for key in (
         "train/reward_mean",
         "train/reward_std",
@@ -293,9 +327,14 @@ def test_smoke_tiny_backbones(request, fixture, extra, tmp_path):
         "eval/reward_mean",
     ):
         assert key in first and math.isfinite(first[key]), key
-    assert first["ratio/first_minibatch_max_dev"] < 1e-5  # on-policy: the rollout's log-probs are recomputed
+    assert (
+        first["ratio/first_minibatch_max_dev"] < 1e-5
+    )  # on-policy: the rollout's log-probs are recomputed
     if "cps" in extra:  # the CPS branch step: its (unnormalised) log-prob recomputed bit for bit
-        assert first["ratio/first_minibatch_max_dev"] == 0 and first["ratio/min"] == first["ratio/max"] == 1
+        assert (
+            first["ratio/first_minibatch_max_dev"] == 0
+            and first["ratio/min"] == first["ratio/max"] == 1
+        )
     # NFE: the closed-form rollout count; training runs one forward + backward per shared state x_k, i.e.
     # |M| x prompts = 2 x 2 rows, not |M| x prompts x G = 12.
     assert first["train/kept_transitions"] > 0
@@ -304,7 +343,9 @@ def test_smoke_tiny_backbones(request, fixture, extra, tmp_path):
     assert first["trajectories"] == 2 * 3 and first["scored_images"] == 2 * 2 * 2 * 3
     assert first["nfe/train_forward"] == first["nfe/train_backward"] == 2 * 2
     assert os.path.exists(tmp_path / "run" / "checkpoint-1" / "pytorch_lora_weights.safetensors")
-    if fixture == "tiny_sd3" and not extra:  # the case marked `pictures`: the end-of-run pictures are drawn
+    if (
+        fixture == "tiny_sd3" and not extra
+    ):  # the case marked `pictures`: the end-of-run pictures are drawn
         for picture in ("learning_curve.png", "steps_heatmap.png", "before_after.png"):
             assert os.path.getsize(tmp_path / "run" / picture) > 0, picture
 
@@ -314,9 +355,15 @@ def test_noise_zero_run_has_zero_advantages(tiny_sd3, tmp_path):
     first = read_metrics(tmp_path / "run")[0]
     assert first["train/zero_std_frac"] == 1.0 and first["train/group_std_mean"] == 0.0
     # every advantage is 0, so every transition is dropped: no training forward, no optimizer step
-    assert first["train/optimizer_steps"] == 0 and first["nfe/train_forward"] == 0 and first["grad_norm"] == 0.0
+    assert (
+        first["train/optimizer_steps"] == 0
+        and first["nfe/train_forward"] == 0
+        and first["grad_norm"] == 0.0
+    )
     # the G identical branches of a group were run once: G = 1 in the closed form
-    assert first["nfe/rollout"] + first["nfe/completion"] == 2 * g2rpo.rollout_nfe(4, (0, 2), 1, (1, 2))
+    assert first["nfe/rollout"] + first["nfe/completion"] == 2 * g2rpo.rollout_nfe(
+        4, (0, 2), 1, (1, 2)
+    )
 
 
 def tyro_args(flags):
@@ -352,7 +399,9 @@ def test_official_sigma_grid_is_the_released_codes(request, fixture):
     official = bb.schedule(16, res, res, grid="official")
     assert round(float(official[7]), 3) == 0.794 and official[0] == 1 and official[-1] == 0
     torch.testing.assert_close(official, bb.schedule(16, res, res, 3.0, grid="official"))
-    assert not torch.allclose(bb.schedule(16, res, res, 2.0, grid="official"), official)  # --shift is honoured
+    assert not torch.allclose(
+        bb.schedule(16, res, res, 2.0, grid="official"), official
+    )  # --shift is honoured
     pipeline = bb.schedule(16, res, res)
     assert pipeline.shape == official.shape and not torch.allclose(pipeline, official, atol=1e-3)
     if fixture == "tiny_flux":
@@ -366,10 +415,21 @@ def test_branch_steps_and_the_images_they_cost():
     g2rpo.check_args(args, 1)
     assert args.branch_steps == (0, 1, 2) and args.images_per_iteration == 12 * 3 * 3 * 8
     args = tyro_args(
-        ["--num-steps", "16", "--groups-per-iteration", "4", "--branch-steps", *map(str, range(7, -1, -1))]
+        [
+            "--num-steps",
+            "16",
+            "--groups-per-iteration",
+            "4",
+            "--branch-steps",
+            *map(str, range(7, -1, -1)),
+        ]
     )
     g2rpo.check_args(args, 2)  # the paper's first half, given in any order
-    assert args.branch_steps == tuple(range(8)) and args.trained_steps == 8 and args.prompts_per_rank == 2
+    assert (
+        args.branch_steps == tuple(range(8))
+        and args.trained_steps == 8
+        and args.prompts_per_rank == 2
+    )
     assert args.images_per_rank == 2 * 8 * 3 * 8  # prompts x |M| x |Λ| x G images scored per rank
 
 
@@ -457,7 +517,9 @@ def test_shared_state_gradient_equals_per_transition_gradient(request, fixture):
     bb = load_backbone(request.getfixturevalue(fixture), "cpu", max_sequence_length=8)
     bb.transformer.requires_grad_(False)
     bb.transformer.add_adapter(
-        LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_k", "to_v"])
+        LoraConfig(
+            r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_k", "to_v"]
+        )
     )
     params = [p for n, p in bb.transformer.named_parameters() if p.requires_grad]
     torch.manual_seed(0)
@@ -467,11 +529,19 @@ def test_shared_state_gradient_equals_per_transition_gradient(request, fixture):
     sigmas = bb.schedule(4, RES, RES)
     emb = bb.encode(["a photo of a red circle", "a photo of two blue squares"])
     states = bb.initial_noise(P, RES, RES, generator=torch.Generator().manual_seed(1))
-    rows_x = states.repeat_interleave(G, 0)  # transitions (prompt, member), each starting from its prompt's state
+    rows_x = states.repeat_interleave(
+        G, 0
+    )  # transitions (prompt, member), each starting from its prompt's state
     with torch.no_grad():
         v0 = bb.velocity(rows_x, sigmas[1], emb[torch.arange(P).repeat_interleave(G)], cfg)
         nxt, lp_old, _, _ = sde_step_with_logprob(
-            v0, rows_x, sigmas[1], sigmas[2], 0.9, sigma_max=sigmas[1], generator=torch.Generator().manual_seed(2)
+            v0,
+            rows_x,
+            sigmas[1],
+            sigmas[2],
+            0.9,
+            sigma_max=sigmas[1],
+            generator=torch.Generator().manual_seed(2),
         )
     adv = torch.randn(P * G, generator=torch.Generator().manual_seed(3))
     state_index = torch.arange(P).repeat_interleave(G)

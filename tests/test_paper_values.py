@@ -41,7 +41,9 @@ FLOW_GRPO = {  # Liu et al., arXiv 2505.05470; reference/flowgrpo.md §3.4 (SD3.
     "beta": {0.04, 0.01},  # §3.4: 0.04 GenEval and OCR, 0.01 PickScore
     "timestep_fraction": {0.99},  # §3.4: 9 of 10 steps
     "learning_rate": {3e-4},  # §3.4: AdamW 3e-4 with the LoRA
-    "optimizer_steps_per_iteration": {2},  # §3.4: grad accumulation num_batches // 2 = 2 steps per epoch
+    "optimizer_steps_per_iteration": {
+        2
+    },  # §3.4: grad accumulation num_batches // 2 = 2 steps per epoch
     "clip_range": {1e-4},
     "adv_clip_max": {5},  # §3.4
     "ema_decay": {0.9},
@@ -57,13 +59,18 @@ G2RPO = {  # Zhou et al., arXiv 2510.01982; reference/g2rpo.md §3.3 (hyperparam
     "noise_level": {0.7},  # §1.3, §3.3: eta = 0.7
     "group_size": {12},  # §3.3: G = 12
     "groups_per_iteration": {16},  # §3.3: 1 prompt per GPU, 16 GPUs
-    "branch_steps": {*range(10), 16},  # §1.2: M = {16, ..., 9} of T = 16, 8 steps (code: --eta_step_list 0..7)
+    "branch_steps": {
+        *range(10),
+        16,
+    },  # §1.2: M = {16, ..., 9} of T = 16, 8 steps (code: --eta_step_list 0..7)
     "granularities": {1, 2, 3},  # §2.1: paper Lambda = {1, 2, 3} (scripts {1, 2})
     "adv_clip_max": {5},  # §3.3: "epsilon = 5"
     "learning_rate": {2e-6},  # §3.3: AdamW 2e-6, full fine-tune
     "weight_decay": {1e-4},
     "max_grad_norm": {1.0},  # §3.3
-    "optimizer_steps_per_iteration": {1},  # §3.1/§3.2: one step per iteration (the (1/|M|) sum; hps: one per k)
+    "optimizer_steps_per_iteration": {
+        1
+    },  # §3.1/§3.2: one step per iteration (the (1/|M|) sum; hps: one per k)
     "eval_num_steps": {50, 10, 20},  # §4.4 (code: 50), §5 Table 3 (10, 20)
 }
 DENSE_GRPO = {  # Deng et al., arXiv 2601.20218 v2; reference/densegrpo.md §4.2 (hyperparameter table), §3.2
@@ -73,7 +80,12 @@ DENSE_GRPO = {  # Deng et al., arXiv 2601.20218 v2; reference/densegrpo.md §4.2
     "num_steps": {10, 40},  # §4.2: T = 10, 40 at evaluation
     "eval_num_steps": {40},  # §4.2
     "group_size": {24},  # §4.2: G = 24
-    "groups_per_iteration": {48, 24, 144, 8},  # §4.2: global batch 144 x accumulation 8 = 1152 = 48 x 24
+    "groups_per_iteration": {
+        48,
+        24,
+        144,
+        8,
+    },  # §4.2: global batch 144 x accumulation 8 = 1152 = 48 x 24
     "beta": {0.04, 0.01},  # §4.2: 0.04 GenEval and OCR, 0.01 PickScore
     "learning_rate": {3e-4},  # §4.2: AdamW 3e-4 (paper + code)
     "optimizer_steps_per_iteration": {1},  # §4.2: one optimizer step per 1152 images (App. A)
@@ -102,7 +114,9 @@ def norm(values) -> set:
 
 def args_docstrings(source: str) -> dict[str, str]:
     """flag name -> docstring of the `Args` dataclass (a string statement right after the annotated field)."""
-    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    cls = next(
+        n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Args"
+    )
     docs = {}
     for field, doc in zip(cls.body, cls.body[1:]):
         if (
@@ -133,12 +147,16 @@ def check_source(source: str, table: dict) -> list[str]:
                     f"paper's value is {sorted(map(str, table[flag]))}"
                 )
     union = set().union(*map(norm, table.values()))
-    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    cls = next(
+        n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Args"
+    )
     for n, line in enumerate(source.splitlines(), 1):
         if cls.lineno <= n <= cls.end_lineno:  # checked flag by flag above
             continue
         for m in CLAUSE.finditer(line):
-            got = {float(x) for x in NUMBER.findall(m["clause"])}  # numbers only: prose is free here
+            got = {
+                float(x) for x in NUMBER.findall(m["clause"])
+            }  # numbers only: prose is free here
             if not got <= union:
                 errors.append(
                     f"line {n}: '{m.group(0).strip()}' quotes {sorted(map(str, got))}, none of this "
@@ -170,7 +188,11 @@ class Args:
     """LoRA rank r (paper: 32)"""
 '''
     errors = check_source(src, G2RPO)
-    assert [e.split(":")[0] for e in errors[:3]] == ["--resolution", "--guidance-scale", "--lora-rank"], errors
+    assert [e.split(":")[0] for e in errors[:3]] == [
+        "--resolution",
+        "--guidance-scale",
+        "--lora-rank",
+    ], errors
     assert "not in the paper table" in errors[2]
     assert (
         check_source(
@@ -184,7 +206,9 @@ class Args:
 
 
 def test_clause_values():
-    assert clause_values("720, FLUX.1-dev") == {720.0} and clause_values("512 for SD3.5-M") == {512.0}
+    assert clause_values("720, FLUX.1-dev") == {720.0} and clause_values("512 for SD3.5-M") == {
+        512.0
+    }
     assert [m["clause"] for m in CLAUSE.finditer("(paper: 16; the released code: 50)")] == ["16"]
     assert clause_values("0.04, 0.01 for PickScore") == {0.04, 0.01}
     assert clause_values("2e-6, full fine-tuning") == {2e-6}
@@ -193,7 +217,11 @@ def test_clause_values():
 
 
 # ------------------------------------------------- issue #37.4: one docstring per shared flag, paper values in docs
-DOCS = {"flowgrpo_baseline.py": "docs/flowgrpo.md", "g2rpo.py": "docs/g2rpo.md", "densegrpo.py": "docs/densegrpo.md"}
+DOCS = {
+    "flowgrpo_baseline.py": "docs/flowgrpo.md",
+    "g2rpo.py": "docs/g2rpo.md",
+    "densegrpo.py": "docs/densegrpo.md",
+}
 PRESET = re.compile(r"^## Paper preset\n(?P<body>.*?)(?=^## |\Z)", re.S | re.M)
 BASH = re.compile(r"```bash\n(?P<code>.*?)```", re.S)
 
@@ -205,7 +233,9 @@ def read(path: str) -> str:
 
 def args_fields(source: str) -> list[str]:
     """The field names of the `Args` dataclass, in order."""
-    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    cls = next(
+        n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Args"
+    )
     return [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
 
 
@@ -243,7 +273,9 @@ def preset_command(doc_text: str, script: str) -> tuple[list[str], int]:
     block = BASH.search(section["body"])
     assert block, '"## Paper preset" has no ```bash block'
     tokens = shlex.split(block["code"].replace("\\\n", " "), comments=True)
-    assert tokens and tokens[0] == "torchrun" and script in tokens, f"the block is not `torchrun ... {script} ...`"
+    assert tokens and tokens[0] == "torchrun" and script in tokens, (
+        f"the block is not `torchrun ... {script} ...`"
+    )
     launcher, argv = tokens[: tokens.index(script)], tokens[tokens.index(script) + 1 :]
 
     def launcher_flag(*names, default=1):
@@ -271,7 +303,9 @@ def preset_errors(script: str, doc_text: str, table: dict) -> list[str]:
     try:
         args = tyro.cli(module.Args, args=argv)
     except SystemExit as e:
-        return [f"{script}: the preset does not parse with its Args (tyro exit {e.code}): {' '.join(argv)}"]
+        return [
+            f"{script}: the preset does not parse with its Args (tyro exit {e.code}): {' '.join(argv)}"
+        ]
     errors = []
     body = PRESET.search(doc_text)["body"]
     for flag, values in table.items():
@@ -283,9 +317,13 @@ def preset_errors(script: str, doc_text: str, table: dict) -> list[str]:
         got = getattr(args, flag)
         got_values = set(got) if isinstance(got, tuple) else {got}
         if not got_values or not norm(got_values) <= norm(values):
-            errors.append(f"{spelled} {got} in the preset, but the paper's value is {sorted(map(str, values))}")
+            errors.append(
+                f"{spelled} {got} in the preset, but the paper's value is {sorted(map(str, values))}"
+            )
         if f"| `{spelled}` |" not in body:
-            errors.append(f"{spelled} has no row `| `{spelled}` | paper value | source |` in the Paper preset table")
+            errors.append(
+                f"{spelled} has no row `| `{spelled}` | paper value | source |` in the Paper preset table"
+            )
     if not errors:
         try:
             module.check_args(args, world_size)
@@ -305,14 +343,21 @@ def test_the_checks_see_a_changed_value_or_docstring():
     doc = read(DOCS["g2rpo.py"])
     changed = doc.replace("--group-size 12 ", "--group-size 24 ", 1)
     assert changed != doc
-    assert any("--group-size 24 in the preset" in e for e in preset_errors("g2rpo.py", changed, G2RPO))
+    assert any(
+        "--group-size 24 in the preset" in e for e in preset_errors("g2rpo.py", changed, G2RPO)
+    )
     dropped = doc.replace("--weight-decay 1e-4 ", "", 1)
     assert dropped != doc
-    assert any("--weight-decay is in the paper's table" in e for e in preset_errors("g2rpo.py", dropped, G2RPO))
+    assert any(
+        "--weight-decay is in the paper's table" in e
+        for e in preset_errors("g2rpo.py", dropped, G2RPO)
+    )
     sources = {script: read(script) for script in SCRIPTS}
     assert shared_docstring_mismatches(sources)[0] == []
     text = sources["densegrpo.py"]
     i = text.index("    clip_range: float")
-    sources["densegrpo.py"] = text[:i] + text[i:].replace('"""PPO clip', '"""PPO clip (paper: 1e-4)', 1)
+    sources["densegrpo.py"] = text[:i] + text[i:].replace(
+        '"""PPO clip', '"""PPO clip (paper: 1e-4)', 1
+    )
     errors, _ = shared_docstring_mismatches(sources)
     assert len(errors) == 1 and errors[0].startswith("--clip-range is in every script"), errors

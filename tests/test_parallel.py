@@ -27,7 +27,14 @@ from common.backbones import ConfigError
 SCRIPTS = ["flowgrpo_baseline.py", "g2rpo.py", "densegrpo.py"]
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
 FAST = ["--learning-rate", "1e-2", "--eval-every", "100"]
-CALIB = ["--calibration-iterations", "1", "--calibration-trajectories", "2", "--completion-batch-size", "4"]
+CALIB = [
+    "--calibration-iterations",
+    "1",
+    "--calibration-trajectories",
+    "2",
+    "--completion-batch-size",
+    "4",
+]
 
 
 def script_flags(script, model, out, prompts, name):
@@ -35,7 +42,11 @@ def script_flags(script, model, out, prompts, name):
     flags = tiny_flags(model, out, prompts, name)
     if script == "g2rpo.py":
         i = flags.index("--timestep-fraction")
-        flags = flags[:i] + flags[i + 2 :] + ["--branch-steps", "0", "1", "--granularities", "1", "--group-size", "2"]
+        flags = (
+            flags[:i]
+            + flags[i + 2 :]
+            + ["--branch-steps", "0", "1", "--granularities", "1", "--group-size", "2"]
+        )
     return flags + (CALIB if script == "densegrpo.py" else [])
 
 
@@ -46,7 +57,13 @@ def launch(runs, tmp_path, nodes: int = 1, timeout: int = 600) -> dict:
     into other advantages). Returns {(run, rank): RESULT}."""
     spec = tmp_path / f"runs{nodes}.json"
     spec.write_text(json.dumps(runs))
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+    }
     worker = [os.path.join(ROOT, "tests", "parallel_worker.py"), str(spec), "--smooth-reward"]
     run = [sys.executable, "-m", "torch.distributed.run"]
     if nodes == 1:
@@ -144,7 +161,9 @@ def two_nodes(tiny_sd3, tiny_flux, tmp_path_factory):
     runs, names = [], []
     for script in SCRIPTS:
         its = "4" if script == SCRIPTS[0] else "2"
-        beta = ["--beta", "0.04"] if script == SCRIPTS[0] else []  # the KL reference: the frozen copy, sharded too
+        beta = (
+            ["--beta", "0.04"] if script == SCRIPTS[0] else []
+        )  # the KL reference: the frozen copy, sharded too
         for par in ("ddp", "fsdp"):
             names.append(f"{script}-{par}")
             runs.append(
@@ -159,7 +178,14 @@ def two_nodes(tiny_sd3, tiny_flux, tmp_path_factory):
                     par,
                 ]
             )
-    split = [*script_flags(SCRIPTS[0], tiny_sd3, out, prompts, "split"), *full, "--beta", "0.04", "--parallel", "fsdp"]
+    split = [
+        *script_flags(SCRIPTS[0], tiny_sd3, out, prompts, "split"),
+        *full,
+        "--beta",
+        "0.04",
+        "--parallel",
+        "fsdp",
+    ]
     runs += [
         [SCRIPTS[0], *split, "--num-iterations", "2"],
         [SCRIPTS[0], *split, "--num-iterations", "4", "--resume", str(out / "split")],
@@ -288,7 +314,9 @@ def test_fsdp_full_finetune_ends_with_ddps_weights(two_nodes, tiny_sd3, script):
     copy): the saved transformer equals DDP's within float tolerance, and both ranks end with the same weights."""
     out, names, res = two_nodes
     its = 4 if script == "flowgrpo_baseline.py" else 2
-    ddp, fsdp = (transformer_weights(out / f"{script}-{p}" / f"checkpoint-{its}") for p in ("ddp", "fsdp"))
+    ddp, fsdp = (
+        transformer_weights(out / f"{script}-{p}" / f"checkpoint-{its}") for p in ("ddp", "fsdp")
+    )
     assert_close(ddp, fsdp, transformer_weights(tiny_sd3))
     i = names.index(f"{script}-fsdp")
     assert res[i, 0]["digest"] == res[i, 1]["digest"]
@@ -305,9 +333,15 @@ def test_fsdp_holds_half_the_parameters_and_optimizer_state_per_rank(two_nodes):
         d, f = (res[names.index(f"{script}-{p}"), 0] for p in ("ddp", "fsdp"))
         both = [res[names.index(f"{script}-fsdp"), r] for r in (0, 1)]
         for key in ("param_bytes", "optimizer_bytes"):
-            assert sum(r[key] for r in both) == d[key], (script, key)  # the shards add up to the whole
+            assert sum(r[key] for r in both) == d[key], (
+                script,
+                key,
+            )  # the shards add up to the whole
             assert abs(f[key] / d[key] - 0.5) < 0.02, (script, key, f[key], d[key])
-        for r in (d, *both):  # the memory model's terms at rest (tests/bench_memory.py): weights 4P / N, Adam 8P / N
+        for r in (
+            d,
+            *both,
+        ):  # the memory model's terms at rest (tests/bench_memory.py): weights 4P / N, Adam 8P / N
             assert r["optimizer_bytes"] == 2 * r["param_bytes"], (script, r)
         print(
             script,
@@ -327,12 +361,23 @@ def test_fsdp_resume_is_exact_and_loads_in_a_stock_pipeline(two_nodes, tiny_sd3)
     i, resumed = names.index(f"{SCRIPTS[0]}-fsdp"), names.index("resumed")
     assert res[i, 0]["digest"] == res[resumed, 0]["digest"] == res[resumed, 1]["digest"]
     straight, split = out / f"{SCRIPTS[0]}-fsdp" / "checkpoint-4", out / "split" / "checkpoint-4"
-    assert sorted(os.listdir(split / "trainer_state.dcp")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(os.listdir(split / "trainer_state.dcp")) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
     a, b = transformer_weights(straight), transformer_weights(split)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [x["iteration"] for x in read_metrics(out / "split")] == [0, 1, 2, 3, 4]
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
-    kw = dict(height=64, width=64, num_inference_steps=2, guidance_scale=1.0, max_sequence_length=8, output_type="pt")
+    kw = dict(
+        height=64,
+        width=64,
+        num_inference_steps=2,
+        guidance_scale=1.0,
+        max_sequence_length=8,
+        output_type="pt",
+    )
     before = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
     pipe.transformer = SD3Transformer2DModel.from_pretrained(str(split / "transformer"))
     after = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
@@ -363,9 +408,18 @@ def test_two_nodes_over_loopback_and_flux_fsdp_matches_ddp(two_nodes, tiny_flux)
     # LoRA at lr 5e-2: Adam turns a gradient element at float-noise level, whose sign depends on the reduction order,
     # into a step of up to lr, so the weights differ by more than full fine-tuning's: 6.0e-4 on a weight of 0.056 on
     # the machine of 2026-12-02 (under 1e-4 before), while they moved by 0.09 (the 100x check below still holds)
-    assert_close(a, b, {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in a.items()}, atol=2e-3)
+    assert_close(
+        a, b, {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in a.items()}, atol=2e-3
+    )
     pipe = FluxPipeline.from_pretrained(tiny_flux)
-    kw = dict(height=64, width=64, num_inference_steps=2, guidance_scale=3.5, max_sequence_length=8, output_type="pt")
+    kw = dict(
+        height=64,
+        width=64,
+        num_inference_steps=2,
+        guidance_scale=3.5,
+        max_sequence_length=8,
+        output_type="pt",
+    )
     before = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
     pipe.load_lora_weights(str(out / "flux-lora-fsdp" / "checkpoint-2"))
     with_lora = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
@@ -386,17 +440,28 @@ def test_fsdp_over_one_rank_with_offload(tiny_sd3, tmp_path, monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+    for k, v in dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    ).items():
         monkeypatch.setenv(k, v)
     prompts = write_prompts(tmp_path / "prompts.txt", PROMPTS)
-    flags = [*tiny_flags(tiny_sd3, tmp_path, prompts, "one"), *FAST, "--parallel", "fsdp", "--fsdp-offload"]
+    flags = [
+        *tiny_flags(tiny_sd3, tmp_path, prompts, "one"),
+        *FAST,
+        "--parallel",
+        "fsdp",
+        "--fsdp-offload",
+    ]
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # setup_distributed installs its own
     try:
         run_main(SCRIPTS[0], *flags, "--num-iterations", "1")
     finally:  # with one rank the script leaves its process group up (it tears down only a multi-rank one)
         if dist.is_initialized():
             dist.destroy_process_group()
-    assert sorted(os.listdir(tmp_path / "one" / "checkpoint-1" / "trainer_state.dcp")) == [".metadata", "__0_0.distcp"]
+    assert sorted(os.listdir(tmp_path / "one" / "checkpoint-1" / "trainer_state.dcp")) == [
+        ".metadata",
+        "__0_0.distcp",
+    ]
     assert os.path.isfile(tmp_path / "one" / "checkpoint-1" / "pytorch_lora_weights.safetensors")
     assert [x["iteration"] for x in read_metrics(tmp_path / "one")] == [0, 1]
 
@@ -444,7 +509,9 @@ def test_fsdp_without_torchrun_stops_before_the_model_loads(tiny_sd3, tmp_path, 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(common.backbones, "load_backbone", refuse)
     prompts = write_prompts(tmp_path / "prompts.txt", PROMPTS)
-    monkeypatch.setattr(sys, "argv", [SCRIPTS[0], *tiny_flags(tiny_sd3, tmp_path, prompts), "--parallel", "fsdp"])
+    monkeypatch.setattr(
+        sys, "argv", [SCRIPTS[0], *tiny_flags(tiny_sd3, tmp_path, prompts), "--parallel", "fsdp"]
+    )
     with pytest.raises(SystemExit) as e:
         runpy.run_path(os.path.join(ROOT, SCRIPTS[0]), run_name="__main__")
     assert str(e.value.code).startswith("error: --parallel fsdp shards the model")

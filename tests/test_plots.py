@@ -22,7 +22,9 @@ from common.plots import (
     step_heatmap,
 )
 
-pytestmark = pytest.mark.pictures  # run_pictures is what this file tests: not replaced by tests/conftest.py
+pytestmark = (
+    pytest.mark.pictures
+)  # run_pictures is what this file tests: not replaced by tests/conftest.py
 
 
 def png_size(path) -> tuple[int, int]:
@@ -71,7 +73,9 @@ def test_line_plot_skips_missing_values(tmp_path):
     assert png_size(path) == (300, 200)
 
 
-@pytest.mark.parametrize("train,evals", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize(
+    "train,evals", [(True, True), (True, False), (False, True), (False, False)]
+)
 def test_learning_curve_with_or_without_train_and_eval_rows(tmp_path, train, evals):
     path = tmp_path / "c.png"
     learning_curve(history(train, evals), str(path), "run")
@@ -81,7 +85,12 @@ def test_learning_curve_with_or_without_train_and_eval_rows(tmp_path, train, eva
 def test_learning_curve_reward_only_evaluation(tmp_path):
     """Real-model runs log eval/reward_mean and no accuracy: the right axis shows the reward."""
     rows = [
-        {"iteration": i, "train/reward_mean": 0.1 * i, **({"eval/reward_mean": 0.2} if i % 2 else {})} for i in range(5)
+        {
+            "iteration": i,
+            "train/reward_mean": 0.1 * i,
+            **({"eval/reward_mean": 0.2} if i % 2 else {}),
+        }
+        for i in range(5)
     ]
     learning_curve(rows, str(tmp_path / "c.png"), "run")
     assert png_size(tmp_path / "c.png") == (900, 520)
@@ -103,7 +112,9 @@ def test_step_heatmap_one_panel_per_metric(tmp_path, metrics):
     assert titles == [STEP_LABELS[m] for m in metrics]
     ncols = min(3, max(1, len(metrics)))
     assert png_size(path) == (440 * ncols, 320 * max(1, math.ceil(len(metrics) / ncols)))
-    assert set(STEP_LABELS) == set(STEP_METRICS)  # every logged metric (tests/test_training.py) has its panel title
+    assert set(STEP_LABELS) == set(
+        STEP_METRICS
+    )  # every logged metric (tests/test_training.py) has its panel title
     # a metric that is the same at every step of every iteration (the KL with beta 0; Flow-GRPO's |advantage|, equal
     # at every step of a trajectory) tells nothing per step: it is named under the panels, not drawn
     flat = [
@@ -119,15 +130,25 @@ def test_step_heatmap_one_panel_per_metric(tmp_path, metrics):
         for it in range(3)
     ]
     assert step_heatmap(flat, "steps/", str(tmp_path / "f.png"), "t") == [STEP_LABELS["grad_share"]]
-    assert png_size(tmp_path / "f.png") == (440, 320 + 40)  # one panel and the line naming the other two
+    assert png_size(tmp_path / "f.png") == (
+        440,
+        320 + 40,
+    )  # one panel and the line naming the other two
 
 
 def test_the_learning_curves_running_mean_shows_the_trend_through_the_noise():
     from common.plots import running_mean, running_window
 
-    assert running_window(5) == 1 and running_window(30) == 3 and running_window(60) == 6 and running_window(500) == 10
+    assert (
+        running_window(5) == 1
+        and running_window(30) == 3
+        and running_window(60) == 6
+        and running_window(500) == 10
+    )
     assert running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
-    noisy = [0.5 + 0.002 * i + (0.1 if i % 2 else -0.1) for i in range(60)]  # a climb hidden by +-0.1 jumps
+    noisy = [
+        0.5 + 0.002 * i + (0.1 if i % 2 else -0.1) for i in range(60)
+    ]  # a climb hidden by +-0.1 jumps
     smooth = running_mean(noisy, running_window(len(noisy)))
     assert (
         max(abs(a - b) for a, b in zip(smooth[6:], smooth[7:]))
@@ -161,8 +182,15 @@ def test_grid_frames_correct_green_and_wrong_red():
 def make_panel(prompts, it, flip=False):
     imgs = toyworld.render_batch(prompts, list(range(len(prompts))))
     verdicts = [bool(v) != flip for v in toyworld.score(imgs, prompts)[1]]
-    metrics = {"eval/accuracy_single": 0.5, "eval/accuracy": 0.5, "eval/accuracy_se": 0.05, "eval/reward_mean": 0.4}
-    return Panel(imgs, list(prompts), list(range(len(prompts))), [0.5] * len(prompts), verdicts, metrics, it)
+    metrics = {
+        "eval/accuracy_single": 0.5,
+        "eval/accuracy": 0.5,
+        "eval/accuracy_se": 0.05,
+        "eval/reward_mean": 0.4,
+    }
+    return Panel(
+        imgs, list(prompts), list(range(len(prompts))), [0.5] * len(prompts), verdicts, metrics, it
+    )
 
 
 def test_before_after_pairs_the_same_prompts_and_panel_round_trips(tmp_path):
@@ -171,11 +199,17 @@ def test_before_after_pairs_the_same_prompts_and_panel_round_trips(tmp_path):
     before.save(str(tmp_path / "p.npz"))
     again = Panel.load(str(tmp_path / "p.npz"))
     assert np.array_equal(again.images, before.images) and again.prompts == before.prompts
-    assert again.verdicts == before.verdicts and again.metrics == before.metrics and again.iteration == 0
+    assert (
+        again.verdicts == before.verdicts
+        and again.metrics == before.metrics
+        and again.iteration == 0
+    )
     out = before_after(again, after, str(tmp_path / "ba.png"), "run")
     assert png_size(tmp_path / "ba.png") == out.size
     arr = np.asarray(out)
-    assert frame_pixels(arr, GREEN) > 0 and frame_pixels(arr, RED) > 0  # correct before, wrong after
+    assert (
+        frame_pixels(arr, GREEN) > 0 and frame_pixels(arr, RED) > 0
+    )  # correct before, wrong after
     with pytest.raises(ValueError, match="different prompts"):
         before_after(before, make_panel(prompts[::-1], 60), str(tmp_path / "x.png"))
 
@@ -188,12 +222,18 @@ def test_run_pictures_draws_curve_heatmap_and_before_after_from_the_run_folder(t
     for it, flip in ((0, False), (5, True), (10, True)):
         make_panel(prompts, it, flip).save(str(tmp_path / "samples" / f"eval_{it:05d}.npz"))
     written = run_pictures(str(tmp_path), history(), "run")
-    assert [os.path.basename(w) for w in written] == ["learning_curve.png", "steps_heatmap.png", "before_after.png"]
+    assert [os.path.basename(w) for w in written] == [
+        "learning_curve.png",
+        "steps_heatmap.png",
+        "before_after.png",
+    ]
     for w in written:
         png_size(w)
     os.remove(tmp_path / "samples" / "eval_00005.npz")
     os.remove(tmp_path / "samples" / "eval_00010.npz")
-    assert len(run_pictures(str(tmp_path), history(steps=False), "run")) == 1  # one evaluation, no step metrics
+    assert (
+        len(run_pictures(str(tmp_path), history(steps=False), "run")) == 1
+    )  # one evaluation, no step metrics
 
 
 def test_run_logger_sends_captioned_panels_to_wandb(tmp_path, monkeypatch):
@@ -206,7 +246,9 @@ def test_run_logger_sends_captioned_panels_to_wandb(tmp_path, monkeypatch):
     logged = {}
     fake = types.ModuleType("wandb")
     fake.Image = lambda im, caption=None: ("Image", im.size, caption)
-    fake.init = lambda **kw: types.SimpleNamespace(log=lambda d, step: logged.update(d, step=step), finish=lambda: 0)
+    fake.init = lambda **kw: types.SimpleNamespace(
+        log=lambda d, step: logged.update(d, step=step), finish=lambda: 0
+    )
     monkeypatch.setitem(sys.modules, "wandb", fake)
     panel = make_panel(["a photo of a red circle", "a photo of two blue squares"], 0)
     logger = RunLogger(str(tmp_path), True, True, {}, "p", None, "n")

@@ -24,35 +24,75 @@ def _files(tmp_path, tiny_sd3) -> dict:
     (tmp_path / "not_toy.txt").write_text("a photo of a red circle\na cat riding a bicycle\n")
     (tmp_path / "not_json.json").write_text("not json")
     (tmp_path / "no_key.json").write_text(json.dumps({"noise": [0.7] * 10}))
-    (tmp_path / "nan.json").write_text(json.dumps({"psi": [float("nan")] * 10, "psi_scale": "multiplier"}))
-    (tmp_path / "big.json").write_text(json.dumps({"psi": [5.0] * 10, "psi_scale": "multiplier", "sde_type": "cps"}))
+    (tmp_path / "nan.json").write_text(
+        json.dumps({"psi": [float("nan")] * 10, "psi_scale": "multiplier"})
+    )
+    (tmp_path / "big.json").write_text(
+        json.dumps({"psi": [5.0] * 10, "psi_scale": "multiplier", "sde_type": "cps"})
+    )
     return {p.name: str(p) for p in tmp_path.iterdir()}
 
 
 CASES = [  # script, flags ({name} = a file of _files), what the line must say
     ("flowgrpo_baseline.py", ["--reward-model-paths", "foo=/x"], "bad model path 'foo=/x'"),
-    ("flowgrpo_baseline.py", ["--reward", "pickscore", "--reward-model-paths", "pickscore=/no/ps"], "does not exist"),
-    ("g2rpo.py", ["--guard-rewards", "aesthetic", "--reward-model-paths", "aesthetic=/no/a"], "does not exist"),
+    (
+        "flowgrpo_baseline.py",
+        ["--reward", "pickscore", "--reward-model-paths", "pickscore=/no/ps"],
+        "does not exist",
+    ),
+    (
+        "g2rpo.py",
+        ["--guard-rewards", "aesthetic", "--reward-model-paths", "aesthetic=/no/a"],
+        "does not exist",
+    ),
     ("flowgrpo_baseline.py", ["--model-path", "{model_without_vae}"], "vae/config.json is missing"),
     ("flowgrpo_baseline.py", ["--resolution", "512"], "position embedding covers"),
-    ("g2rpo.py", ["--prompts-file", "{not_toy.txt}"], "--prompts-file, prompt 2: prompt 'a cat riding a bicycle'"),
+    (
+        "g2rpo.py",
+        ["--prompts-file", "{not_toy.txt}"],
+        "--prompts-file, prompt 2: prompt 'a cat riding a bicycle'",
+    ),
     ("densegrpo.py", ["--eval-prompts", "{not_toy.txt}"], "--eval-prompts, prompt 2"),
     ("flowgrpo_baseline.py", ["--reward", "toyworld:1e39"], "finite float32"),
     ("g2rpo.py", ["--branch-steps", "0", "0", "1"], "--branch-steps 0 0 1 lists a value twice"),
     ("g2rpo.py", ["--granularities", "1", "2", "2"], "--granularities 1 2 2 lists a value twice"),
-    ("densegrpo.py", ["--calibration-step", "-1"], "--calibration-step -1.0: must be a finite number > 0"),
-    ("densegrpo.py", ["--calibration-trajectories", "0"], "--calibration-trajectories 0: must be an integer >= 1"),
-    ("densegrpo.py", ["--calibration-iterations", "-1"], "--calibration-iterations -1: must be an integer >= 0"),
-    ("densegrpo.py", ["--balance-threshold", "0"], "--balance-threshold 0.0: must be a finite number > 0"),
+    (
+        "densegrpo.py",
+        ["--calibration-step", "-1"],
+        "--calibration-step -1.0: must be a finite number > 0",
+    ),
+    (
+        "densegrpo.py",
+        ["--calibration-trajectories", "0"],
+        "--calibration-trajectories 0: must be an integer >= 1",
+    ),
+    (
+        "densegrpo.py",
+        ["--calibration-iterations", "-1"],
+        "--calibration-iterations -1: must be an integer >= 0",
+    ),
+    (
+        "densegrpo.py",
+        ["--balance-threshold", "0"],
+        "--balance-threshold 0.0: must be a finite number > 0",
+    ),
     ("densegrpo.py", ["--psi-file", "{not_json.json}"], "is not a psi.json (JSONDecodeError"),
     ("densegrpo.py", ["--psi-file", "{no_key.json}"], "is not a psi.json (KeyError"),
     ("densegrpo.py", ["--psi-file", "{nan.json}"], "must be finite and >= 0"),
-    ("densegrpo.py", ["--psi-file", "{big.json}", "--sde-type", "cps", "--psi-bounds", "0", "1"], "at most 1"),
+    (
+        "densegrpo.py",
+        ["--psi-file", "{big.json}", "--sde-type", "cps", "--psi-bounds", "0", "1"],
+        "at most 1",
+    ),
 ]
 
 
-@pytest.mark.parametrize("script,flags,expect", CASES, ids=[f"{c[0][:5]}{' '.join(c[1])[:40]}" for c in CASES])
-def test_bad_input_is_one_line_before_the_model_loads(monkeypatch, tmp_path, tiny_sd3, script, flags, expect):
+@pytest.mark.parametrize(
+    "script,flags,expect", CASES, ids=[f"{c[0][:5]}{' '.join(c[1])[:40]}" for c in CASES]
+)
+def test_bad_input_is_one_line_before_the_model_loads(
+    monkeypatch, tmp_path, tiny_sd3, script, flags, expect
+):
     import common.backbones
 
     def no_load(*a, **k):

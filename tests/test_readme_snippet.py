@@ -11,13 +11,17 @@ import torch
 from helpers import ROOT
 from PIL import Image
 
-SNIPPET = re.compile(r"<!-- snippet:load-lora -->\s*```python\n(.*?)```\s*<!-- /snippet:load-lora -->", re.S)
+SNIPPET = re.compile(
+    r"<!-- snippet:load-lora -->\s*```python\n(.*?)```\s*<!-- /snippet:load-lora -->", re.S
+)
 
 
 def readme_snippet() -> str:
     with open(os.path.join(ROOT, "README.md")) as f:
         found = SNIPPET.findall(f.read())
-    assert len(found) == 1, "README.md: expected one ```python block between <!-- snippet:load-lora --> markers"
+    assert len(found) == 1, (
+        "README.md: expected one ```python block between <!-- snippet:load-lora --> markers"
+    )
     return found[0]
 
 
@@ -30,16 +34,25 @@ def save_lora(folder: str, b_std: float) -> None:
 
     from common.backbones import LORA_TARGETS
 
-    tr = SD3Transformer2DModel.from_pretrained(os.path.join(ROOT, "common", "toyworld", "model", "transformer"))
+    tr = SD3Transformer2DModel.from_pretrained(
+        os.path.join(ROOT, "common", "toyworld", "model", "transformer")
+    )
     tr.add_adapter(
-        LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=LORA_TARGETS["attention"])
+        LoraConfig(
+            r=4,
+            lora_alpha=4,
+            init_lora_weights="gaussian",
+            target_modules=LORA_TARGETS["attention"],
+        )
     )
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in tr.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * b_std)
-    StableDiffusion3Pipeline.save_lora_weights(folder, transformer_lora_layers=get_peft_model_state_dict(tr))
+    StableDiffusion3Pipeline.save_lora_weights(
+        folder, transformer_lora_layers=get_peft_model_state_dict(tr)
+    )
 
 
 def run_snippet(workdir, b_std: float) -> np.ndarray:
@@ -51,7 +64,10 @@ def run_snippet(workdir, b_std: float) -> np.ndarray:
     cwd = os.getcwd()
     os.chdir(workdir)
     try:
-        exec(compile(readme_snippet(), "README.md:snippet:load-lora", "exec"), {"__name__": "__snippet__"})
+        exec(
+            compile(readme_snippet(), "README.md:snippet:load-lora", "exec"),
+            {"__name__": "__snippet__"},
+        )
     finally:
         os.chdir(cwd)
     pngs = [f for f in os.listdir(workdir) if f.endswith(".png")]

@@ -81,7 +81,9 @@ def test_a_training_row_holds_the_counters_the_reduced_stats_and_the_phase_times
     stats.count(grad_norm=5.0, optimizer_steps=1)
     with run.timer("rollout"):
         pass
-    m = run.log({"iteration": 0}, stats, {"trajectories": 4, "scored_images": 44, "nfe/rollout": 12})
+    m = run.log(
+        {"iteration": 0}, stats, {"trajectories": 4, "scored_images": 44, "nfe/rollout": 12}
+    )
     assert m["trajectories"] == 12 and m["scored_images"] == 124 and m["nfe/rollout"] == 42
     assert m["nfe"] == training_nfe(run.counts) == 42
     assert m["ratio/mean"] == pytest.approx(1.0) and m["ratio/max"] == pytest.approx(1.2)
@@ -90,10 +92,17 @@ def test_a_training_row_holds_the_counters_the_reduced_stats_and_the_phase_times
     assert (
         m["steps/ratio_std/0"] == pytest.approx(0.1, rel=1e-5) and "steps/ratio/1" not in m
     )  # step 1 had no transition
-    assert m["grad_norm"] == pytest.approx(4.0) and m["train/optimizer_steps"] == 2  # the mean over steps
-    assert m["ratio/first_minibatch_max_dev"] == pytest.approx(0.25) and m["train/kept_transitions"] == 3
+    assert (
+        m["grad_norm"] == pytest.approx(4.0) and m["train/optimizer_steps"] == 2
+    )  # the mean over steps
+    assert (
+        m["ratio/first_minibatch_max_dev"] == pytest.approx(0.25)
+        and m["train/kept_transitions"] == 3
+    )
     assert m["time/rollout_s"] >= 0 and m["time/train_s"] == 0 and "time/cpu_s" in m
-    assert rows(tmp_path) == [m] and run.timer.times == {}  # written, and the phase timers start again
+    assert (
+        rows(tmp_path) == [m] and run.timer.times == {}
+    )  # written, and the phase timers start again
 
 
 def test_an_iteration_that_trained_nothing_logs_a_ratio_of_one(tmp_path):
@@ -107,14 +116,21 @@ def test_the_final_row_is_marked_and_carries_the_runs_counters(tmp_path):
     run = make_run(tmp_path, counts={"trajectories": 64, "nfe/eval": 10})
     run.log_final({"iteration": 3, "eval/accuracy": 0.5})
     (row,) = rows(tmp_path)
-    assert row["final"] is True and row["trajectories"] == 64 and row["nfe/eval"] == 10 and row["nfe"] == 0
+    assert (
+        row["final"] is True
+        and row["trajectories"] == 64
+        and row["nfe/eval"] == 10
+        and row["nfe"] == 0
+    )
 
 
 def test_a_checkpoint_holds_the_counters_the_rng_the_args_and_the_script(tmp_path):
     run = make_run(tmp_path, counts={"trajectories": 5})
     w = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.AdamW([w], lr=0.1)
-    run.args = make_dataclass("Args", [("keep_checkpoints", int, 2), ("seed", int, 7)])()  # asdict needs a dataclass
+    run.args = make_dataclass(
+        "Args", [("keep_checkpoints", int, 2), ("seed", int, 7)]
+    )()  # asdict needs a dataclass
 
     def save_weights(folder):
         torch.save({"w": w.detach()}, os.path.join(folder, "weights.pt"))
@@ -127,7 +143,9 @@ def test_a_checkpoint_holds_the_counters_the_rng_the_args_and_the_script(tmp_pat
     assert os.path.exists(os.path.join(folder, "weights.pt"))
 
 
-def test_the_evaluation_uses_the_final_seeds_at_the_end_counts_its_nfe_and_saves_its_pictures(tmp_path, monkeypatch):
+def test_the_evaluation_uses_the_final_seeds_at_the_end_counts_its_nfe_and_saves_its_pictures(
+    tmp_path, monkeypatch
+):
     calls = []
 
     class Grid:
@@ -145,9 +163,15 @@ def test_the_evaluation_uses_the_final_seeds_at_the_end_counts_its_nfe_and_saves
     monkeypatch.setattr(run_module, "evaluate", fake_evaluate)
     run = make_run(tmp_path, final_eval_seeds_per_prompt=8)
     prompts = ["a", "b", "c"]
-    assert run.evaluate(0, False, None, None, None, prompts, None) == {"eval/accuracy": 0.5, "eval/reward_mean": 0.1}
+    assert run.evaluate(0, False, None, None, None, prompts, None) == {
+        "eval/accuracy": 0.5,
+        "eval/reward_mean": 0.1,
+    }
     run.evaluate(3, True, None, None, None, prompts, None)
-    assert calls == [(2, 4.5), (8, 4.5)]  # periodic: 2 seeds per prompt; final: 8; eval guidance = the rollout's
+    assert calls == [
+        (2, 4.5),
+        (8, 4.5),
+    ]  # periodic: 2 seeds per prompt; final: 8; eval guidance = the rollout's
     assert run.counts["nfe/eval"] == 3 * 2 * 5 + 3 * 8 * 5
     assert sorted(os.listdir(tmp_path / "samples")) == [
         "eval_00000.npz",

@@ -26,25 +26,46 @@ HOLD = textwrap.dedent("""
 
 @pytest.fixture
 def prompts_file(tmp_path):
-    return write_prompts(tmp_path / "prompts.txt", ["a photo of a red circle", "a photo of two blue squares"])
+    return write_prompts(
+        tmp_path / "prompts.txt", ["a photo of a red circle", "a photo of two blue squares"]
+    )
 
 
 def holder(run_dir):
     os.makedirs(run_dir, exist_ok=True)
-    p = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir), ROOT], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run_dir), ROOT], stdout=subprocess.PIPE, text=True
+    )
     assert p.stdout.readline().strip() == "held"
     return p
 
 
 def start(tiny_sd3, tmp_path, prompts_file):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    cmd = [sys.executable, os.path.join(ROOT, SCRIPT), *tiny_flags(tiny_sd3, tmp_path, prompts_file, "shared")]
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+    }
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, SCRIPT),
+        *tiny_flags(tiny_sd3, tmp_path, prompts_file, "shared"),
+    ]
     return subprocess.Popen(
-        [*cmd, "--num-iterations", "1"], env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [*cmd, "--num-iterations", "1"],
+        env=env,
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
 
 
-def test_two_scripts_started_on_one_folder_one_runs_the_other_stops_in_one_line(tiny_sd3, tmp_path, prompts_file):
+def test_two_scripts_started_on_one_folder_one_runs_the_other_stops_in_one_line(
+    tiny_sd3, tmp_path, prompts_file
+):
     a, b = start(tiny_sd3, tmp_path, prompts_file), start(tiny_sd3, tmp_path, prompts_file)
     (_, err_a), (_, err_b) = a.communicate(timeout=300), b.communicate(timeout=300)
     codes = sorted([a.returncode, b.returncode])
@@ -57,7 +78,9 @@ def test_two_scripts_started_on_one_folder_one_runs_the_other_stops_in_one_line(
     assert [r["iteration"] for r in m] == [0, 1]
 
 
-def test_a_folder_held_by_a_live_process_is_refused_before_the_model_loads(tiny_sd3, tmp_path, prompts_file):
+def test_a_folder_held_by_a_live_process_is_refused_before_the_model_loads(
+    tiny_sd3, tmp_path, prompts_file
+):
     run = tmp_path / "run"
     p = holder(run)
     try:
@@ -80,20 +103,28 @@ def test_the_lock_of_a_killed_run_is_gone_with_it(tmp_path):
     release_run_folder(run)
 
 
-def test_a_second_run_on_a_finished_run_is_refused_and_the_first_is_untouched(tiny_sd3, tmp_path, prompts_file):
+def test_a_second_run_on_a_finished_run_is_refused_and_the_first_is_untouched(
+    tiny_sd3, tmp_path, prompts_file
+):
     flags = [*tiny_flags(tiny_sd3, tmp_path, prompts_file), "--num-iterations", "1"]
     run_main(SCRIPT, *flags)
     run = tmp_path / "run"
     before = {n: (run / n).read_bytes() for n in ("metrics.jsonl", "args.json")}
-    with pytest.raises(SystemExit, match=r"already holds a run \(args.json, checkpoint-1, metrics.jsonl, samples\)"):
+    with pytest.raises(
+        SystemExit, match=r"already holds a run \(args.json, checkpoint-1, metrics.jsonl, samples\)"
+    ):
         run_main(SCRIPT, *flags, "--learning-rate", "1e-3")
     assert {n: (run / n).read_bytes() for n in before} == before
     assert sorted(n for n in os.listdir(run) if n.startswith("checkpoint-")) == ["checkpoint-1"]
     # a resume that would train nothing is refused before it touches the run (it used to drop the final row)
-    with pytest.raises(SystemExit, match=r"is at iteration 1 and --num-iterations 1 asks for no more"):
+    with pytest.raises(
+        SystemExit, match=r"is at iteration 1 and --num-iterations 1 asks for no more"
+    ):
         run_main(SCRIPT, *flags, "--resume", str(run))
     assert {n: (run / n).read_bytes() for n in before} == before
-    run_main(SCRIPT, *flags[:-2], "--num-iterations", "2", "--resume", str(run))  # what the message says works
+    run_main(
+        SCRIPT, *flags[:-2], "--num-iterations", "2", "--resume", str(run)
+    )  # what the message says works
     assert [r["iteration"] for r in read_metrics(run)] == [0, 1, 2]
 
 
@@ -109,10 +140,18 @@ def test_path_flags_are_compared_by_what_they_point_to(tmp_path, monkeypatch):
     (tmp_path / "other.txt").write_text("a photo of a blue square\n")
     monkeypatch.chdir(tmp_path)
     saved = {"prompts_file": str(tmp_path / "a" / "prompts.txt"), "seed": 1}
-    assert changed_flags(saved, {"prompts_file": "a/prompts.txt", "seed": 1}) == []  # relative spelling
-    assert changed_flags(saved, {"prompts_file": str(tmp_path / "b" / "prompts.txt"), "seed": 1}) == []  # a copy
-    assert [c[0] for c in changed_flags(saved, {"prompts_file": "other.txt", "seed": 1})] == ["prompts_file"]
-    assert [c[0] for c in changed_flags(saved, {"prompts_file": "a/prompts.txt", "seed": 2})] == ["seed"]
+    assert (
+        changed_flags(saved, {"prompts_file": "a/prompts.txt", "seed": 1}) == []
+    )  # relative spelling
+    assert (
+        changed_flags(saved, {"prompts_file": str(tmp_path / "b" / "prompts.txt"), "seed": 1}) == []
+    )  # a copy
+    assert [c[0] for c in changed_flags(saved, {"prompts_file": "other.txt", "seed": 1})] == [
+        "prompts_file"
+    ]
+    assert [c[0] for c in changed_flags(saved, {"prompts_file": "a/prompts.txt", "seed": 2})] == [
+        "seed"
+    ]
 
 
 def test_a_model_folder_is_known_by_its_files_and_configs(tmp_path):
@@ -126,7 +165,9 @@ def test_a_model_folder_is_known_by_its_files_and_configs(tmp_path):
     (model / "transformer" / "config.json").write_text('{"num_layers": 2}')
     (model / "transformer" / "weights.safetensors").write_bytes(b"\0" * 1000)
     shutil.copytree(model, tmp_path / "clone2" / "model")
-    assert same_path_meaning(str(model), str(tmp_path / "clone2" / "model"))  # a second clone: the same model
+    assert same_path_meaning(
+        str(model), str(tmp_path / "clone2" / "model")
+    )  # a second clone: the same model
     (tmp_path / "clone2" / "model" / "transformer" / "config.json").write_text('{"num_layers": 3}')
     assert not same_path_meaning(str(model), str(tmp_path / "clone2" / "model"))
     assert path_fingerprint(str(tmp_path / "nowhere")) is None
@@ -139,18 +180,47 @@ def test_a_run_started_in_one_clone_resumes_from_another(tmp_path):
     clones = []
     for name in ("clone_a", "clone_b"):
         clone = tmp_path / name
-        shutil.copytree(os.path.join(ROOT, "common"), clone / "common", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            os.path.join(ROOT, "common"),
+            clone / "common",
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
         shutil.copy(os.path.join(ROOT, "densegrpo.py"), clone)
         clones.append(clone)
     evals = write_prompts(tmp_path / "eval.txt", ["a photo of a red circle"])
-    small = ["--groups-per-iteration", "2", "--group-size", "2", "--rollout-batch-size", "4", "--eval-prompts", evals]
-    small += ["--eval-seeds-per-prompt", "1", "--eval-num-steps", "4", "--calibration-iterations", "1"]
-    small += ["--calibration-trajectories", "2", "--timestep-fraction", "0.5", "--output-dir", str(tmp_path / "runs")]
+    small = [
+        "--groups-per-iteration",
+        "2",
+        "--group-size",
+        "2",
+        "--rollout-batch-size",
+        "4",
+        "--eval-prompts",
+        evals,
+    ]
+    small += [
+        "--eval-seeds-per-prompt",
+        "1",
+        "--eval-num-steps",
+        "4",
+        "--calibration-iterations",
+        "1",
+    ]
+    small += [
+        "--calibration-trajectories",
+        "2",
+        "--timestep-fraction",
+        "0.5",
+        "--output-dir",
+        str(tmp_path / "runs"),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
 
     def run(clone, *flags):
         cmd = [sys.executable, str(clone / "densegrpo.py"), *small, *flags]
-        p = subprocess.run(cmd, env={**env, "PYTHONPATH": str(clone)}, cwd=clone, text=True, capture_output=True)
+        p = subprocess.run(
+            cmd, env={**env, "PYTHONPATH": str(clone)}, cwd=clone, text=True, capture_output=True
+        )
         assert p.returncode == 0, p.stderr[-2000:]
 
     run(clones[0], "--run-name", "r", "--num-iterations", "1")

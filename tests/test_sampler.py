@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # repo root, for `import common`
+sys.path.insert(
+    0, str(pathlib.Path(__file__).resolve().parents[1])
+)  # repo root, for `import common`
 
 from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
 
@@ -70,7 +72,9 @@ def test_sampling_uses_generator_and_step_std():
     v, x = _inputs()
     sigma, sigma_next, a = 0.6, 0.5, 0.7
     mean_ref, _, step_std = _reference_step(v, x, sigma, sigma_next, a)
-    prev, _, _, _ = sde_step_with_logprob(v, x, sigma, sigma_next, a, generator=torch.Generator().manual_seed(3))
+    prev, _, _, _ = sde_step_with_logprob(
+        v, x, sigma, sigma_next, a, generator=torch.Generator().manual_seed(3)
+    )
     eps = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(prev, mean_ref + step_std * eps, rtol=1e-5, atol=1e-6)
 
@@ -79,14 +83,18 @@ def test_sampling_uses_generator_and_step_std():
     prev, _, _, _ = sde_step_with_logprob(v, x, sigma, sigma_next, a, generator=gens)
     for i in range(3):
         eps_i = torch.randn((1, *SHAPE[1:]), generator=torch.Generator().manual_seed(10 + i))
-        torch.testing.assert_close(prev[i : i + 1], mean_ref[i : i + 1] + step_std * eps_i, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            prev[i : i + 1], mean_ref[i : i + 1] + step_std * eps_i, rtol=1e-5, atol=1e-6
+        )
 
 
 def test_gradient_flows_through_mean_only():
     """prev_sample is treated as data: d log_prob / dv comes from the mean alone, even when just sampled."""
     v, x = _inputs()
     v.requires_grad_(True)
-    prev, log_prob, _, _ = sde_step_with_logprob(v, x, 0.7, 0.6, 0.7, generator=torch.Generator().manual_seed(0))
+    prev, log_prob, _, _ = sde_step_with_logprob(
+        v, x, 0.7, 0.6, 0.7, generator=torch.Generator().manual_seed(0)
+    )
     (grad,) = torch.autograd.grad(log_prob.sum(), v)
     mean_ref, _, step_std = _reference_step(v, x, 0.7, 0.6, 0.7)
     expected_lp = torch.distributions.Normal(mean_ref, step_std).log_prob(prev.detach()).mean(DIMS)
@@ -104,7 +112,13 @@ def test_noise_zero_is_exact_euler(sigma, sigma_next, sigma_max):
     dt = torch.tensor(sigma_next, dtype=torch.float32) - torch.tensor(sigma, dtype=torch.float32)
     euler = x + dt * v
     prev, log_prob, mean, std_dev_t = sde_step_with_logprob(
-        v, x, sigma, sigma_next, 0.0, generator=torch.Generator().manual_seed(0), sigma_max=sigma_max
+        v,
+        x,
+        sigma,
+        sigma_next,
+        0.0,
+        generator=torch.Generator().manual_seed(0),
+        sigma_max=sigma_max,
     )
     for t in (prev, log_prob, mean, std_dev_t):
         assert torch.isfinite(t).all()
@@ -118,7 +132,13 @@ def test_mixed_per_sample_noise_at_sigma_one():
     v, x = _inputs(shape=(2, 4, 5, 6))
     sched = sigma_schedule(10, 3.0)
     prev, log_prob, _, std_dev_t = sde_step_with_logprob(
-        v, x, 1.0, sched[1], torch.tensor([0.0, 0.7]), sigma_max=sched[1], generator=torch.Generator().manual_seed(0)
+        v,
+        x,
+        1.0,
+        sched[1],
+        torch.tensor([0.0, 0.7]),
+        sigma_max=sched[1],
+        generator=torch.Generator().manual_seed(0),
     )
     assert torch.isfinite(prev).all() and torch.isfinite(log_prob).all()
     assert torch.equal(prev[0], ode_step(v, x, 1.0, sched[1])[0])
@@ -179,10 +199,14 @@ def test_per_sample_tensors_equal_loop_over_floats():
         torch.testing.assert_close(log_prob[sl], lp_i)
         torch.testing.assert_close(mean[sl], mean_i)
         torch.testing.assert_close(std_dev_t.flatten()[i], std_i.flatten()[0])
-        torch.testing.assert_close(ode[sl], ode_step(v[sl], x[sl], sigma[i].item(), sigma_next[i].item()))
+        torch.testing.assert_close(
+            ode[sl], ode_step(v[sl], x[sl], sigma[i].item(), sigma_next[i].item())
+        )
         torch.testing.assert_close(x0[sl], x0_prediction(v[sl], x[sl], sigma[i].item()))
     # 0-dim tensors behave like floats.
-    out0 = sde_step_with_logprob(v, x, torch.tensor(0.5), torch.tensor(0.4), torch.tensor(0.7), prev_sample=other)
+    out0 = sde_step_with_logprob(
+        v, x, torch.tensor(0.5), torch.tensor(0.4), torch.tensor(0.7), prev_sample=other
+    )
     outf = sde_step_with_logprob(v, x, 0.5, 0.4, 0.7, prev_sample=other)
     for a0, af in zip(out0, outf):
         torch.testing.assert_close(a0, af)
@@ -190,9 +214,15 @@ def test_per_sample_tensors_equal_loop_over_floats():
 
 def test_x0_prediction_recovers_data():
     g = torch.Generator().manual_seed(0)
-    x0, eps, sigma = torch.randn(SHAPE, generator=g), torch.randn(SHAPE, generator=g), torch.tensor([0.1, 0.5, 0.9])
+    x0, eps, sigma = (
+        torch.randn(SHAPE, generator=g),
+        torch.randn(SHAPE, generator=g),
+        torch.tensor([0.1, 0.5, 0.9]),
+    )
     s = sigma.reshape(-1, 1, 1, 1)
-    torch.testing.assert_close(x0_prediction(eps - x0, (1 - s) * x0 + s * eps, sigma), x0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        x0_prediction(eps - x0, (1 - s) * x0 + s * eps, sigma), x0, rtol=1e-5, atol=1e-5
+    )
 
 
 # --------------------------------------------------------------------------- CPS step (E6)
@@ -215,22 +245,34 @@ def test_cps_step_matches_formulas_and_released_log_prob():
         v, x, sigma, sigma_next, a, sde_type="cps", generator=torch.Generator().manual_seed(3)
     )
     torch.testing.assert_close(mean, mean_ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(std, std_ref)  # the step std itself: no sqrt|dt| factor, finite at sigma = 1
+    torch.testing.assert_close(
+        std, std_ref
+    )  # the step std itself: no sqrt|dt| factor, finite at sigma = 1
     eps = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(prev, mean_ref + std_ref * eps, rtol=1e-5, atol=1e-6)
     assert log_prob.shape == (3,) and torch.isfinite(log_prob).all()
-    torch.testing.assert_close(log_prob, -((prev - mean_ref) ** 2).mean(DIMS), rtol=1e-5, atol=1e-6)  # released
+    torch.testing.assert_close(
+        log_prob, -((prev - mean_ref) ** 2).mean(DIMS), rtol=1e-5, atol=1e-6
+    )  # released
     # Scoring a stored step under another policy: the released log-ratio is 2 s^2 times the exact Gaussian one
     # (the dropped -log s - log sqrt(2 pi) cancels, the dropped 1 / (2 s^2) does not).
     v_new = v + 0.1 * torch.randn(SHAPE, generator=torch.Generator().manual_seed(4))
-    lp_new = sde_step_with_logprob(v_new, x, sigma, sigma_next, a, prev_sample=prev, sde_type="cps")[1]
+    lp_new = sde_step_with_logprob(
+        v_new, x, sigma, sigma_next, a, prev_sample=prev, sde_type="cps"
+    )[1]
     mean_new, _ = _reference_cps(v_new, x, sigma, sigma_next, a)
     normal = lambda m: torch.distributions.Normal(m, std_ref).log_prob(prev).mean(DIMS)  # noqa: E731
     torch.testing.assert_close(
-        lp_new - log_prob, 2 * std_ref.flatten() ** 2 * (normal(mean_new) - normal(mean_ref)), rtol=1e-3, atol=1e-6
+        lp_new - log_prob,
+        2 * std_ref.flatten() ** 2 * (normal(mean_new) - normal(mean_ref)),
+        rtol=1e-3,
+        atol=1e-6,
     )
     # the same v scores its own sample to the same number: ratio exactly 1
-    assert torch.equal(sde_step_with_logprob(v, x, sigma, sigma_next, a, prev_sample=prev, sde_type="cps")[1], log_prob)
+    assert torch.equal(
+        sde_step_with_logprob(v, x, sigma, sigma_next, a, prev_sample=prev, sde_type="cps")[1],
+        log_prob,
+    )
     with pytest.raises(ValueError, match="sde_type"):
         sde_step_with_logprob(v, x, 0.5, 0.4, 0.8, sde_type="ddim")
 
@@ -255,7 +297,9 @@ def test_cps_per_sample_noise_levels():
     )
     for t in (prev, log_prob, mean, std):
         assert torch.isfinite(t).all()
-    assert torch.equal(prev[0], ode_step(v, x, 1.0, 0.9)[0]) and log_prob[0] == 0 and log_prob[1] < 0
+    assert (
+        torch.equal(prev[0], ode_step(v, x, 1.0, 0.9)[0]) and log_prob[0] == 0 and log_prob[1] < 0
+    )
     torch.testing.assert_close(mean[2], 0.1 * x0_prediction(v, x, 1.0)[2])
     torch.testing.assert_close(std.flatten(), 0.9 * torch.sin(a * math.pi / 2))
 
@@ -278,10 +322,16 @@ def test_gaussian_kl_is_exact_for_cps():
     v, x = _inputs()
     v_ref = torch.randn(SHAPE, generator=torch.Generator().manual_seed(9))
     sigma, sigma_next = torch.tensor([0.9, 0.5, 0.2]), torch.tensor([0.8, 0.45, 0.1])
-    _, _, mean, std = sde_step_with_logprob(v, x, sigma, sigma_next, 0.8, sde_type="cps", prev_sample=x)
-    _, _, mean_ref, _ = sde_step_with_logprob(v_ref, x, sigma, sigma_next, 0.8, sde_type="cps", prev_sample=x)
+    _, _, mean, std = sde_step_with_logprob(
+        v, x, sigma, sigma_next, 0.8, sde_type="cps", prev_sample=x
+    )
+    _, _, mean_ref, _ = sde_step_with_logprob(
+        v_ref, x, sigma, sigma_next, 0.8, sde_type="cps", prev_sample=x
+    )
     p, q = torch.distributions.Normal(mean, std), torch.distributions.Normal(mean_ref, std)
-    torch.testing.assert_close(gaussian_kl(mean, mean_ref, std), torch.distributions.kl_divergence(p, q).mean(DIMS))
+    torch.testing.assert_close(
+        gaussian_kl(mean, mean_ref, std), torch.distributions.kl_divergence(p, q).mean(DIMS)
+    )
 
 
 # --------------------------------------------------------------------------- KL
@@ -294,12 +344,18 @@ def test_gaussian_kl():
     assert torch.equal(gaussian_kl(mean, mean, std), torch.zeros(3))
     expected = ((mean - mean_ref) ** 2).mean(DIMS) / (2 * std**2)
     torch.testing.assert_close(gaussian_kl(mean, mean_ref, std), expected)
-    torch.testing.assert_close(gaussian_kl(mean, mean_ref, std.reshape(-1, 1, 1, 1)), expected)  # as returned
-    torch.testing.assert_close(gaussian_kl(mean, mean_ref, 0.5), ((mean - mean_ref) ** 2).mean(DIMS) / 0.5)
+    torch.testing.assert_close(
+        gaussian_kl(mean, mean_ref, std.reshape(-1, 1, 1, 1)), expected
+    )  # as returned
+    torch.testing.assert_close(
+        gaussian_kl(mean, mean_ref, 0.5), ((mean - mean_ref) ** 2).mean(DIMS) / 0.5
+    )
     # It is the per-element average of the exact Gaussian KL with std std_dev_t (the code's convention).
     p = torch.distributions.Normal(mean, std.reshape(-1, 1, 1, 1))
     q = torch.distributions.Normal(mean_ref, std.reshape(-1, 1, 1, 1))
-    torch.testing.assert_close(gaussian_kl(mean, mean_ref, std), torch.distributions.kl_divergence(p, q).mean(DIMS))
+    torch.testing.assert_close(
+        gaussian_kl(mean, mean_ref, std), torch.distributions.kl_divergence(p, q).mean(DIMS)
+    )
 
 
 # --------------------------------------------------------------------------- schedule
@@ -363,12 +419,16 @@ OFFICIAL_16 = [
 def test_static_shift_schedule_is_the_released_g2rpo_grid():
     ours = static_shift_schedule(16, 3.0)
     assert ours.dtype == torch.float32 and ours.shape == (17,)
-    torch.testing.assert_close(ours, torch.tensor(OFFICIAL_16, dtype=torch.float32), atol=1e-7, rtol=0)
+    torch.testing.assert_close(
+        ours, torch.tensor(OFFICIAL_16, dtype=torch.float32), atol=1e-7, rtol=0
+    )
     assert round(float(ours[7]), 3) == 0.794
     # not the pipeline grids: FLUX at 720 px (45 x 45 packed tokens) and SD3's shifted-twice linspace
     assert round(float(sigma_schedule(16, image_seq_len=45 * 45)[7]), 3) == 0.741
     assert not torch.allclose(sigma_schedule(16, 3.0), ours, atol=1e-3)
-    torch.testing.assert_close(static_shift_schedule(4, 1.0), torch.tensor([1, 0.75, 0.5, 0.25, 0]))  # no shift
+    torch.testing.assert_close(
+        static_shift_schedule(4, 1.0), torch.tensor([1, 0.75, 0.5, 0.25, 0])
+    )  # no shift
     with pytest.raises(ValueError, match="positive"):
         static_shift_schedule(16, 0.0)
 
@@ -411,12 +471,16 @@ def _ode(v, x, s, s_next, sigma_max, g):
 def _sde_without_correction(v, x, s, s_next, sigma_max, g):
     """The common mistake: Euler drift v plus noise, without the score term that compensates the noise."""
     std_dev_t = sde_step_with_logprob(v, x, s, s_next, 0.7, sigma_max=sigma_max, prev_sample=x)[3]
-    return ode_step(v, x, s, s_next) + std_dev_t * math.sqrt(s - s_next) * torch.randn(x.shape, generator=g)
+    return ode_step(v, x, s, s_next) + std_dev_t * math.sqrt(s - s_next) * torch.randn(
+        x.shape, generator=g
+    )
 
 
 def _sde_double_correction(v, x, s, s_next, sigma_max, g):
     """Score term twice as strong: shrinks the distribution."""
-    _, _, mean, std_dev_t = sde_step_with_logprob(v, x, s, s_next, 0.7, sigma_max=sigma_max, prev_sample=x)
+    _, _, mean, std_dev_t = sde_step_with_logprob(
+        v, x, s, s_next, 0.7, sigma_max=sigma_max, prev_sample=x
+    )
     mean = 2 * mean - ode_step(v, x, s, s_next)
     return mean + std_dev_t * math.sqrt(s - s_next) * torch.randn(x.shape, generator=g)
 
@@ -462,7 +526,9 @@ def _oracle_chain(step, a, num_steps=10, shift=3.0, seed=0):
         x = step((x - x0) / s, x, s, s_next, a, sched[1].item(), g)
         if s_next > 0:
             r = (x - (1 - s_next) * x0) / s_next
-            out.append((s_next, r.var().item(), torch.corrcoef(torch.cat([r, x0], 1).T)[0, 1].item()))
+            out.append(
+                (s_next, r.var().item(), torch.corrcoef(torch.cat([r, x0], 1).T)[0, 1].item())
+            )
     return out, (x - x0).abs().max().item()
 
 
@@ -473,7 +539,11 @@ def _cps_step(v, x, s, s_next, a, sigma_max, g):
 def _cps_wrong_coefficient(v, x, s, s_next, a, sigma_max, g):
     """sqrt(sigma'^2 - s^2) written as sigma': the DDIM step plus fresh noise on top, s^2 too much at every step."""
     std = s_next * math.sin(a * math.pi / 2)
-    return (1 - s_next) * (x - s * v) + s_next * (x + (1 - s) * v) + std * torch.randn(x.shape, generator=g)
+    return (
+        (1 - s_next) * (x - s * v)
+        + s_next * (x + (1 - s) * v)
+        + std * torch.randn(x.shape, generator=g)
+    )
 
 
 def _sde_step(v, x, s, s_next, a, sigma_max, g):
@@ -488,7 +558,9 @@ def test_cps_preserves_the_forward_coefficients(a):
     assert final_err < 1e-5  # the last step (s = 0) is x0_hat = x0
 
 
-@pytest.mark.parametrize("wrong, a", [(_cps_wrong_coefficient, 0.8), (_sde_step, 0.7)], ids=["cps-wrong", "sde"])
+@pytest.mark.parametrize(
+    "wrong, a", [(_cps_wrong_coefficient, 0.8), (_sde_step, 0.7)], ids=["cps-wrong", "sde"]
+)
 def test_coefficient_check_detects_excess_noise(wrong, a):
     steps, final_err = _oracle_chain(wrong, a)
     assert max(abs(var - 1) for _, var, _ in steps) > 5 * TOL_R, steps
@@ -506,7 +578,11 @@ def _cps_chain_exact(a, num_steps, shift):
         vA, vB = k, -M - k * (1 - t) * M  # v = vA x + vB
         s = tn * math.sin(a * math.pi / 2)
         c = math.sqrt(max(tn**2 - s**2, 0.0))
-        A, B, C = (1 - tn) * (1 - t * vA) + c * (1 + (1 - t) * vA), -(1 - tn) * t * vB + c * (1 - t) * vB, s**2
+        A, B, C = (
+            (1 - tn) * (1 - t * vA) + c * (1 + (1 - t) * vA),
+            -(1 - tn) * t * vB + c * (1 - t) * vB,
+            s**2,
+        )
         mu, var = A * mu + B, A * A * var + C
     return mu, var
 
@@ -518,7 +594,9 @@ def test_cps_with_the_exact_velocity_shrinks_the_marginal(num_steps, shift):
     every step however small, and x0_hat has less spread than x0. The variance shrinks, more with more steps (closed
     form, a = 0.8: 0.095 at 10 steps and shift 3, 0.156 at 100 steps, 0.162 at 1000, against 0.129 / 0.243 / 0.249 for
     the Euler ODE and S^2 = 0.25); the mean stays M. The sampled chain matches that closed form."""
-    mean, var = _run_chain(lambda v, x, s, sn, smax, g: _cps_step(v, x, s, sn, 0.8, smax, g), num_steps, shift)
+    mean, var = _run_chain(
+        lambda v, x, s, sn, smax, g: _cps_step(v, x, s, sn, 0.8, smax, g), num_steps, shift
+    )
     mu_exact, var_exact = _cps_chain_exact(0.8, num_steps, shift)
     assert abs(mean - M) < TOL_MEAN and abs(mu_exact - M) < 1e-9
     assert abs(var - var_exact) < TOL_VAR, (var, var_exact)
@@ -555,12 +633,22 @@ def _paths(seed=0, n=11):
 @pytest.mark.parametrize("reuse", [False, True])
 def test_ode_along_paths_equals_rows_one_by_one(batch_size, reuse):
     paths = _paths()
-    assert min(len(p) for p in paths) == 1 and max(len(p) for p in paths) >= 5  # the edge cases are in there
+    assert (
+        min(len(p) for p in paths) == 1 and max(len(p) for p in paths) >= 5
+    )  # the edge cases are in there
     x = torch.randn(len(paths), 2, 3, 3, generator=torch.Generator().manual_seed(1))
-    first = _row_velocity([])(x, torch.stack([p[0] for p in paths]), torch.arange(len(paths))) if reuse else None
+    first = (
+        _row_velocity([])(x, torch.stack([p[0] for p in paths]), torch.arange(len(paths)))
+        if reuse
+        else None
+    )
     calls = []
-    out, nfe, n_calls = ode_along_paths(_row_velocity(calls), x, paths, batch_size, first_velocity=first)
-    for m, p in enumerate(paths):  # the reference: row m alone, scalar sigmas, plain Euler steps (E1)
+    out, nfe, n_calls = ode_along_paths(
+        _row_velocity(calls), x, paths, batch_size, first_velocity=first
+    )
+    for m, p in enumerate(
+        paths
+    ):  # the reference: row m alone, scalar sigmas, plain Euler steps (E1)
         y = x[m : m + 1]
         for a, b in zip(p[:-1], p[1:]):
             y = y + (b - a) * _row_velocity([])(y, a.reshape(1), torch.tensor([m]))
@@ -569,7 +657,9 @@ def test_ode_along_paths_equals_rows_one_by_one(batch_size, reuse):
     reused = sum(len(p) > 1 for p in paths) if reuse else 0
     assert nfe == sum(calls) == steps - reused  # a reused first step costs no evaluation
     assert n_calls == len(calls) and max(calls) <= batch_size
-    assert n_calls <= -(-nfe // batch_size) + max(len(p) for p in paths)  # the staircase keeps calls full
+    assert n_calls <= -(-nfe // batch_size) + max(
+        len(p) for p in paths
+    )  # the staircase keeps calls full
 
 
 def test_ode_along_paths_fills_calls_longest_first():
@@ -583,14 +673,26 @@ def test_ode_along_paths_fills_calls_longest_first():
 
 
 # ---- GRPO-Guard's RatioNorm (E7)
-def _step(mu_shift: float, sigma: float, sigma_next: float, a: float = 0.7, n: int = 4096, d: int = 64, seed: int = 0):
+def _step(
+    mu_shift: float,
+    sigma: float,
+    sigma_next: float,
+    a: float = 0.7,
+    n: int = 4096,
+    d: int = 64,
+    seed: int = 0,
+):
     """A stored SDE action from the rollout policy (velocity v_old) scored by a policy whose velocity moved by
     mu_shift / |dt| (so its step mean moved by about mu_shift). Returns (log r, mean, old mean, std_dev_t)."""
     g = torch.Generator().manual_seed(seed)
     x, v_old = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
-    x_next, lp_old, mu_old, _ = sde_step_with_logprob(v_old, x, sigma, sigma_next, a, generator=g, sigma_max=0.96)
+    x_next, lp_old, mu_old, _ = sde_step_with_logprob(
+        v_old, x, sigma, sigma_next, a, generator=g, sigma_max=0.96
+    )
     v_new = v_old + mu_shift / (sigma - sigma_next) * torch.randn(n, d, generator=g)
-    _, lp_new, mu_new, std = sde_step_with_logprob(v_new, x, sigma, sigma_next, a, prev_sample=x_next, sigma_max=0.96)
+    _, lp_new, mu_new, std = sde_step_with_logprob(
+        v_new, x, sigma, sigma_next, a, prev_sample=x_next, sigma_max=0.96
+    )
     return lp_new - lp_old, mu_new, mu_old, std
 
 
@@ -601,14 +703,22 @@ def test_ratio_norm_is_one_on_policy_and_scales_the_gradient_by_the_step_std():
     g = torch.Generator().manual_seed(1)
     x, v = torch.randn(8, 4, 6, 6, generator=g), torch.randn(8, 4, 6, 6, generator=g)
     sigma, sigma_next = torch.full((8,), 0.79), torch.full((8,), 0.71)
-    x_next, lp_old, mu_old, _ = sde_step_with_logprob(v, x, sigma, sigma_next, 0.7, generator=g, sigma_max=0.96)
+    x_next, lp_old, mu_old, _ = sde_step_with_logprob(
+        v, x, sigma, sigma_next, 0.7, generator=g, sigma_max=0.96
+    )
     w = torch.ones(1, requires_grad=True)  # a stand-in parameter: the policy's velocity is w * v
-    _, lp, mu, std = sde_step_with_logprob(w * v, x, sigma, sigma_next, 0.7, prev_sample=x_next, sigma_max=0.96)
+    _, lp, mu, std = sde_step_with_logprob(
+        w * v, x, sigma, sigma_next, 0.7, prev_sample=x_next, sigma_max=0.96
+    )
     raw = lp - lp_old
     normed = ratio_norm(raw, mu, mu_old, std, sigma, sigma_next)
-    assert torch.equal(raw, torch.zeros(8)) and torch.equal(normed, torch.zeros(8))  # ratio exactly 1
+    assert torch.equal(raw, torch.zeros(8)) and torch.equal(
+        normed, torch.zeros(8)
+    )  # ratio exactly 1
     adv = torch.randn(8, generator=g)
-    assert torch.equal(-adv * torch.exp(normed), -adv * torch.exp(raw))  # the loss at ratio 1 is the same
+    assert torch.equal(
+        -adv * torch.exp(normed), -adv * torch.exp(raw)
+    )  # the loss at ratio 1 is the same
     (g_raw,) = torch.autograd.grad(raw.sum(), w, retain_graph=True)
     (g_norm,) = torch.autograd.grad(normed.sum(), w)
     s = (std.reshape(-1) * torch.sqrt(sigma - sigma_next))[0]
@@ -624,11 +734,20 @@ def test_ratio_norm_recentres_the_ratio_and_equalises_its_spread_across_steps():
         raw, mu, mu_old, std = _step(0.2, sig, sig_next)
         normed = ratio_norm(raw, mu, mu_old, std, torch.tensor(sig), torch.tensor(sig_next))
         s = float(std.reshape(-1)[0]) * (sig - sig_next) ** 0.5
-        bias, se = ((mu - mu_old) ** 2).mean(1) / (2 * s**2), raw.std() / len(raw) ** 0.5  # se: MC error of a mean
-        assert bias.mean() > 10 * se and abs(raw.mean() + bias.mean()) < 4 * se  # the raw mean shift, as derived
-        assert abs(normed.mean()) < 4 * normed.std() / len(normed) ** 0.5  # zero-mean within MC error
+        bias, se = (
+            ((mu - mu_old) ** 2).mean(1) / (2 * s**2),
+            raw.std() / len(raw) ** 0.5,
+        )  # se: MC error of a mean
+        assert (
+            bias.mean() > 10 * se and abs(raw.mean() + bias.mean()) < 4 * se
+        )  # the raw mean shift, as derived
+        assert (
+            abs(normed.mean()) < 4 * normed.std() / len(normed) ** 0.5
+        )  # zero-mean within MC error
         out[name] = (raw.std().item(), normed.std().item())
-    assert out["quiet"][0] > 2 * out["noisy"][0]  # raw: the quiet step's log-ratio spreads much more
+    assert (
+        out["quiet"][0] > 2 * out["noisy"][0]
+    )  # raw: the quiet step's log-ratio spreads much more
     assert abs(out["quiet"][1] / out["noisy"][1] - 1) < 0.1  # normalised: the same spread
 
 

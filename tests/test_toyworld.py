@@ -11,7 +11,9 @@ from common import toyworld as tw
 
 
 # ---- grammar ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("category,n", [("single", 18), ("counting", 54), ("two_object", 306), ("position", 1224)])
+@pytest.mark.parametrize(
+    "category,n", [("single", 18), ("counting", 54), ("two_object", 306), ("position", 1224)]
+)
 def test_parse_round_trips_every_prompt(category, n):
     prompts = tw.all_prompts(category)
     assert len(prompts) == len(set(prompts)) == n
@@ -23,7 +25,9 @@ def test_parse_round_trips_every_prompt(category, n):
 
 def test_parse_fields():
     spec = tw.parse("a photo of a red circle left of a blue square")
-    assert spec.objects == (("red", "circle", 1), ("blue", "square", 1)) and spec.relation == "left of"
+    assert (
+        spec.objects == (("red", "circle", 1), ("blue", "square", 1)) and spec.relation == "left of"
+    )
     assert tw.parse("a photo of four cyan triangles").objects == (("cyan", "triangle", 4),)
 
 
@@ -66,9 +70,16 @@ def test_prompt_files_match_regeneration_and_split(tmp_path):
         assert max(counts) - min(counts) <= 1, c
     assert not set(train) & set(test)
     assert sorted(train + test) == sorted(p for c in tw.CATEGORIES for p in tw.all_prompts(c))
-    assert Counter(map(tw.category_of, test)) == {"single": 12, "counting": 24, "two_object": 32, "position": 32}
+    assert Counter(map(tw.category_of, test)) == {
+        "single": 12,
+        "counting": 24,
+        "two_object": 32,
+        "position": 32,
+    }
     singles = [tw.parse(p).objects[0] for p in train if tw.category_of(p) == "single"]
-    assert {c for c, _, _ in singles} == set(tw.COLORS) and {s for _, s, _ in singles} == set(tw.SHAPES)
+    assert {c for c, _, _ in singles} == set(tw.COLORS) and {s for _, s, _ in singles} == set(
+        tw.SHAPES
+    )
     counting = [tw.parse(p).objects[0] for p in train if tw.category_of(p) == "counting"]
     assert {o[:2] for o in counting} == {(c, s) for c in tw.COLORS for s in tw.SHAPES}
     assert {o[2] for o in counting} == {2, 3, 4}
@@ -78,7 +89,9 @@ def test_prompt_files_match_regeneration_and_split(tmp_path):
         if spec.category == "two_object":
             assert tw.Spec("two_object", spec.objects[::-1]).prompt in test
         if spec.category == "position":
-            assert tw.Spec("position", spec.objects[::-1], tw.OPPOSITE[spec.relation]).prompt in test
+            assert (
+                tw.Spec("position", spec.objects[::-1], tw.OPPOSITE[spec.relation]).prompt in test
+            )
 
 
 def test_load_prompts(tmp_path):
@@ -150,7 +163,11 @@ KINDS = {
 def test_scorer_accepts_renders_of_their_own_prompt():
     prompts, images = _matched_set()
     reward, correct = tw.score(images, prompts)
-    assert reward.shape == correct.shape == (500,) and reward.dtype == np.float64 and correct.dtype == bool
+    assert (
+        reward.shape == correct.shape == (500,)
+        and reward.dtype == np.float64
+        and correct.dtype == bool
+    )
     failures = [p for p, ok in zip(prompts, correct) if not ok]
     assert reward.mean() >= 0.97 and correct.mean() >= 0.95, failures[:10]
     assert np.all(reward[correct] == 1.0) and np.all(reward[~correct] < 1.0)
@@ -164,9 +181,17 @@ def test_scorer_rejects_contradicting_prompts():
     assert all(q != p for q, p in zip(wrong, prompts))
     reward, correct = tw.score(images, wrong)
     per_kind = {
-        k: float(np.mean([r for r, (_, kk) in zip(reward, pairs) if kk == k])) for k in KINDS["position"] + ("count",)
+        k: float(np.mean([r for r, (_, kk) in zip(reward, pairs) if kk == k]))
+        for k in KINDS["position"] + ("count",)
     }
-    print("contradicting: mean reward", reward.mean(), "accuracy", correct.mean(), "per kind", per_kind)
+    print(
+        "contradicting: mean reward",
+        reward.mean(),
+        "accuracy",
+        correct.mean(),
+        "per kind",
+        per_kind,
+    )
     assert reward.mean() <= 0.15 and correct.mean() <= 0.02, per_kind
     assert per_kind["colour"] <= 0.1 and per_kind["relation"] <= 0.1
 
@@ -190,12 +215,16 @@ def test_reward_is_dense_and_ordered():
         "a photo of a red circle",
         "a photo of a red circle and a green square",
     ]
-    images = np.concatenate([tw.render_batch(variants, [3] * 4), np.zeros((1, 32, 32, 3), np.uint8)])
+    images = np.concatenate(
+        [tw.render_batch(variants, [3] * 4), np.zeros((1, 32, 32, 3), np.uint8)]
+    )
     reward, correct = tw.score(images, [prompt] * 5)
     assert correct.tolist() == [True, False, False, False, False]
     assert reward[0] == 1.0 and np.all(np.diff(reward) < 0) and reward[-1] == 0.0, reward
     # counting: the closer the count, the higher the reward
-    images = tw.render_batch([f"a photo of {w} red squares" for w in ("four", "three", "two")], [0, 0, 0])
+    images = tw.render_batch(
+        [f"a photo of {w} red squares" for w in ("four", "three", "two")], [0, 0, 0]
+    )
     reward, _ = tw.score(images, ["a photo of four red squares"] * 3)
     assert reward[0] == 1.0 > reward[1] > reward[2] > 0, reward
 
@@ -212,11 +241,17 @@ def test_blank_and_noise_images_score_low():
 def test_relation_rule():
     # A left of B: centroids (y, x); offsets mostly along x pass, mostly along y fail
     a, b, dims = (10, 5), (10, 20), (8, 8)
-    assert tw.relation_holds("left of", a, dims, b, dims) and tw.relation_holds("right of", b, dims, a, dims)
-    assert not tw.relation_holds("right of", a, dims, b, dims) and not tw.relation_holds("above", a, dims, b, dims)
+    assert tw.relation_holds("left of", a, dims, b, dims) and tw.relation_holds(
+        "right of", b, dims, a, dims
+    )
+    assert not tw.relation_holds("right of", a, dims, b, dims) and not tw.relation_holds(
+        "above", a, dims, b, dims
+    )
     assert tw.relation_holds("above", (2, 10), dims, (25, 14), dims)
     assert not tw.relation_holds("left of", (2, 10), dims, (25, 14), dims)
-    assert not tw.relation_holds("left of", (10, 10), dims, (10, 11), dims)  # within GenEval's 0.1 * dims slack
+    assert not tw.relation_holds(
+        "left of", (10, 10), dims, (10, 11), dims
+    )  # within GenEval's 0.1 * dims slack
 
 
 def test_score_accepts_every_image_format():

@@ -69,9 +69,13 @@ def test_plan_makes_exactly_the_requested_optimizer_steps():
     assert len(steps) == 4
     rows = torch.cat([mb.rows for mb in plan])
     assert sorted(rows.tolist()) == list(range(40))  # every transition exactly once
-    assert all(len({mb.divisor for mb in st}) == 1 for st in steps)  # one divisor per optimizer step
+    assert all(
+        len({mb.divisor for mb in st}) == 1 for st in steps
+    )  # one divisor per optimizer step
     assert sum(st[0].divisor for st in steps) == 40
-    assert len(plan_updates(keep, 8, 4, epochs=3)) == 3 * len(plan)  # --num-inner-epochs: one plan per pass
+    assert len(plan_updates(keep, 8, 4, epochs=3)) == 3 * len(
+        plan
+    )  # --num-inner-epochs: one plan per pass
 
 
 def test_plan_drops_zero_weight_and_keeps_the_mean():
@@ -97,9 +101,15 @@ def test_plan_with_shared_states_runs_one_forward_per_state():
 
 def test_plan_update_blocks_get_their_own_steps_in_order():
     block = torch.arange(3).repeat_interleave(4)
-    steps = optimizer_steps(plan_updates(torch.ones(12, dtype=torch.bool), 2, 1, update_block=block))
+    steps = optimizer_steps(
+        plan_updates(torch.ones(12, dtype=torch.bool), 2, 1, update_block=block)
+    )
     assert len(steps) == 3
-    assert [sorted(set(block[torch.cat([m.rows for m in st])].tolist())) for st in steps] == [[0], [1], [2]]
+    assert [sorted(set(block[torch.cat([m.rows for m in st])].tolist())) for st in steps] == [
+        [0],
+        [1],
+        [2],
+    ]
 
 
 def test_plan_with_nothing_kept_is_empty():
@@ -116,7 +126,10 @@ def test_stats_weighted_means_per_step_and_extremes():
     st.count(grad_norm=1.0)
     out = st.reduce(1, "cpu")
     assert out["ratio"] == pytest.approx(3.0) and out["ratio/weight"] == 3
-    assert out["ratio/per_step"] == {0: pytest.approx(2.0), 2: pytest.approx(5.0)}  # step 1 had only weight 0
+    assert out["ratio/per_step"] == {
+        0: pytest.approx(2.0),
+        2: pytest.approx(5.0),
+    }  # step 1 had only weight 0
     assert out["ratio/max"] == 5.0 and out["ratio/min"] == 1.0 and out["grad_norm"] == 3.0
 
 
@@ -157,10 +170,14 @@ def test_check_transitions_accepts_a_valid_set_and_catches_order_mistakes():
         check_transitions({k: v for k, v in tr.items() if k != "step_index"}, sigmas, 3)
     with pytest.raises(AssertionError, match="dtype"):
         check_transitions(dict(tr, advantage=tr["advantage"].double()), sigmas, 3)
-    bad = dict(tr, state_index=torch.tensor([0, 0, 1, 2, 2, 3]))  # rows 0 and 1 start from different latents
+    bad = dict(
+        tr, state_index=torch.tensor([0, 0, 1, 2, 2, 3])
+    )  # rows 0 and 1 start from different latents
     with pytest.raises(AssertionError, match="rows of one state"):
         check_transitions(bad, sigmas, 3)
-    check_transitions(dict(tr, mean=torch.randn_like(tr["latents"])), sigmas, 3)  # the rollout means: optional
+    check_transitions(
+        dict(tr, mean=torch.randn_like(tr["latents"])), sigmas, 3
+    )  # the rollout means: optional
     with pytest.raises(AssertionError, match="mean differ in shape"):
         check_transitions(dict(tr, mean=tr["latents"][:, :2]), sigmas, 3)
 
@@ -168,7 +185,9 @@ def test_check_transitions_accepts_a_valid_set_and_catches_order_mistakes():
 # ---------------------------------------------------------------------------------------- in a run
 @pytest.mark.parametrize("n_opt", [1, 5])  # the old ceil rule made 4 of 5
 def test_optimizer_steps_per_iteration_is_honoured(tiny_sd3, tmp_path, n_opt):
-    prompts = write_prompts(tmp_path / "p.txt", ["a photo of a red circle", "a photo of two blue squares"])
+    prompts = write_prompts(
+        tmp_path / "p.txt", ["a photo of a red circle", "a photo of two blue squares"]
+    )
     run_main(
         "flowgrpo_baseline.py",
         *tiny_flags(tiny_sd3, tmp_path, prompts),
@@ -196,10 +215,17 @@ def test_optimizer_steps_per_iteration_is_honoured(tiny_sd3, tmp_path, n_opt):
     # the dense reward's statistics only in DenseGRPO
     assert logged == set(STEP_METRICS) - {"grad_share", "grad_norm", "dR_abs", "dR_zero"}
     for k in logged:
-        assert sorted(int(key.rsplit("/", 1)[1]) for key in m if key.startswith(f"steps/{k}/")) == [0, 1], k
+        assert sorted(int(key.rsplit("/", 1)[1]) for key in m if key.startswith(f"steps/{k}/")) == [
+            0,
+            1,
+        ], k
     assert m["steps/kept/0"] == m["steps/kept/1"] == 1.0
-    assert (m["steps/ratio/0"] + m["steps/ratio/1"]) / 2 == pytest.approx(m["ratio/mean"], abs=1e-12)
-    assert (m["steps/clipfrac/0"] + m["steps/clipfrac/1"]) / 2 == pytest.approx(m["clipfrac"], abs=1e-12)
+    assert (m["steps/ratio/0"] + m["steps/ratio/1"]) / 2 == pytest.approx(
+        m["ratio/mean"], abs=1e-12
+    )
+    assert (m["steps/clipfrac/0"] + m["steps/clipfrac/1"]) / 2 == pytest.approx(
+        m["clipfrac"], abs=1e-12
+    )
     assert all(m[f"steps/ratio_std/{j}"] >= 0 for j in (0, 1))
     if n_opt > 1:  # later optimizer steps are off-policy: the ratio spreads
         assert m["ratio/max"] > m["ratio/min"]
@@ -219,8 +245,12 @@ def test_tied_groups_get_exactly_zero_advantage():
             for global_std in (True, False):
                 a = flowgrpo_baseline.group_advantages(rewards, group, global_std, 1e-4)
                 assert a.dtype == torch.float32
-                assert torch.equal(a[:G], torch.zeros(G)) and torch.equal(a[2 * G :], torch.zeros(G)), (value, G)
-                assert (a[G : 2 * G] != 0).sum() >= G - 1  # the varied group still has its advantages
+                assert torch.equal(a[:G], torch.zeros(G)) and torch.equal(
+                    a[2 * G :], torch.zeros(G)
+                ), (value, G)
+                assert (
+                    a[G : 2 * G] != 0
+                ).sum() >= G - 1  # the varied group still has its advantages
 
 
 def test_cfg_gradient_goes_through_both_branches_unless_detached(tiny_sd3):
@@ -234,7 +264,9 @@ def test_cfg_gradient_goes_through_both_branches_unless_detached(tiny_sd3):
     assert flowgrpo_baseline.Args().detach_uncond is False
     bb = load_backbone(tiny_sd3, "cpu", max_sequence_length=8)
     bb.transformer.requires_grad_(False)
-    bb.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q"]))
+    bb.transformer.add_adapter(
+        LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q"])
+    )
     params = [p for p in bb.transformer.parameters() if p.requires_grad]
     torch.manual_seed(0)
     for p in params:
@@ -284,7 +316,14 @@ def test_full_finetune_in_bf16_computes_under_autocast(fixture, request):
     bb.pipe.to(torch.bfloat16)  # what load_backbone does on CUDA
     bb.dtype = torch.bfloat16
     emb = bb.encode(["a photo of a red circle", "a photo of two blue squares"])
-    trainable = Trainable(bb, full_finetune=True, lora_rank=4, lora_alpha=4, lora_targets=["to_q"], need_reference=True)
+    trainable = Trainable(
+        bb,
+        full_finetune=True,
+        lora_rank=4,
+        lora_alpha=4,
+        lora_targets=["to_q"],
+        need_reference=True,
+    )
     assert all(p.dtype == torch.float32 for p in trainable.params.values())
     v = bb.velocity(x, 0.7, emb, 4.5)
     v.square().mean().backward()
@@ -293,7 +332,10 @@ def test_full_finetune_in_bf16_computes_under_autocast(fixture, request):
         assert out.dtype == torch.float32 and torch.isfinite(out).all()
         assert (out - v32).norm() < 0.05 * v32.norm(), (out - v32).norm() / v32.norm()
     grads = [p.grad for p in trainable.params.values()]
-    assert all(g is not None and g.dtype == torch.float32 for g in grads) and sum(g.norm() for g in grads) > 0
+    assert (
+        all(g is not None and g.dtype == torch.float32 for g in grads)
+        and sum(g.norm() for g in grads) > 0
+    )
 
 
 def test_grad_share_splits_the_gradient_by_step_exactly_as_separate_backward_passes():
@@ -318,12 +360,18 @@ def test_grad_share_splits_the_gradient_by_step_exactly_as_separate_backward_pas
     accumulated = torch.cat([p.grad.flatten() for p in params.values()]).double()
     separate = []
     for j in range(3):
-        grads = torch.autograd.grad(row_loss((steps == j).nonzero().squeeze(1)).sum(), list(params.values()))
+        grads = torch.autograd.grad(
+            row_loss((steps == j).nonzero().squeeze(1)).sum(), list(params.values())
+        )
         separate.append(torch.cat([g.flatten() for g in grads]).double())
     for j in range(3):
-        assert torch.allclose(share.grads[j], separate[j], atol=1e-6), j  # float32 sums, split differently
+        assert torch.allclose(share.grads[j], separate[j], atol=1e-6), (
+            j
+        )  # float32 sums, split differently
     assert share.grads[3] is None and torch.allclose(sum(separate), accumulated, atol=1e-6)
     total = sum(separate)
     expect = {j: float(separate[j] @ total / (total @ total)) for j in range(3)}
-    assert share.shares() == pytest.approx(expect, abs=1e-6) and sum(share.shares().values()) == pytest.approx(1.0)
+    assert share.shares() == pytest.approx(expect, abs=1e-6) and sum(
+        share.shares().values()
+    ) == pytest.approx(1.0)
     assert share.norms() == pytest.approx({j: float(separate[j].norm()) for j in range(3)})

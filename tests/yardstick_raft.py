@@ -34,7 +34,9 @@ from common.rewards import build_reward  # noqa: E402
 from common.sampler import sde_step_with_logprob  # noqa: E402
 from common.utils import RunLogger, seed_everything  # noqa: E402
 
-TOY_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "common", "toyworld", "model")
+TOY_MODEL = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "common", "toyworld", "model"
+)
 
 
 @dataclass
@@ -88,7 +90,9 @@ class Args:
     """images per transformer call at evaluation"""
 
 
-def select(rewards: torch.Tensor, correct: torch.Tensor, group: torch.Tensor, keep: str) -> torch.Tensor:
+def select(
+    rewards: torch.Tensor, correct: torch.Tensor, group: torch.Tensor, keep: str
+) -> torch.Tensor:
     """Boolean mask of the images to regress on. `group[i]` is image i's group id (0 .. n_groups-1)."""
     if keep == "correct":
         return correct.bool()
@@ -110,7 +114,10 @@ def accuracy_se(metrics: dict, prompts: list[str], seeds: int) -> float:
     counts = {}
     for p in prompts:
         counts[toyworld.category_of(p)] = counts.get(toyworld.category_of(p), 0) + seeds
-    var = sum(metrics[f"eval/accuracy_{c}"] * (1 - metrics[f"eval/accuracy_{c}"]) / n for c, n in counts.items())
+    var = sum(
+        metrics[f"eval/accuracy_{c}"] * (1 - metrics[f"eval/accuracy_{c}"]) / n
+        for c, n in counts.items()
+    )
     return math.sqrt(var) / len(counts)
 
 
@@ -134,7 +141,9 @@ if __name__ == "__main__":
     check_model_path(args.model_path)
     final_seeds = args.final_eval_seeds_per_prompt or args.eval_seeds_per_prompt
     seed_everything(args.seed)
-    run_dir = os.path.join(args.output_dir, args.run_name or f"yardstick_raft__{args.seed}__{int(time.time())}")
+    run_dir = os.path.join(
+        args.output_dir, args.run_name or f"yardstick_raft__{args.seed}__{int(time.time())}"
+    )
     backbone = load_backbone(args.model_path, "cpu" if not torch.cuda.is_available() else "cuda")
     device, res = backbone.device, toyworld.RESOLUTION
     transformer = backbone.transformer
@@ -153,7 +162,9 @@ if __name__ == "__main__":
     params = [p for p in transformer.parameters() if p.requires_grad]
     for p in params:
         p.data = p.data.float()
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=(0.9, 0.999), weight_decay=1e-4, eps=1e-8)
+    optimizer = torch.optim.AdamW(
+        params, lr=args.learning_rate, betas=(0.9, 0.999), weight_decay=1e-4, eps=1e-8
+    )
     reward_model = build_reward("toyworld", device)
     logger = RunLogger(run_dir, True, False, asdict(args), "", None, os.path.basename(run_dir))
     sigmas = backbone.schedule(args.num_steps, res, res)
@@ -187,7 +198,9 @@ if __name__ == "__main__":
         if not final:
             # ---- rollout: flowgrpo_baseline.py's prompts, group layout, seeds and SDE sampler (rank 0 of 1)
             g = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration)
-            prompt_ids = torch.randint(len(train_prompts), (args.groups_per_iteration,), generator=g)
+            prompt_ids = torch.randint(
+                len(train_prompts), (args.groups_per_iteration,), generator=g
+            )
             group = torch.arange(args.groups_per_iteration).repeat_interleave(args.group_size)
             group = group[torch.randperm(len(group), generator=g)]
             prompts = [train_prompts[prompt_ids[k]] for k in group]
@@ -198,7 +211,13 @@ if __name__ == "__main__":
                 for j in range(args.num_steps):
                     v = backbone.velocity(x, sigmas[j], emb, 1.0)
                     x = sde_step_with_logprob(
-                        v, x, sigmas[j], sigmas[j + 1], args.noise_level, generator=gen, sigma_max=sigmas[1]
+                        v,
+                        x,
+                        sigmas[j],
+                        sigmas[j + 1],
+                        args.noise_level,
+                        generator=gen,
+                        sigma_max=sigmas[1],
                     )[0]
                 images = backbone.decode(x, res, res)
             rewards, correct = map(torch.as_tensor, toyworld.score(images, prompts))
@@ -206,11 +225,18 @@ if __name__ == "__main__":
             count["rollout"] += n_img * args.num_steps
             images_seen += n_img
             # ---- fine-tune on the kept images: one optimizer step of flow-matching regression
-            kept = select(rewards, correct, group, args.keep).nonzero().squeeze(1).repeat(args.fm_draws)
+            kept = (
+                select(rewards, correct, group, args.keep)
+                .nonzero()
+                .squeeze(1)
+                .repeat(args.fm_draws)
+            )
             loss = torch.zeros(())
             if len(kept):
                 x0 = x[kept]
-                t = torch.sigmoid(torch.randn(len(kept), device=device))  # logit-normal t, as SD3 pretraining
+                t = torch.sigmoid(
+                    torch.randn(len(kept), device=device)
+                )  # logit-normal t, as SD3 pretraining
                 eps = torch.randn_like(x0)
                 tt = t.view(-1, *[1] * (x0.ndim - 1))
                 v = backbone.velocity((1 - tt) * x0 + tt * eps, t, emb[kept], 1.0)
@@ -231,7 +257,9 @@ if __name__ == "__main__":
             )
         metrics.update(
             {
-                "nfe": sum(count[k] for k in ("rollout", "completion", "train_forward")),  # as training_nfe
+                "nfe": sum(
+                    count[k] for k in ("rollout", "completion", "train_forward")
+                ),  # as training_nfe
                 **{f"nfe/{k}": v for k, v in count.items()},
                 "trajectories": images_seen,
                 "scored_images": images_seen,
@@ -248,7 +276,8 @@ if __name__ == "__main__":
             {
                 k: round(v, 4) if isinstance(v, float) else v
                 for k, v in metrics.items()
-                if k in ("iteration", "eval/accuracy", "train/reward_mean", "train/kept", "time/cpu_s")
+                if k
+                in ("iteration", "eval/accuracy", "train/reward_mean", "train/kept", "time/cpu_s")
             },
             flush=True,
         )

@@ -1,11 +1,13 @@
-"""The toy world: a GenEval-like world of coloured shapes, the default world of every training script.
+"""The toy world: a GenEval-like world of coloured shapes, the default world of every training
+script.
 
     from common import toyworld
     img = toyworld.render("a photo of a red circle left of a blue square", seed=0)   # PIL, 32x32
     reward, correct = toyworld.score([img], ["a photo of a red circle left of a blue square"])
 
-`prompts.py` is the grammar and the train/test split, `render.py` draws correct scenes (the pretraining
-data), `scorer.py` is the reward (a pixel-exact GenEval stand-in). See each module's docstring.
+`prompts.py` is the grammar and the train/test split, `render.py` draws correct scenes (the
+pretraining data), `scorer.py` is the reward (a pixel-exact GenEval stand-in). See each module's
+docstring.
 """
 
 from .prompts import (
@@ -62,5 +64,6 @@ __all__ = [  # the toy world's public names, re-exported from its modules
 ]
 
 TRAIN_FILE = PROMPT_DIR / "prompts_train.txt"  # every training prompt once (the pretraining pool)
-TRAIN_MIX_FILE = PROMPT_DIR / "prompts_train_balanced.txt"  # the same, repeated so categories are equal (RL default)
+# the same, repeated so categories are equal (RL default)
+TRAIN_MIX_FILE = PROMPT_DIR / "prompts_train_balanced.txt"
 TEST_FILE = PROMPT_DIR / "prompts_test.txt"

@@ -1,40 +1,49 @@
-"""Pretrain the toy world's text-to-image model: a small SD3 (MMDiT) trained by flow matching on rendered scenes.
+"""Pretrain the toy world's text-to-image model: a small SD3 (MMDiT) trained by flow matching on
+rendered scenes.
 
-The shipped model (common/toyworld/model) was made in two runs; its pretrain_log.json holds the second:
+The shipped model (common/toyworld/model) was made in two runs; its pretrain_log.json holds the
+second:
 
     # 1. from scratch, on every training prompt equally often (GPU: 4.5 minutes on one H200)
-    python -m common.toyworld.pretrain --prompts common/toyworld/prompts_train.txt --minutes 3.5 --out /tmp/toy1
-    # 2. continue on the category-balanced mix, the default --prompts (CPU: 2 cores, about 13 minutes)
-    python -m common.toyworld.pretrain --init /tmp/toy1 --batch-size 64 --lr 3e-4 --steps 3500 --minutes 60 \
-        --num-images 120000 --target-accuracy 0.45 --eval-every 250 --out common/toyworld/model
+    python -m common.toyworld.pretrain --prompts common/toyworld/prompts_train.txt --minutes 3.5 \
+        --out /tmp/toy1
+    # 2. continue on the category-balanced mix, the default --prompts (CPU: 2 cores, about 13
+    # minutes)
+    python -m common.toyworld.pretrain --init /tmp/toy1 --batch-size 64 --lr 3e-4 --steps 3500 \
+        --minutes 60 --num-images 120000 --target-accuracy 0.45 --eval-every 250 \
+        --out common/toyworld/model
 
-Why two: uniform over prompts means uniform over the grammar, where position prompts are 79 % of the training
-prompts and single objects 0.4 % (6 of 1502), so the first model was best at position and weak on single
-objects, the opposite of a real model's GenEval profile. The second run fixes the mix: within 1000 steps single
-objects rise to about 0.75 and position falls to about 0.5 (pretrain_log.json has the curve). It stops at the
-first checkpoint at 0.45 or above, because later ones keep improving (0.52 at step 1250) and RL needs room.
-One balanced run from scratch would be cleaner but takes about 2 hours on a 2-core CPU, and no GPU was lent.
+Why two: uniform over prompts means uniform over the grammar, where position prompts are 79 % of the
+training prompts and single objects 0.4 % (6 of 1502), so the first model was best at position and
+weak on single objects, the opposite of a real model's GenEval profile. The second run fixes the
+mix: within 1000 steps single objects rise to about 0.75 and position falls to about 0.5
+(pretrain_log.json has the curve). It stops at the first checkpoint at 0.45 or above, because later
+ones keep improving (0.52 at step 1250) and RL needs room. One balanced run from scratch would be
+cleaner but takes about 2 hours on a 2-core CPU, and no GPU was lent.
 
-A variant with 4x smaller latents (`--vae-factor 4`: 8x8x4, 16 image tokens, RL iterations 2.3x faster) was made
-in one balanced run from scratch (2-core CPU, 42 minutes; 0.471 at step 4000) and not shipped: RL learns no faster
-on it, and its one-batch gradient SNR is the same (docs/results.md, "A smaller latent"):
+A variant with 4x smaller latents (`--vae-factor 4`: 8x8x4, 16 image tokens, RL iterations 2.3x
+faster) was made in one balanced run from scratch (2-core CPU, 42 minutes; 0.471 at step 4000) and
+not shipped: RL learns no faster on it, and its one-batch gradient SNR is the same
+(docs/results.md, "A smaller latent"):
 
-    python -m common.toyworld.pretrain --vae-factor 4 --vae-steps 2000 --vae-batch-size 64 --batch-size 128 \
-        --lr 6e-4 --steps 20000 --minutes 50 --target-accuracy 0.45 --eval-every 1000 --workers 2 --out /tmp/toy_f4
+    python -m common.toyworld.pretrain --vae-factor 4 --vae-steps 2000 --vae-batch-size 64 \
+        --batch-size 128 --lr 6e-4 --steps 20000 --minutes 50 --target-accuracy 0.45 \
+        --eval-every 1000 --workers 2 --out /tmp/toy_f4
 
 Three stages, all seeded:
-1. render a fixed dataset of scenes for the *training* prompts (test prompts are never seen), each scene's
-   prompt drawn uniformly over the lines of `--prompts`;
-2. train a tiny AutoencoderKL (32x32x3 <-> 16x16x4, or 8x8x4 with `--vae-factor 4`) on it, then set its scaling/shift from the latent stats
-   (skipped with `--init`, which keeps that model's VAE);
-3. train the SD3 transformer and both CLIP text encoders jointly by rectified flow (x_t = (1-t) x0 + t eps,
-   target v = eps - x0, t ~ logit-normal as in SD3), with 10 % empty prompts so classifier-free guidance works
-   (with `--init` the text encoders stay frozen and only the transformer trains).
-Every `--eval-every` steps the EMA weights are evaluated on the test prompts with the evaluation protocol of the
-RL scripts (deterministic ODE, fixed seeds). Training stops at the first checkpoint whose strict accuracy
-reaches `--target-accuracy` (the issue asks for a *partly* competent model, 0.2-0.6, so that RL has room), or
-after `--steps` / `--minutes`. Everything is saved with `save_pretrained`, so the RL scripts load it through
-the same path as SD3.5.
+1. render a fixed dataset of scenes for the *training* prompts (test prompts are never seen), each
+   scene's prompt drawn uniformly over the lines of `--prompts`;
+2. train a tiny AutoencoderKL (32x32x3 <-> 16x16x4, or 8x8x4 with `--vae-factor 4`) on it, then set
+   its scaling/shift from the latent stats (skipped with `--init`, which keeps that model's VAE);
+3. train the SD3 transformer and both CLIP text encoders jointly by rectified flow (x_t = (1-t)
+   x0 + t eps, target v = eps - x0, t ~ logit-normal as in SD3), with 10 % empty prompts so
+   classifier-free guidance works (with `--init` the text encoders stay frozen and only the
+   transformer trains).
+Every `--eval-every` steps the EMA weights are evaluated on the test prompts with the evaluation
+protocol of the RL scripts (deterministic ODE, fixed seeds). Training stops at the first checkpoint
+whose strict accuracy reaches `--target-accuracy` (the issue asks for a *partly* competent model,
+0.2-0.6, so that RL has room), or after `--steps` / `--minutes`. Everything is saved with
+`save_pretrained`, so the RL scripts load it through the same path as SD3.5.
 """
 
 from __future__ import annotations
@@ -61,7 +70,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def toy_words() -> list[str]:
     """Every word of the grammar becomes one token of the (CLIP BPE) tokenizer."""
-    words = {w for f in (toyworld.TRAIN_FILE, toyworld.TEST_FILE) for p in toyworld.load_prompts(f) for w in p.split()}
+    words = {
+        w
+        for f in (toyworld.TRAIN_FILE, toyworld.TEST_FILE)
+        for p in toyworld.load_prompts(f)
+        for w in p.split()
+    }
     return sorted(words)
 
 
@@ -70,11 +84,16 @@ def _render_chunk(args):
     return toyworld.render_batch(prompts, seeds)
 
 
-def render_dataset(prompts: list[str], n: int, seed: int, workers: int) -> tuple[np.ndarray, np.ndarray]:
+def render_dataset(
+    prompts: list[str], n: int, seed: int, workers: int
+) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(prompts), n)
     seeds = rng.integers(0, 2**31 - 1, n)
-    chunks = [([prompts[i] for i in idx[s : s + 4096]], seeds[s : s + 4096].tolist()) for s in range(0, n, 4096)]
+    chunks = [
+        ([prompts[i] for i in idx[s : s + 4096]], seeds[s : s + 4096].tolist())
+        for s in range(0, n, 4096)
+    ]
     with Pool(workers) as pool:
         images = np.concatenate(pool.map(_render_chunk, chunks))
     return images, idx
@@ -83,11 +102,16 @@ def render_dataset(prompts: list[str], n: int, seed: int, workers: int) -> tuple
 def train_vae(images_u8: torch.Tensor, prompts: list[str], args, device) -> torch.nn.Module:
     """Small KL autoencoder: reconstruction (L1 + MSE) plus a tiny KL so the latent stays smooth."""
     torch.manual_seed(args.seed)
-    blocks = {2: (32, 64), 4: (16, 32, 64)}[args.vae_factor]  # one down block per halving; narrow at full size (CPU)
-    vae = tiny_vae(latent_channels=4, block_out_channels=blocks, layers_per_block=1, norm_groups=8).to(device)
+    # one down block per halving; narrow at full size (CPU)
+    blocks = {2: (32, 64), 4: (16, 32, 64)}[args.vae_factor]
+    vae = tiny_vae(
+        latent_channels=4, block_out_channels=blocks, layers_per_block=1, norm_groups=8
+    ).to(device)
     opt = torch.optim.AdamW(vae.parameters(), lr=1e-3)
     for step in range(args.vae_steps):
-        batch = images_u8[torch.randint(0, len(images_u8), (args.vae_batch_size,), device=images_u8.device)]
+        batch = images_u8[
+            torch.randint(0, len(images_u8), (args.vae_batch_size,), device=images_u8.device)
+        ]
         x = batch.to(device).permute(0, 3, 1, 2).float() / 127.5 - 1
         post = vae.encode(x).latent_dist
         rec = vae.decode(post.sample()).sample
@@ -98,13 +122,15 @@ def train_vae(images_u8: torch.Tensor, prompts: list[str], args, device) -> torc
         if step % 500 == 0 or step == args.vae_steps - 1:
             print(f"vae step {step} loss {loss.item():.4f}", flush=True)
     vae.eval().requires_grad_(False)
-    with torch.no_grad():  # the scorer on reconstructions: what the transformer can be judged on at best
+    with torch.no_grad():
+        # the scorer on reconstructions: what the transformer can be judged on at best
         x = images_u8[:512].to(device).permute(0, 3, 1, 2).float() / 127.5 - 1
         rec = ((vae.decode(vae.encode(x).latent_dist.mode()).sample + 1) / 2).clamp(0, 1).cpu()
         _, ok_rec = toyworld.score(rec, prompts[:512])
         _, ok_src = toyworld.score(images_u8[:512].cpu().numpy(), prompts[:512])
     print(
-        f"vae: strict accuracy of {len(rec)} reconstructions {ok_rec.mean():.3f} (renders {ok_src.mean():.3f})",
+        f"vae: strict accuracy of {len(rec)} reconstructions {ok_rec.mean():.3f} (renders "
+        f"{ok_src.mean():.3f})",
         flush=True,
     )
     return vae
@@ -117,14 +143,16 @@ def encode_latents(vae, images_u8, device, set_stats: bool = True) -> torch.Tens
         x = images_u8[s : s + 4096].to(device).permute(0, 3, 1, 2).float() / 127.5 - 1
         out.append(vae.encode(x).latent_dist.mode())
     z = torch.cat(out)
-    if set_stats:  # SD3 convention: model latents = (z - shift_factor) * scaling_factor: zero mean, unit std
+    if set_stats:
+        # SD3 convention: model latents = (z - shift_factor) * scaling_factor: zero mean, unit std
         vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1 / z.std()))
     return (z - vae.config.shift_factor) * vae.config.scaling_factor
 
 
 def evaluate(backbone: Backbone, steps: int, cfg: float, batch: int = 256) -> tuple[dict, object]:
-    """The RL scripts' evaluation (common/evaluation.py: the test prompts, 2 fixed seeds each, ODE, strict accuracy),
-    with short keys for the log: accuracy, reward and one accuracy per category; and its captioned grid."""
+    """The RL scripts' evaluation (common/evaluation.py: the test prompts, 2 fixed seeds each, ODE,
+    strict accuracy), with short keys for the log: accuracy, reward and one accuracy per category;
+    and its captioned grid."""
     m, grid = evaluate_prompts(
         backbone,
         build_reward("toyworld"),
@@ -142,20 +170,31 @@ def evaluate(backbone: Backbone, steps: int, cfg: float, batch: int = 256) -> tu
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default=os.path.join(HERE, "model"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-images", type=int, default=400_000, help="rendered training scenes")
     ap.add_argument("--vae-steps", type=int, default=3000)
     ap.add_argument("--vae-batch-size", type=int, default=256)
-    ap.add_argument("--vae-factor", type=int, default=2, choices=(2, 4), help="image px per latent px")
+    ap.add_argument(
+        "--vae-factor", type=int, default=2, choices=(2, 4), help="image px per latent px"
+    )
     ap.add_argument("--steps", type=int, default=12000, help="max transformer steps")
-    ap.add_argument("--minutes", type=float, default=4.0, help="wall-clock cap of the transformer stage")
+    ap.add_argument(
+        "--minutes", type=float, default=4.0, help="wall-clock cap of the transformer stage"
+    )
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--eval-steps", type=int, default=20)
-    ap.add_argument("--eval-cfg", type=float, default=1.0, help="guidance used to pick the checkpoint (the RL default)")
+    ap.add_argument(
+        "--eval-cfg",
+        type=float,
+        default=1.0,
+        help="guidance used to pick the checkpoint (the RL default)",
+    )
     ap.add_argument(
         "--target-accuracy",
         type=float,
@@ -166,9 +205,14 @@ def main():
     ap.add_argument(
         "--prompts",
         default=str(toyworld.TRAIN_MIX_FILE),
-        help="scene prompts, drawn uniformly over lines (default: the category-balanced training mix)",
+        help=(
+            "scene prompts, drawn uniformly over lines (default: the category-balanced training "
+            "mix)"
+        ),
     )
-    ap.add_argument("--init", default=None, help="continue from this saved toy model (its VAE is kept)")
+    ap.add_argument(
+        "--init", default=None, help="continue from this saved toy model (its VAE is kept)"
+    )
     args = ap.parse_args()
 
     t_start = time.time()
@@ -186,9 +230,14 @@ def main():
     images, prompt_idx = render_dataset(train_prompts, args.num_images, args.seed, args.workers)
     print(f"rendered {len(images)} scenes in {time.time() - t_start:.1f}s", flush=True)
     images_u8 = torch.from_numpy(images).to(device)
-    # load_backbone freezes the text encoders (as the RL scripts want), so a continued run trains the transformer only
+    # load_backbone freezes the text encoders (as the RL scripts want), so a continued run trains
+    # the transformer only
     init = load_backbone(args.init, device, torch.float32).pipe if args.init else None
-    vae = init.vae if init else train_vae(images_u8, [train_prompts[k] for k in prompt_idx[:512]], args, device)
+    vae = (
+        init.vae
+        if init
+        else train_vae(images_u8, [train_prompts[k] for k in prompt_idx[:512]], args, device)
+    )
     latent_hw = toyworld.RESOLUTION // (2 ** (len(vae.config.block_out_channels) - 1))
     z = encode_latents(vae, images_u8, device, set_stats=init is None)
     print(
@@ -215,7 +264,8 @@ def main():
     trainables = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
     params = [p for m in trainables for p in m.parameters()]
     print(
-        f"transformer {sum(p.numel() for p in pipe.transformer.parameters()) / 1e6:.2f}M params, text encoders "
+        f"transformer {sum(p.numel() for p in pipe.transformer.parameters()) / 1e6:.2f}M params, "
+        "text encoders "
         f"{sum(p.numel() for m in trainables[1:] for p in m.parameters()) / 1e6:.2f}M",
         flush=True,
     )
@@ -239,15 +289,26 @@ def main():
     for step in range(1, args.steps + 1):
         i = torch.randint(0, len(z), (args.batch_size,), device=device)
         x0 = z[i]
-        prompts = [train_prompts[k] if torch.rand(()) > 0.1 else "" for k in prompt_idx[i.cpu().numpy()]]
+        prompts = [
+            train_prompts[k] if torch.rand(()) > 0.1 else "" for k in prompt_idx[i.cpu().numpy()]
+        ]
         emb, _, pooled, _ = pipe.encode_prompt(
-            prompts, None, None, device=device, do_classifier_free_guidance=False, max_sequence_length=1
+            prompts,
+            None,
+            None,
+            device=device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=1,
         )
         t = torch.sigmoid(torch.randn(len(x0), device=device))
         eps = torch.randn_like(x0)
         xt = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
         v = pipe.transformer(
-            hidden_states=xt, timestep=t * 1000, encoder_hidden_states=emb, pooled_projections=pooled, return_dict=False
+            hidden_states=xt,
+            timestep=t * 1000,
+            encoder_hidden_states=emb,
+            pooled_projections=pooled,
+            return_dict=False,
         )[0]
         loss = F.mse_loss(v, eps - x0)
         for g in opt.param_groups:

@@ -5,10 +5,12 @@ Four GenEval task categories, each an exact template:
     single      a photo of a red circle
     counting    a photo of three red circles
     two_object  a photo of a red circle and a blue square
-    position    a photo of a red circle left of a blue square   ("A left of B": A's centroid is left of B's)
+    position    a photo of a red circle left of a blue square
+                ("A left of B": A's centroid is left of B's)
 
-The train/test split is a *compositional* hold-out: a test prompt never appears in training, but every
-colour, shape and number word does, so the test measures whether the model can recombine known parts.
+The train/test split is a *compositional* hold-out: a test prompt never appears in training, but
+every colour, shape and number word does, so the test measures whether the model can recombine known
+parts.
 """
 
 import functools
@@ -89,8 +91,8 @@ def parse(prompt: str) -> Spec:
     raise ValueError(
         f"prompt {prompt!r} is not in the toy-world grammar; expected one of "
         "'a photo of a red circle', 'a photo of three red circles', "
-        "'a photo of a red circle and a blue square', 'a photo of a red circle left of a blue square' "
-        f"(colours {list(COLORS)}, shapes {list(SHAPES)}, relations {list(RELATIONS)})"
+        "'a photo of a red circle and a blue square', 'a photo of a red circle left of a blue "
+        f"square' (colours {list(COLORS)}, shapes {list(SHAPES)}, relations {list(RELATIONS)})"
     )
 
 
@@ -99,7 +101,8 @@ def category_of(prompt: str) -> str:
 
 
 def in_grammar(prompt: str) -> bool:
-    """True if `prompt` is a toy-world prompt (the scripts then also report GenEval-style accuracy)."""
+    """True if `prompt` is a toy-world prompt (the scripts then also report GenEval-style
+    accuracy)."""
     try:
         parse(prompt)
         return True
@@ -127,8 +130,8 @@ def split_prompts() -> tuple[list[str], list[str]]:
 
     * single: keep 6 of 18 for training, one per colour with each shape twice, so every colour and
       every shape is still seen on its own; the other 12 are held out.
-    * counting: hold out 24 of 54, but keep every (colour, shape), (number, colour) and (number, shape)
-      combination in training.
+    * counting: hold out 24 of 54, but keep every (colour, shape), (number, colour) and
+      (number, shape) combination in training.
     * two_object / position: "A and B" shows the same scene as "B and A", and "A left of B" the same
       as "B right of A", so held-out prompts are chosen in such equivalence groups: 16 unordered
       pairs (x2 orders) and 8 (unordered pair, axis) groups (x4 phrasings).
@@ -146,7 +149,11 @@ def split_prompts() -> tuple[list[str], list[str]]:
         train = [parse(p).objects[0] for p in counting if p not in held]
         if all(
             len({key(o) for o in train}) == n
-            for key, n in [(lambda o: o[:2], 18), (lambda o: (o[2], o[0]), 18), (lambda o: (o[2], o[1]), 9)]
+            for key, n in [
+                (lambda o: o[:2], 18),
+                (lambda o: (o[2], o[0]), 18),
+                (lambda o: (o[2], o[1]), 9),
+            ]
         ):
             break
     test["counting"] = [p for p in counting if p in held]
@@ -154,7 +161,9 @@ def split_prompts() -> tuple[list[str], list[str]]:
     pairs = [frozenset(ab) for ab in itertools.combinations(itertools.product(COLORS, SHAPES), 2)]
     held_pairs = set(rng.sample(pairs, TEST_COUNTS["two_object"] // 2))
     test["two_object"] = [
-        p for p in all_prompts("two_object") if frozenset(o[:2] for o in parse(p).objects) in held_pairs
+        p
+        for p in all_prompts("two_object")
+        if frozenset(o[:2] for o in parse(p).objects) in held_pairs
     ]
     axis = {"left of": "x", "right of": "x", "above": "y", "below": "y"}
     groups = [(pair, ax) for pair in pairs for ax in "xy"]
@@ -172,13 +181,15 @@ def split_prompts() -> tuple[list[str], list[str]]:
 
 
 def balanced_mix(train: list[str]) -> list[str]:
-    """The RL scripts' default training prompts: every category equally often, as the accuracy weighs them.
+    """The RL scripts' default training prompts: every category equally often, as the accuracy
+    weighs them.
 
-    The grammar itself is lopsided (of the 1502 training prompts 1192 are position prompts and 6 are single
-    objects), so sampling its prompts uniformly would train almost only on position. Like Flow-GRPO's GenEval
-    training file (a weighted merge of per-task prompt lists), the mix repeats prompts: each category gets as
-    many lines as the largest one, cycling through its prompts, so within a category every prompt is (almost)
-    equally likely too. A script samples the lines of a prompt file uniformly.
+    The grammar itself is lopsided (of the 1502 training prompts 1192 are position prompts and 6 are
+    single objects), so sampling its prompts uniformly would train almost only on position. Like
+    Flow-GRPO's GenEval training file (a weighted merge of per-task prompt lists), the mix repeats
+    prompts: each category gets as many lines as the largest one, cycling through its prompts, so
+    within a category every prompt is (almost) equally likely too. A script samples the lines of a
+    prompt file uniformly.
     """
     by_cat = {c: [p for p in train if category_of(p) == c] for c in CATEGORIES}
     n = max(len(v) for v in by_cat.values())
@@ -186,9 +197,14 @@ def balanced_mix(train: list[str]) -> list[str]:
 
 
 def write_prompt_files(directory: str | Path = PROMPT_DIR) -> None:
-    """Write prompts_train.txt, prompts_train_balanced.txt and prompts_test.txt (run once; they are committed)."""
+    """Write prompts_train.txt, prompts_train_balanced.txt and prompts_test.txt (run once; they are
+    committed)."""
     train, test = split_prompts()
-    files = {"prompts_train.txt": train, "prompts_train_balanced.txt": balanced_mix(train), "prompts_test.txt": test}
+    files = {
+        "prompts_train.txt": train,
+        "prompts_train_balanced.txt": balanced_mix(train),
+        "prompts_test.txt": test,
+    }
     for name, prompts in files.items():
         (Path(directory) / name).write_text("\n".join(prompts) + "\n")
 
