@@ -426,36 +426,17 @@ def test_resume_override_starts_a_new_run_folder(base_run, tmp_path):
     before = open(os.path.join(run, "metrics.jsonl")).read()
     new_flags = list(flags)
     new_flags[new_flags.index("--run-name") + 1] = "bigger-groups"
-    run_main(
-        "flowgrpo_baseline.py",
-        *new_flags,
-        "--num-iterations",
-        "2",
-        "--resume",
-        run,
-        "--group-size",
-        "4",
-        "--resume-override",
-    )
+    override = ["--num-iterations", "2", "--resume", run, "--group-size", "4", "--resume-override"]
+    run_main("flowgrpo_baseline.py", *new_flags, *override)
     new = str(tmp_path / "bigger-groups")
     args = json.load(open(os.path.join(new, "args.json")))
     assert args["resumed_from"] == ck.checkpoint_dir(run, 2) and args["group_size"] == 4
-    assert [m["iteration"] for m in read_metrics(new)] == [
-        2
-    ]  # the final evaluation of the resumed weights
+    # the final evaluation of the resumed weights
+    assert [m["iteration"] for m in read_metrics(new)] == [2]
     assert open(os.path.join(run, "metrics.jsonl")).read() == before  # the old run is untouched
     assert json.load(open(os.path.join(run, "args.json")))["group_size"] == 2
     # the same folder again is refused: a new run folder must be new
-    msg = script_error(
-        *new_flags,
-        "--num-iterations",
-        "2",
-        "--resume",
-        run,
-        "--group-size",
-        "4",
-        "--resume-override",
-    )
+    msg = script_error(*new_flags, *override)
     assert msg == (
         f"error: --resume-override: the new run folder {new} already exists and is not empty: pass another --run-name"
     )
