@@ -1,16 +1,25 @@
-"""The docs point at real lines of the code.
+"""The docs point at real code, by content: a function's name and a verbatim piece of its text, no line numbers.
 
-A line reference in docs/*.md or README.md is written
+A code reference in docs/*.md or README.md is written
 
-    `KEY` ([PATH:N](../PATH#LN))        (in README.md, at the repo root: `KEY` ([PATH:N](PATH#LN)))
+    `KEY` ([PATH › SCOPE](../PATH))     (in README.md, at the repo root: `KEY` ([PATH › SCOPE](PATH)))
 
-where PATH is a file of the repo, N a 1-based line number and KEY a short verbatim piece of line N. This test checks
-every such reference: the file exists, label and link agree, line N exists and contains KEY. When the code moves,
-the failure names the doc, the reference and the line(s) where KEY is now, so the fix is a number edit
-(`python tests/test_docs.py --fix` makes it where the key sits on exactly one line). Any other
-`file.py:N` or `#LN` link is an error too, so no unchecked line number can creep in. No torch import: this is fast.
+where PATH is a file of the repo, SCOPE the innermost function or class whose source holds the line
+(`Class.method` for a method; `main` for the `if __name__ == "__main__":` block of a script, where the training
+loop lives) and KEY a short verbatim piece of that line. A module-level line (a constant, an import) has no scope:
+`KEY` ([PATH](../PATH)). This test checks every such reference: the file exists, the link is the right relative
+path, SCOPE is a def/class (or `main`) of PATH, and KEY occurs exactly once in SCOPE's source (for no scope: once
+in the file, at module level). A reader finds the line with the editor's search inside the named function.
+
+Why not line numbers: every code move shifted them and forced a renumbering commit. A reference by content only
+breaks when the line itself changes, or moves to another function; then the failure names the scope(s) where the
+key is now, and `python tests/test_docs.py --fix` rewrites the scope where the key occurs exactly once in the file
+(the rest it lists, for a person: lengthen an ambiguous key, or update a key whose text changed). Any other
+`file.py:N` label or `#LN` link is an error too, so no unchecked line number can creep in. No torch import: this is
+fast.
 """
 
+import ast
 import glob
 import os
 import re
@@ -18,16 +27,21 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# `KEY` ([PATH:N](PREFIX PATH#LN)); whitespace (even a line break) allowed between the key and the link
+SEP = "›"
+# `KEY` ([PATH › SCOPE](PREFIX PATH)) or `KEY` ([PATH](PREFIX PATH)); whitespace (even a line break) allowed
+# between the key and the link and around the ›
 REF = re.compile(
-    r"`(?P<key>[^`\n]+)`\s+\(\[(?P<path>[\w./-]+):(?P<n>\d+)\]"
-    r"\((?P<link>[\w./-]+)#L(?P<ln>\d+)\)\)"
+    r"`(?P<key>[^`\n]+)`\s+\(\[(?P<label>(?P<path>[\w./-]+)(?:\s+"
+    + SEP
+    + r"\s+(?P<scope>[\w.]+))?)\]"
+    r"\((?P<link>[\w./-]+)\)\)"
 )
 # anything that looks like a line reference: a `file.py:N` label or a `#LN` link target
-LOOSE = re.compile(r"[\w-]\.py:\d+|\]\([^)\s]*#L\d+\)")
+LOOSE = re.compile(r"[\w./-]*[\w-]\.py:\d+|\]\([^)\s]*#L\d+\)")
 ALGO_DOCS = ["docs/flowgrpo.md", "docs/g2rpo.md", "docs/densegrpo.md"]
 MIN_REFS = 10
 KEY_LEN = (10, 60)
+MAIN = "main"  # the scope name of the `if __name__ == "__main__":` block
 
 
 def doc_files():
@@ -42,59 +56,196 @@ def read_lines(path):
     return lines[:-1] if text.endswith("\n") else lines
 
 
+def _is_main_block(node) -> bool:
+    """`if __name__ == "__main__":`"""
+    t = getattr(node, "test", None)
+    return (
+        isinstance(node, ast.If)
+        and isinstance(t, ast.Compare)
+        and isinstance(t.left, ast.Name)
+        and t.left.id == "__name__"
+        and len(t.ops) == 1
+        and isinstance(t.ops[0], ast.Eq)
+        and isinstance(t.comparators[0], ast.Constant)
+        and t.comparators[0].value == "__main__"
+    )
+
+
+class Source:
+    """A file's lines and scopes: `spans[name]` lists the (first, last) lines of every def/class called `name`
+    (dotted through enclosing classes: `Class.method`; `main` for the __main__ block), `scope_at[n]` is the
+    innermost scope of line n (None at module level)."""
+
+    def __init__(self, path: str):
+        self.lines = read_lines(path)
+        self.spans: dict[str, list[tuple[int, int]]] = {}
+        self.scope_at: list[str | None] = [None] * (len(self.lines) + 2)
+        if path.endswith(".py"):
+            self._visit(ast.parse("\n".join(self.lines), filename=path), "")
+
+    def _add(self, name, node, first):
+        self.spans.setdefault(name, []).append((first, node.end_lineno))
+        for n in range(
+            first, node.end_lineno + 1
+        ):  # outer scopes first: an inner one overwrites them
+            self.scope_at[n] = name
+
+    def _visit(self, node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                self._add(
+                    name, child, min([child.lineno] + [d.lineno for d in child.decorator_list])
+                )
+                self._visit(child, name + "." if isinstance(child, ast.ClassDef) else "")
+            elif isinstance(node, ast.Module) and _is_main_block(child):
+                self._add(MAIN, child, child.lineno)
+                self._visit(child, "")
+            else:
+                self._visit(child, prefix)
+
+    def occurrences(self, key: str, scope: str | None = None) -> list[int]:
+        """Line numbers of every occurrence of key (a line holding it twice is listed twice), within scope's
+        source (nested defs included) or, for scope None, the whole file."""
+        if scope is None:
+            ranges = [(1, len(self.lines))]
+        else:
+            ranges = self.spans.get(scope, [])
+        lines = sorted({n for a, b in ranges for n in range(a, b + 1)})
+        return [n for n in lines for _ in range(self.lines[n - 1].count(key))]
+
+    def where(self, lines: list[int]) -> str:
+        """'`f` (line 3), module level (line 9)'"""
+        return ", ".join(
+            f"`{self.scope_at[n]}` (line {n})" if self.scope_at[n] else f"module level (line {n})"
+            for n in lines
+        )
+
+
+def _label(path, scope):
+    return f"{path} {SEP} {scope}" if scope else path
+
+
 def check_doc(doc: str, text: str, root: str = ROOT) -> tuple[list[str], int]:
     """(error messages, number of references) for the markdown `text` of `doc` (a path relative to root)."""
     prefix = os.path.relpath(root, os.path.dirname(os.path.join(root, doc))).replace(os.sep, "/")
     prefix = "" if prefix == "." else prefix + "/"
-    errors, spans, count = [], [], 0
+    errors, spans, count, sources = [], [], 0, {}
     for m in REF.finditer(text):
         count += 1
         spans.append(m.span())
-        key, path, n, link, ln = m["key"], m["path"], int(m["n"]), m["link"], int(m["ln"])
-        where = f"{doc}:{text.count(chr(10), 0, m.start()) + 1}: reference `{key}` ({path}:{n})"
+        key, path, scope, link = m["key"], m["path"], m["scope"], m["link"]
+        where = f"{doc}:{text.count(chr(10), 0, m.start()) + 1}: reference `{key}` ({_label(path, scope)})"
         if not KEY_LEN[0] <= len(key) <= KEY_LEN[1]:
             errors.append(
-                f"{where}: the key is {len(key)} characters; use {KEY_LEN[0]}-{KEY_LEN[1]}"
+                f"{where}: the key is {len(key)} characters; use {KEY_LEN[0]}-{KEY_LEN[1]} verbatim characters of the line"
             )
         if link != prefix + path:
             errors.append(
-                f"{where}: the link goes to '{link}', expected '{prefix + path}' (from {doc})"
+                f"{where}: the link goes to '{link}', expected '{prefix + path}' (from {doc}): write ]({prefix + path})"
             )
-        if ln != n:
-            errors.append(f"{where}: the label says line {n} but the link says #L{ln}")
         full = os.path.join(root, path)
         if not os.path.isfile(full):
-            errors.append(f"{where}: {path} does not exist")
-            continue
-        lines = read_lines(full)
-        found = [i + 1 for i, line in enumerate(lines) if key in line]
-        now = (
-            f"the key is now on line(s) {', '.join(map(str, found))} of {path}"
-            if found
-            else f"the key occurs nowhere in {path}: update the key or the reference"
-        )
-        if not 1 <= n <= len(lines):
-            errors.append(f"{where}: {path} has only {len(lines)} lines; {now}")
-        elif key not in lines[n - 1]:
             errors.append(
-                f"{where}: line {n} of {path} does not contain the key "
-                f"(it reads: {lines[n - 1].strip()[:100]!r}); {now}"
+                f"{where}: {path} does not exist: point the reference at the file that holds the key now"
+            )
+            continue
+        if path not in sources:
+            try:
+                sources[path] = Source(full)
+            except SyntaxError as e:
+                sources[path] = e
+        src = sources[path]
+        if isinstance(src, SyntaxError):
+            errors.append(
+                f"{where}: {path} does not parse ({src.msg}, line {src.lineno}), so its scopes are unknown"
+            )
+            continue
+        everywhere = src.occurrences(key)
+        now = (
+            f"the key is now in {src.where(everywhere)} of {path}"
+            if everywhere
+            else f"the key occurs nowhere in {path}: update the key to the code's current text"
+        )
+        if scope is None:
+            if len(everywhere) == 1 and src.scope_at[everywhere[0]] is None:
+                continue
+            if len(everywhere) > 1:
+                errors.append(
+                    f"{where}: the key occurs {len(everywhere)} times in {path} ({src.where(everywhere)}): "
+                    f"name its scope ([{path} {SEP} SCOPE]) or lengthen the key with more of the line"
+                )
+            elif everywhere:
+                errors.append(
+                    f"{where}: the key is not at module level; {now}: write [{_label(path, src.scope_at[everywhere[0]])}]"
+                )
+            else:
+                errors.append(f"{where}: {now}")
+            continue
+        if scope not in src.spans:
+            errors.append(
+                f"{where}: {path} has no def/class `{scope}`"
+                + (' and no `if __name__ == "__main__":` block' if scope == MAIN else "")
+                + f" (renamed or moved?); {now}"
+            )
+            continue
+        found = src.occurrences(key, scope)
+        if not found:
+            errors.append(f"{where}: the key is not in `{scope}` of {path}; {now}")
+        elif len(found) > 1:
+            errors.append(
+                f"{where}: the key occurs {len(found)} times in `{scope}` of {path} "
+                f"(lines {', '.join(map(str, found))}): lengthen it with more of the line until it is unique"
+            )
+        elif src.scope_at[found[0]] != scope:
+            inner = src.scope_at[found[0]]
+            errors.append(
+                f"{where}: the key is in `{inner}` (line {found[0]}), nested inside `{scope}`: "
+                f"name the innermost scope, [{_label(path, inner)}]"
             )
     for m in LOOSE.finditer(text):
         if not any(a <= m.start() < b for a, b in spans):
             line_no = text.count("\n", 0, m.start()) + 1
             errors.append(
-                f"{doc}:{line_no}: '{m.group(0)}' looks like a line reference but is not in the checked "
-                f"form `KEY` ([PATH:N]({prefix}PATH#LN))"
+                f"{doc}:{line_no}: '{m.group(0)}' looks like a line reference; line numbers go stale: write "
+                f"`KEY` ([PATH {SEP} SCOPE]({prefix}PATH)), KEY a verbatim piece of the line, SCOPE its function"
             )
     return errors, count
 
 
+def fix_doc(doc: str, text: str, root: str = ROOT) -> tuple[str, int]:
+    """Rewrite the scope of the references whose key now occurs exactly once in its file, in another scope than
+    written (the code moved between functions); (new text, how many moved). Ambiguous or vanished keys are left
+    for a person (the check still names them)."""
+    moved, sources = 0, {}
+
+    def rescope(m):
+        nonlocal moved
+        full = os.path.join(root, m["path"])
+        if not os.path.isfile(full):
+            return m.group(0)
+        if m["path"] not in sources:
+            try:
+                sources[m["path"]] = Source(full)
+            except SyntaxError:
+                sources[m["path"]] = None
+        src = sources[m["path"]]
+        found = src.occurrences(m["key"]) if src else []
+        if len(found) != 1 or src.scope_at[found[0]] == m["scope"]:
+            return m.group(0)
+        moved += 1
+        a, b = m.span("label")
+        s = m.start()
+        return m.group(0)[: a - s] + _label(m["path"], src.scope_at[found[0]]) + m.group(0)[b - s :]
+
+    return REF.sub(rescope, text), moved
+
+
 @pytest.mark.parametrize("doc", doc_files())
-def test_line_references_point_at_their_key(doc):
+def test_code_references_point_at_their_key(doc):
     with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
         errors, _ = check_doc(doc, f.read())
-    assert not errors, "stale line references:\n" + "\n".join(errors)
+    assert not errors, "stale code references:\n" + "\n".join(errors)
 
 
 @pytest.mark.parametrize("doc", ALGO_DOCS)
@@ -102,78 +253,150 @@ def test_algorithm_docs_reference_the_code(doc):
     with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
         _, count = check_doc(doc, f.read())
     assert count >= MIN_REFS, (
-        f"{doc} has {count} checked line references; its implementation details need {MIN_REFS}+"
+        f"{doc} has {count} checked code references; its implementation details need {MIN_REFS}+"
     )
 
 
-def test_checker_catches_a_stale_number(tmp_path):
-    """The checker itself: a wrong number fails and names the line the key is on now; a right one passes."""
+SCRIPT = """\
+import torch
+
+ADV_CLIP = 5.0
+
+
+class Trainer:
+    def step(self, advantages, args):
+        return advantages.clamp(-args.adv_clip_max)
+
+    def log(self, stats):
+        print(stats["loss"])
+        print(stats["loss"])
+
+
+def rollout(model):
+    def inner(x):
+        return model.denoise(x, steps=10)
+
+    return inner
+
+
+if __name__ == "__main__":
+    for it in range(num_iterations):
+        trainer.optimizer.zero_grad()
+"""
+
+
+def _check(doc, text, root):
+    errors, count = check_doc(doc, text, root)
+    assert all(e.startswith(f"{doc}:1") for e in errors), errors
+    assert all("\n" not in e for e in errors), errors
+    return errors, count
+
+
+def test_checker_passes_references_by_scope_and_catches_every_mistake(tmp_path):
+    """The checker itself: good references pass (method, nested def, __main__ block, module level, README's
+    root-relative link); each kind of mistake fails with a message that says what is wrong and where the key is."""
     (tmp_path / "docs").mkdir()
-    (tmp_path / "script.py").write_text("a = 1\nadvantages.clamp(-args.adv_clip_max)\n")
-    good = "`advantages.clamp(-args` ([script.py:2](../script.py#L2))"
-    assert check_doc("docs/x.md", good, str(tmp_path)) == ([], 1)
-    for bad, expect in [
-        (
-            "`advantages.clamp(-args` ([script.py:1](../script.py#L1))",
-            "now on line(s) 2 of script.py",
-        ),
-        ("`advantages.clamp(-args` ([script.py:2](../script.py#L1))", "the link says #L1"),
-        ("`advantages.clamp(-args` ([script.py:9](../script.py#L9))", "has only 2 lines"),
-        ("`advantages.clamp(-args` ([script.py:2](script.py#L2))", "expected '../script.py'"),
-        ("`advantages.clamp(-args` ([nothere.py:2](../nothere.py#L2))", "does not exist"),
-        ("see [script.py:2](../script.py#L2)", "not in the checked form"),
+    (tmp_path / "script.py").write_text(SCRIPT)
+    for good in [
+        "`advantages.clamp(-args` ([script.py › Trainer.step](../script.py))",
+        "`model.denoise(x, steps=10)` ([script.py › inner](../script.py))",
+        "`for it in range(num_iterations)` ([script.py › main](../script.py))",
+        "`ADV_CLIP = 5.0` ([script.py](../script.py))",
+        "`class Trainer:` ([script.py › Trainer](../script.py))",
+        "`advantages.clamp(-args`\n([script.py ›\nTrainer.step](../script.py))",  # wrapped by the editor
     ]:
-        errors, _ = check_doc("docs/x.md", bad, str(tmp_path))
+        assert _check("docs/x.md", good, str(tmp_path)) == ([], 1), good
+    readme = "`advantages.clamp(-args` ([script.py › Trainer.step](script.py))"
+    assert _check("README.md", readme, str(tmp_path)) == ([], 1)
+    for bad, expect in [
+        (  # the code moved to another function: the message names where the key is now
+            "`advantages.clamp(-args` ([script.py › rollout](../script.py))",
+            "not in `rollout` of script.py; the key is now in `Trainer.step` (line 8)",
+        ),
+        (
+            "`advantages.clamp(+args` ([script.py › Trainer.step](../script.py))",
+            "occurs nowhere in script.py: update the key",
+        ),
+        (
+            '`print(stats["loss"])` ([script.py › Trainer.log](../script.py))',
+            "occurs 2 times in `Trainer.log` of script.py (lines 11, 12): lengthen it",
+        ),
+        (
+            "`advantages.clamp(-args` ([script.py › Trainer.stop](../script.py))",
+            "no def/class `Trainer.stop` (renamed or moved?); the key is now in `Trainer.step` (line 8)",
+        ),
+        (
+            "`for it in range(num_iterations)` ([script.py › mian](../script.py))",
+            "no def/class `mian`",
+        ),
+        (
+            "`model.denoise(x, steps=10)` ([script.py › rollout](../script.py))",
+            "nested inside `rollout`: name the innermost scope, [script.py › inner]",
+        ),
+        (
+            "`advantages.clamp(-args` ([script.py](../script.py))",
+            "not at module level; the key is now in `Trainer.step` (line 8) of script.py",
+        ),
+        ("`advantages.clamp(-args` ([nothere.py › f](../nothere.py))", "nothere.py does not exist"),
+        (
+            "`advantages.clamp(-args` ([script.py › Trainer.step](script.py))",
+            "expected '../script.py'",
+        ),
+        ("`clamp(` ([script.py › Trainer.step](../script.py))", "the key is 6 characters"),
+        ("see [script.py:2](../script.py)", "'script.py:2' looks like a line reference"),
+        ("see [the clamp](../script.py#L2)", "'](../script.py#L2)' looks like a line reference"),
+        ("`advantages.clamp(-args` ([script.py](../script.py#L8))", "looks like a line reference"),
+    ]:
+        errors, _ = _check("docs/x.md", bad, str(tmp_path))
         assert any(expect in e for e in errors), (bad, errors)
-        assert all(e.startswith("docs/x.md:1") for e in errors), errors
-    # README.md sits at the root: its links have no ../
-    readme = "`advantages.clamp(-args` ([script.py:2](script.py#L2))"
-    assert check_doc("README.md", readme, str(tmp_path)) == ([], 1)
-    # --fix renumbers a moved key, and leaves a correct one alone
-    stale = "`advantages.clamp(-args` ([script.py:1](../script.py#L1))"
-    assert fix_doc("docs/x.md", stale, str(tmp_path)) == (good, 1)
+
+
+def test_main_scope_needs_a_main_block(tmp_path):
+    """`main` is the `if __name__ == "__main__":` block; a module without one has no `main` scope."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "lib.py").write_text("def f():\n    return torch.zeros(3)\n")
+    errors, _ = _check("docs/x.md", "`torch.zeros(3)` ([lib.py › main](../lib.py))", str(tmp_path))
+    assert len(errors) == 1 and 'no `if __name__ == "__main__":` block' in errors[0], errors
+    assert "the key is now in `f` (line 2)" in errors[0], errors
+
+
+def test_fix_moves_a_reference_to_the_scope_its_key_is_in_now(tmp_path):
+    """--fix rewrites the scope of a key found once in the file; leaves correct and ambiguous references alone."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "script.py").write_text(SCRIPT)
+    good = "`advantages.clamp(-args` ([script.py › Trainer.step](../script.py))"
+    moved = "`advantages.clamp(-args` ([script.py › rollout](../script.py))"
+    assert fix_doc("docs/x.md", moved, str(tmp_path)) == (good, 1)
     assert fix_doc("docs/x.md", good, str(tmp_path)) == (good, 0)
-
-
-def fix_doc(doc: str, text: str, root: str = ROOT) -> tuple[str, int]:
-    """Renumber the references whose key now sits on exactly one line of its file; (new text, how many moved).
-    Ambiguous or vanished keys are left for a person (the test still names them)."""
-    moved = 0
-
-    def renumber(m):
-        nonlocal moved
-        full = os.path.join(root, m["path"])
-        if not os.path.isfile(full):
-            return m.group(0)
-        found = [i + 1 for i, line in enumerate(read_lines(full)) if m["key"] in line]
-        if len(found) != 1 or found[0] == int(m["n"]) == int(m["ln"]):
-            return m.group(0)
-        moved += 1
-        return (
-            m.group(0)
-            .replace(f":{m['n']}]", f":{found[0]}]")
-            .replace(f"#L{m['ln']})", f"#L{found[0]})")
-        )
-
-    return REF.sub(renumber, text), moved
+    unscoped = "`advantages.clamp(-args` ([script.py](../script.py))"
+    assert fix_doc("docs/x.md", unscoped, str(tmp_path)) == (good, 1)
+    module = "`ADV_CLIP = 5.0` ([script.py](../script.py))"
+    assert fix_doc(
+        "docs/x.md", "`ADV_CLIP = 5.0` ([script.py › main](../script.py))", str(tmp_path)
+    ) == (module, 1)
+    wrapped = "`advantages.clamp(-args`\n([script.py › rollout](../script.py))"
+    assert fix_doc("docs/x.md", wrapped, str(tmp_path)) == (good.replace("` (", "`\n("), 1)
+    twice = '`print(stats["loss"])` ([script.py › rollout](../script.py))'
+    assert fix_doc("docs/x.md", twice, str(tmp_path)) == (twice, 0)
 
 
 if (
     __name__ == "__main__"
-):  # python tests/test_docs.py --fix : renumber references after the code moved
+):  # python tests/test_docs.py [--fix] : rescope references after code moved
     import sys
 
+    fix = "--fix" in sys.argv
     for doc in doc_files():
         path = os.path.join(ROOT, doc)
         with open(path, encoding="utf-8") as f:
             text = f.read()
         new, moved = fix_doc(doc, text)
-        if moved and "--fix" in sys.argv:
+        if moved and fix:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(new)
         errors, _ = check_doc(doc, new)
         print(
-            f"{doc}: {moved} reference(s) {'renumbered' if '--fix' in sys.argv else 'would be renumbered'}, "
+            f"{doc}: {moved} reference(s) {'moved to their new scope' if fix else 'would move to a new scope'}, "
             f"{len(errors)} left to fix by hand"
         )
         for e in errors:
