@@ -122,6 +122,80 @@ def x0_prediction(velocity, sample, sigma) -> torch.Tensor:
     return x - _per_sample(sigma, x) * velocity.float()
 
 
+def sde_step(
+    velocity,
+    sample,
+    sigma,
+    sigma_next,
+    noise_level,
+    prev_sample=None,
+    generator=None,
+    sigma_max=None,
+):
+    """Flow-GRPO's stochastic step (E2-E3) and the log-density of where it lands.
+
+    sigma, sigma_next, noise_level: floats, 0-dim or per-sample [B] tensors. prev_sample: if given,
+    it is only scored (training recomputes the log-prob of a stored step); otherwise it is sampled
+    with `generator` (None, a torch.Generator or a list of them, one per sample, as in diffusers).
+    Returns (prev_sample, log_prob [B], mean, std_dev_t), all float32. log_prob is the normalised
+    Gaussian log-density averaged (not summed) over the non-batch dims, as in Flow-GRPO's code.
+    noise_level 0 gives exactly the Euler step (E1); that step is deterministic and its log_prob is
+    defined as 0 (nothing uses it).
+    """
+    x, v, sigma, sigma_next, a = _step_inputs(velocity, sample, sigma, sigma_next, noise_level)
+    dt = sigma_next - sigma
+    # (E2): the diffusion coefficient, infinite at sigma = 1; there Flow-GRPO's code puts sigma_max
+    # (the schedule's second sigma) in the denominator, and so do we.
+    std_dev_t = a * torch.sqrt(sigma / (1 - _sigma_one_as_max(sigma, sigma_max, a)))
+    # (E3): the ODE's velocity plus the score term that keeps the noisy chain's marginals the ODE's
+    mean = x + (v + std_dev_t**2 / (2 * _nonzero(sigma)) * (x + (1 - sigma) * v)) * dt
+    step_std = std_dev_t * torch.sqrt((-dt).clamp_min(0))  # the std of x_next given x
+
+    prev_sample = _sample_if_missing(prev_sample, mean, step_std, generator)
+    # prev_sample is detached: the gradient reaches the policy only through mean, i.e. through v
+    safe_std = _nonzero(step_std)
+    log_prob = (
+        -((prev_sample.detach() - mean) ** 2) / (2 * safe_std**2)
+        - torch.log(safe_std)
+        - 0.5 * math.log(2 * math.pi)
+    )
+    return prev_sample, _zero_where_deterministic(log_prob, step_std), mean, std_dev_t
+
+
+def cps_step(velocity, sample, sigma, sigma_next, noise_level, prev_sample=None, generator=None):
+    """Coefficients-preserving sampling (E6) and the released code's log-prob of where it lands.
+
+    Arguments and returns as `sde_step`; here std_dev_t IS the step's std s (no |dt| factor, and no
+    singularity at sigma = 1). a = noise_level in [0, 1]; a = 1 puts all of sigma_next into fresh
+    noise (mean = (1 - sigma_next) x0_hat).
+
+    log_prob is what the released code computes (Flow-GRPO's sd3_sde_with_logprob.py with
+    sde_type="cps", and FlowCPS's own): -(x_next - mean)^2 averaged over the non-batch dims, "all
+    constants removed". Against the normalised log N(x_next; mean, s^2) it drops
+      - the terms -log s - log sqrt(2 pi): they depend on (sigma_next, a) only, never on the policy,
+        so they cancel exactly in the log-ratio of one stored step;
+      - the factor 1 / (2 s^2): this one does NOT cancel. The ratio the loss sees is
+        rho_exact^(2 s^2), and its gradient at rho = 1 is 2 s^2 times the exact policy gradient: a
+        per-step weight that is largest at the noisiest steps (a = 0.8, 10 steps, shift 3:
+        2 s^2 = 1.67 at sigma_next = 0.960 and 0.14 at sigma_next = 0.278). The clip range then
+        bounds the rescaled ratio (the released CPS configs use 1e-5).
+    We keep the released convention so that its clip ranges and learning rates transfer;
+    tests/test_sampler.py checks the 2 s^2 relation. On-policy the ratio is exactly 1 either way.
+    """
+    x, v, sigma, sigma_next, a = _step_inputs(velocity, sample, sigma, sigma_next, noise_level)
+    x0_hat, x1_hat = x - sigma * v, x + (1 - sigma) * v  # the predicted image and noise
+    std_dev_t = sigma_next * torch.sin(a * (math.pi / 2))  # (E6)
+    # clamp: a = 1 makes sigma_next^2 - s^2 zero up to rounding, which must not become sqrt(-1e-9)
+    kept_noise = torch.sqrt((sigma_next**2 - std_dev_t**2).clamp_min(0))
+    mean = (1 - sigma_next) * x0_hat + kept_noise * x1_hat
+    # a = 0: (E6) is the Euler step in exact arithmetic; take it bit for bit, as sde_step does
+    mean = torch.where(a > 0, mean, x + (sigma_next - sigma) * v)
+
+    prev_sample = _sample_if_missing(prev_sample, mean, std_dev_t, generator)
+    log_prob = -((prev_sample.detach() - mean) ** 2)
+    return prev_sample, _zero_where_deterministic(log_prob, std_dev_t), mean, std_dev_t
+
+
 def sde_step_with_logprob(
     velocity,
     sample,
@@ -133,102 +207,52 @@ def sde_step_with_logprob(
     sigma_max=None,
     sde_type: str = "sde",
 ):
-    """One stochastic step and the log-prob of where it lands: the Flow-GRPO SDE (E2-E3) or CPS
-    (E6).
+    """The step a script's --sde-type names: `sde_step` (Flow-GRPO) or `cps_step` (CPS). The name
+    is the released Flow-GRPO code's. Both draw one Gaussian tensor per step from `generator`, so
+    switching the type never shifts the noise stream."""
+    if sde_type == "sde":
+        return sde_step(
+            velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator, sigma_max
+        )
+    if sde_type == "cps":
+        return cps_step(velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator)
+    raise ValueError(
+        f"sde_type '{sde_type}': expected 'sde' (Flow-GRPO) or 'cps' (coefficients-preserving)"
+    )
 
-    sigma, sigma_next, noise_level: floats, 0-dim tensors or per-sample [B] tensors.
-    prev_sample: if given, only score it (training recomputes the log-prob of a stored step);
-    otherwise sample it. generator: None, a torch.Generator or a list (one per sample), as in
-    diffusers.
-    Returns (prev_sample, log_prob [B], prev_sample_mean, std_dev_t [B or 1, 1, ...]), all float32;
-    both types draw one Gaussian tensor per step from `generator`, so switching the type never
-    shifts the noise stream. noise_level == 0 gives exactly the Euler step of (E1), for both types;
-    the step is then deterministic, its density a point mass, and log_prob is defined as 0 (nothing
-    uses it).
 
-    sde_type "sde" (Flow-GRPO): std_dev_t is the SDE's diffusion coefficient a
-    sqrt(sigma / (1 - sigma)); the step's std is std_dev_t sqrt|dt|. At sigma == 1 std_dev_t is
-    infinite, so, like Flow-GRPO's code, we put sigma_max (the schedule's second value) in place of
-    sigma in the denominator 1 - sigma. log_prob is the normalised Gaussian log-density averaged
-    (not summed) over non-batch dims, as in Flow-GRPO.
-
-    sde_type "cps": std_dev_t IS the step's std s = sigma_next sin(a pi / 2) (no |dt| factor, no
-    singularity at sigma = 1: sigma_max is not used); a in [0, 1], a = 1 puts all of sigma_next into
-    fresh noise (mu = (1 - sigma_next) x0_hat). log_prob is what the released code computes
-    (Flow-GRPO's sd3_sde_with_logprob.py with sde_type="cps", and FlowCPS's own): -(x_next - mu)^2
-    averaged over non-batch dims, "all constants removed". Against the normalised
-    log N(x_next; mu, s^2) = -(x_next - mu)^2 / (2 s^2) - log s - log sqrt(2 pi) it drops
-      - the two additive terms -log s - log sqrt(2 pi): they depend on (sigma_next, a) only, never
-        on the policy, so they cancel exactly in log pi_new - log pi_old of one stored step (the
-        ratio is unchanged by them);
-      - the factor 1 / (2 s^2): this one does NOT cancel. It multiplies the step's log-ratio
-        by 2 s^2, so the ratio the loss sees is rho_exact^(2 s^2), and its gradient at
-        rho = 1 is 2 s^2 times the exact policy gradient: a per-step weight that is largest at the
-        noisiest steps (a = 0.8, 10 steps, shift 3: 2 s^2 = 1.67 at the first step,
-        sigma_next = 0.960, and 0.14 at sigma_next = 0.278). The clip range then bounds the rescaled
-        ratio (the released CPS configs use 1e-5).
-    On-policy both give ratio exactly 1 (the same mu is recomputed). We keep the released convention
-    so that its clip ranges and learning rates transfer; tests/test_sampler.py checks the 2 s^2
-    relation.
-    """
+# --------------------------------------------------------------------- the steps' guards and plumbing
+def _step_inputs(velocity, sample, sigma, sigma_next, noise_level):
+    """float32 x and v, and the three scalars as per-sample [B (or 1), 1, ...] tensors."""
     x, v = sample.float(), velocity.float()
-    sigma, sigma_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
-    noise_level = _per_sample(noise_level, x)
-    dt = sigma_next - sigma
-    noisy = noise_level > 0
+    return x, v, *(_per_sample(s, x) for s in (sigma, sigma_next, noise_level))
 
-    if sde_type == "cps":  # (E6)
-        std_dev_t = torch.where(noisy, sigma_next * torch.sin(noise_level * (math.pi / 2)), 0.0)
-        x0_hat, x1_hat = x - sigma * v, x + (1 - sigma) * v
-        # clamp: a = 1 makes sigma_next^2 - s^2 zero up to rounding, which must not become
-        # sqrt(-1e-9) = NaN
-        mean = (1 - sigma_next) * x0_hat + torch.sqrt(
-            (sigma_next**2 - std_dev_t**2).clamp_min(0)
-        ) * x1_hat
-        # noise 0: (E6) is the Euler step in exact arithmetic; take it bit for bit, as the "sde"
-        # branch does
-        mean = torch.where(noisy, mean, x + dt * v)
-        step_std = std_dev_t
-    elif sde_type == "sde":  # (E2-E3)
-        at_one = sigma == 1
-        if sigma_max is None and bool((at_one & noisy).any()):
-            raise ValueError(
-                "sigma == 1 with noise_level > 0 needs sigma_max (the schedule's second sigma)"
-            )
-        sigma_den = torch.where(
-            at_one, _per_sample(sigma_max if sigma_max is not None else 0.0, x), sigma
-        )
-        # torch.where keeps noise-free samples at exactly 0 instead of 0 * inf = NaN.
-        std_dev_t = torch.where(noisy, noise_level * torch.sqrt(sigma / (1 - sigma_den)), 0.0)
-        # The score-correction term std^2 / (2 sigma) (x + (1 - sigma) v) is what keeps the
-        # marginals of the noisy chain equal to the ODE's. Guard sigma == 0 (std_dev_t is 0 there
-        # anyway).
-        safe_sigma = torch.where(sigma > 0, sigma, 1.0)
-        mean = x + (v + std_dev_t**2 / (2 * safe_sigma) * (x + (1 - sigma) * v)) * dt
-        # std of x_next given x: std_dev_t sqrt|dt|
-        step_std = std_dev_t * torch.sqrt((-dt).clamp_min(0))
-    else:
+
+def _sigma_one_as_max(sigma, sigma_max, a):
+    """sigma, with sigma_max where sigma == 1 (0 there when no step there is noisy)."""
+    at_one = sigma == 1
+    if sigma_max is None and bool((at_one & (a > 0)).any()):
         raise ValueError(
-            f"sde_type '{sde_type}': expected 'sde' (Flow-GRPO) or 'cps' (coefficients-preserving)"
+            "sigma == 1 with noise_level > 0 needs sigma_max (the schedule's second sigma)"
         )
+    return torch.where(at_one, _per_sample(0.0 if sigma_max is None else sigma_max, sigma), sigma)
 
+
+def _nonzero(t):
+    """t with its zeros replaced by 1: a divisor that is 0 only where its numerator is 0 too."""
+    return torch.where(t > 0, t, 1.0)
+
+
+def _sample_if_missing(prev_sample, mean, step_std, generator):
     if prev_sample is None:
-        eps = randn_tensor(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+        eps = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
         prev_sample = mean + step_std * eps
-    prev_sample = prev_sample.float()
+    return prev_sample.float()
 
-    # prev_sample is detached, so gradients reach the policy only through mean, i.e. through v.
-    if sde_type == "cps":  # the released code's unnormalised log-prob (docstring)
-        log_prob = -((prev_sample.detach() - mean) ** 2)
-    else:  # log N(prev_sample; mean, step_std^2)
-        safe_std = torch.where(step_std > 0, step_std, 1.0)
-        log_prob = (
-            -((prev_sample.detach() - mean) ** 2) / (2 * safe_std**2)
-            - torch.log(safe_std)
-            - 0.5 * math.log(2 * math.pi)
-        )
-    log_prob = torch.where(step_std.reshape(-1) > 0, _mean_non_batch(log_prob), 0.0)
-    return prev_sample, log_prob, mean, std_dev_t
+
+def _zero_where_deterministic(log_prob, step_std):
+    """Per-sample mean of log_prob [B], and 0 where the step had no noise (a point mass)."""
+    return torch.where(step_std.reshape(-1) > 0, _mean_non_batch(log_prob), 0.0)
 
 
 def ratio_norm(log_ratio, mean, old_mean, std_dev_t, sigma, sigma_next) -> torch.Tensor:
