@@ -31,19 +31,11 @@ from common.backbones import (
 from common.checkpoint import resolve_run_dir, restore_checkpoint
 from common.checks import Rule, check_flag, check_ranges, check_sde_type, read_prompt_file
 from common.parallel import check_parallel, parallelize, set_grad_sync
+from common.policy import EMA, Trainable, ema_weights
 from common.rewards import advantage_mix, check_rewards, load_rewards
 from common.run import Run
 from common.sampler import gaussian_kl, ratio_norm, sde_step_with_logprob
-from common.training import (
-    EMA,
-    GradShare,
-    Stats,
-    Trainable,
-    check_transitions,
-    ema_weights,
-    optimizer_step,
-    plan_updates,
-)
+from common.training import GradShare, Stats, check_transitions, optimizer_step, plan_updates
 from common.utils import (
     RunLogger,
     all_gather_cat,
@@ -447,7 +439,7 @@ if __name__ == "__main__":
         args.reward, args.guard_rewards, args.reward_model_paths, device
     )
 
-    # ---- backbone, trained weights (common/training.py: LoRA or full, and the KL reference),
+    # ---- backbone, trained weights (common/policy.py: LoRA or full, and the KL reference),
     #      optimizer, EMA
     backbone = load_backbone(
         args.model_path,
@@ -653,7 +645,7 @@ if __name__ == "__main__":
         # ALGO LOGIC: the PPO-clipped GRPO objective (Flow-GRPO §4) on single SDE steps, found as in
         # CleanRL's update: log-prob of the stored step under the current policy, ratio, clipped
         # loss, KL. The contract of `transitions` (fields, shapes, order) is checked here and listed
-        # in docs/design.md; the micro-batch plan, the metric sums and the EMA are plumbing in
+        # in docs/design.md; the micro-batch plan and the metric sums are plumbing in
         # common/training.py.
         with run.timer("train"):
             tr = {

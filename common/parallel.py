@@ -17,7 +17,7 @@ scripts is the same text for both (and for one process):
     weights_digest(params)                  sha256 of the whole trained weights (the same on every
                                             rank)
     gather_state_dict, save_pretrained_gathered   the user's weights from the shards
-                                                  (common/training.py)
+                                                  (common/policy.py)
 
 Under FSDP every transformer forward is a collective (the all-gather of the weights), so every rank
 must run the same number of forwards, with or without gradients: the rollouts do by construction

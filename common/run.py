@@ -46,7 +46,7 @@ from common.checkpoint import release_run_folder, rng_state, save_checkpoint, tr
 from common.evaluation import Panel, evaluate
 from common.parallel import is_sharded, weights_digest
 from common.plots import before_after, learning_curve, step_heatmap
-from common.training import ema_weights
+from common.policy import ema_weights
 from common.utils import Timer, all_reduce
 
 COUNTERS = (

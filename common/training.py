@@ -1,5 +1,5 @@
 """Bookkeeping of the shared training section: the transitions contract, the micro-batch plan,
-metrics, EMA.
+metrics and the optimizer step.
 
 The three scripts keep the algorithm of their training section inline (velocity with gradient,
 log-prob of the stored action, ratio, clipped loss, KL, backward). What is here is the plumbing
@@ -14,18 +14,21 @@ around it, which must behave the same in all three and is tested on its own
   all-reduce.
 - `GradShare`: the diagnostic that splits an iteration's gradient by trained step
   (--grad-share-every).
-- `EMA`: Flow-GRPO's moving average of the trained weights (update interval and warm-up decay).
+- `optimizer_step`: clip, step, zero, update the EMA; a non-finite gradient stops the run in one
+  line.
+What is trained (LoRA or full weights, the KL reference, the EMA) lives in common/policy.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from common.policy import EMA
 
 REQUIRED = {  # field -> (dtype kind, shape after the first dim is [N])
     "latents": "float",
@@ -299,34 +302,40 @@ class Stats:
             self.totals[name] = self.totals.get(name, 0.0) + float(v)
 
     def reduce(self, world_size: int, device) -> dict:
-        names, maxes, tots = sorted(self.sums), sorted(self.maxima), sorted(self.totals)
-        flat = (
-            torch.cat(
-                [torch.stack([self.sums[k], self.weights[k]]).flatten() for k in names]
-                + [torch.tensor([self.totals[k] for k in tots], dtype=torch.float64)]
-            ).to(device)
-            if names or tots
-            else torch.zeros(0, dtype=torch.float64, device=device)
+        """Means overall and per step, totals, and extremes, summed (maxed) over the ranks."""
+        summed = _all_reduce_by_name(
+            {(k, "sum"): v for k, v in self.sums.items()}
+            | {(k, "weight"): v for k, v in self.weights.items()}
+            | {
+                (k, "total"): torch.tensor([v], dtype=torch.float64) for k, v in self.totals.items()
+            },
+            world_size,
+            device,
         )
-        ext = (
-            torch.cat([self.maxima[k] for k in maxes]).to(device)
-            if maxes
-            else torch.zeros(0, device=device)
-        )
-        if world_size > 1:
-            dist.all_reduce(flat)
-            dist.all_reduce(ext, op=dist.ReduceOp.MAX)
-        out, S = {}, self.num_slots
-        for i, k in enumerate(names):
-            s, w = flat[2 * S * i : 2 * S * i + S], flat[2 * S * i + S : 2 * S * (i + 1)]
+        maxed = _all_reduce_by_name(self.maxima, world_size, device, dist.ReduceOp.MAX)
+        out = {}
+        for k in sorted(self.sums):
+            s, w = summed[k, "sum"], summed[k, "weight"]
             out[k] = (s.sum() / w.sum()).item() if w.sum() > 0 else 0.0
-            out[f"{k}/per_step"] = {j: (s[j] / w[j]).item() for j in range(S) if w[j] > 0}
+            out[f"{k}/per_step"] = {j: (s[j] / w[j]).item() for j in range(len(w)) if w[j] > 0}
             out[f"{k}/weight"] = w.sum().item()
-        for i, k in enumerate(tots):
-            out[k] = flat[2 * S * len(names) + i].item()
-        for i, k in enumerate(maxes):
-            out[f"{k}/max"], out[f"{k}/min"] = ext[2 * i].item(), -ext[2 * i + 1].item()
+        for k in sorted(self.totals):
+            out[k] = summed[k, "total"].item()
+        for k in sorted(self.maxima):
+            out[f"{k}/max"], out[f"{k}/min"] = maxed[k][0].item(), -maxed[k][1].item()
         return out
+
+
+def _all_reduce_by_name(tensors: dict, world_size: int, device, op=None) -> dict:
+    """All-reduce a dict of float64 tensors in one collective: laid out in sorted-key order (the
+    same on every rank, since every rank has the same keys) and split back by key."""
+    keys = sorted(tensors)
+    if not keys:
+        return {}
+    flat = torch.cat([tensors[k].reshape(-1) for k in keys]).to(device)
+    if world_size > 1:
+        dist.all_reduce(flat, op=op or dist.ReduceOp.SUM)
+    return dict(zip(keys, flat.split([tensors[k].numel() for k in keys])))
 
 
 class GradShare:
@@ -377,74 +386,7 @@ class GradShare:
         return {j: float(g.norm()) for j, g in enumerate(self.grads) if g is not None}
 
 
-# ------------------------------------------------------------------------------------------ EMA
-class EMA:
-    """Flow-GRPO's EMA of the trained weights (flow_grpo/ema.py): after optimizer step s (0-based),
-
-        if (s + 1) % interval == 0:   ema += (1 - d_s) (p - ema),
-                                      d_s = min((1 + s) / (10 + s), decay)  (warm-up)
-
-    so the average starts close to the live weights and settles at `decay` (0.9 every 8 steps: a
-    horizon of about 8 / (1 - 0.9) = 80 optimizer steps). warmup=False uses d_s = decay from the
-    start; interval=1, warmup=False is a plain per-step EMA. The released train_sd3.py calls its EMA
-    step after every accumulation micro-step with the optimizer-step counter, which blends once per
-    micro-step inside an update step; this class blends once per optimizer step, what the wrapper's
-    interface describes.
-    """
-
-    def __init__(
-        self, params: dict[str, torch.Tensor], decay: float, interval: int = 1, warmup: bool = True
-    ):
-        self.params, self.decay, self.interval, self.warmup = params, decay, interval, warmup
-        self.shadow = {n: p.detach().clone() for n, p in params.items()}
-        self.steps = 0  # optimizer steps seen
-
-    def current_decay(self, s: int) -> float:
-        return min((1 + s) / (10 + s), self.decay) if self.warmup else self.decay
-
-    @torch.no_grad()
-    def update(self) -> None:
-        s, self.steps = self.steps, self.steps + 1
-        if (s + 1) % self.interval == 0:
-            d = self.current_decay(s)
-            for n, p in self.params.items():
-                self.shadow[n].lerp_(p.detach(), 1 - d)
-
-    @contextmanager
-    def swapped(self):
-        """Inside the block the trained parameters hold the EMA weights (evaluation, saving)."""
-        self._swap()
-        try:
-            yield
-        finally:
-            self._swap()
-
-    def _swap(self):
-        for n, p in self.params.items():
-            tmp = p.data.clone()
-            p.data.copy_(self.shadow[n])
-            self.shadow[n].copy_(tmp)
-
-    def state_dict(self) -> dict:
-        return {"shadow": {n: t.cpu() for n, t in self.shadow.items()}, "steps": self.steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        for n in self.shadow:
-            self.shadow[n].copy_(state["shadow"][n])
-        self.steps = state["steps"]
-
-
-@contextmanager
-def ema_weights(ema: EMA | None):
-    """`with ema_weights(ema):` evaluates / saves the EMA weights when there is an EMA, the live
-    ones otherwise."""
-    if ema is None:
-        yield
-    else:
-        with ema.swapped():
-            yield
-
-
+# ------------------------------------------------------------------------------- the optimizer step
 class NonFiniteUpdate(SystemExit):
     """A non-finite loss or gradient: the run stops before the update, in one line (a
     SystemExit, no traceback)."""
@@ -475,99 +417,3 @@ def optimizer_step(
     if ema is not None:
         ema.update()
     return float(norm)
-
-
-# ---------------------------------------------------------------------------------- trained weights
-class Trainable:
-    """What is trained: a LoRA on the transformer (default) or every transformer weight
-    (full_finetune).
-
-    LoRA: Gaussian init of A and zeros for B, so the adapter starts as an exact no-op (Flow-GRPO's
-    choice), and the KL reference is the same network with the adapter switched off (no second copy
-    in memory). Full fine-tuning keeps a frozen copy as the reference, only when the KL needs one.
-    Trained weights are fp32 master weights even when the frozen base runs in bf16. `params` maps
-    names to the trained tensors (the optimizer's, the EMA's, the checkpoint's); under --parallel
-    fsdp, common/parallel.py re-points it at the shards (DTensors) after fully_shard.
-    """
-
-    def __init__(
-        self,
-        backbone,
-        full_finetune: bool,
-        lora_rank: int,
-        lora_alpha: float,
-        lora_targets: list[str],
-        need_reference: bool,
-    ):
-        self.backbone, self.full_finetune, self.ref_model = backbone, full_finetune, None
-        transformer = backbone.transformer
-        if full_finetune:
-            transformer.requires_grad_(True)
-            if need_reference:
-                import copy
-
-                self.ref_model = copy.deepcopy(transformer).requires_grad_(False)
-        else:
-            from peft import LoraConfig
-
-            transformer.requires_grad_(False)
-            transformer.add_adapter(
-                LoraConfig(
-                    r=lora_rank,
-                    lora_alpha=lora_alpha,
-                    init_lora_weights="gaussian",
-                    target_modules=lora_targets,
-                )
-            )
-        self.params = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
-        for p in self.params.values():
-            p.data = p.data.float()
-        # A fully trained transformer is now fp32 while its inputs are in the backbone's bf16/fp16:
-        # compute under autocast (a LoRA needs none: peft casts its input to the adapter's dtype and
-        # the output back).
-        backbone.autocast = full_finetune and backbone.dtype != torch.float32
-
-    def reference(self, *args, **kwargs):
-        """The KL reference policy's transformer, called as the transformer is
-        (`backbone.velocity(..., model= trainable.reference)`): the frozen copy, or the
-        LoRA-carrying network with its adapter off; never with gradient."""
-        with torch.no_grad():
-            if self.ref_model is not None:
-                return self.ref_model(*args, **kwargs)
-            self.backbone.transformer.disable_adapters()
-            try:
-                return self.backbone.transformer(*args, **kwargs)
-            finally:
-                self.backbone.transformer.enable_adapters()
-
-    def reference_velocity(self, x, sigma, emb, guidance_scale: float) -> torch.Tensor:
-        """v of the KL reference policy."""
-        return self.backbone.velocity(x, sigma, emb, guidance_scale, model=self.reference)
-
-    def save_weights(self, folder: str) -> None:
-        """Weights for users: a LoRA that a stock pipeline loads with `load_lora_weights(folder)`,
-        or (full fine-tuning) a transformer folder that `from_pretrained` loads. FSDP: every rank
-        must call it; the weights are gathered one tensor at a time into rank 0's host memory (never
-        the whole model on one GPU) and rank 0 writes the same files as DDP (diffusers' layout and
-        shard size for a full model)."""
-        import os
-
-        from common.parallel import gather_state_dict, is_sharded, save_pretrained_gathered
-
-        transformer, state = self.backbone.transformer, None
-        if is_sharded(self.params):
-            state = gather_state_dict(transformer, trained_only=not self.full_finetune)
-            if state is None:  # not rank 0
-                return
-        if self.full_finetune:
-            out = os.path.join(folder, "transformer")
-            transformer.save_pretrained(out) if state is None else save_pretrained_gathered(
-                transformer, state, out
-            )
-        else:
-            from peft.utils import get_peft_model_state_dict
-
-            type(self.backbone.pipe).save_lora_weights(
-                folder,
-                transformer_lora_layers=get_peft_model_state_dict(transformer, state_dict=state),
-            )

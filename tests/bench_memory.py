@@ -261,7 +261,7 @@ def trainable(model, lora_targets, rank: int = 32):
     or every weight trained (lora_targets None)."""
     from types import SimpleNamespace
 
-    from common.training import Trainable
+    from common.policy import Trainable
 
     Trainable(
         SimpleNamespace(transformer=model, dtype=next(model.parameters()).dtype),

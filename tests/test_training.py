@@ -6,7 +6,8 @@ import torch
 from helpers import read_metrics, run_main, tiny_flags, write_prompts
 
 from common.plots import STEP_METRICS
-from common.training import EMA, Stats, check_transitions, plan_updates
+from common.policy import EMA
+from common.training import Stats, check_transitions, plan_updates
 
 
 # ---------------------------------------------------------------------------------------- EMA
@@ -305,7 +306,7 @@ def test_full_finetune_in_bf16_computes_under_autocast(fixture, request):
     Emulated on the CPU by loading in bf16: the policy, the sampling call and the frozen KL reference must all run,
     close to the fp32 model, and the gradient must land on the fp32 masters."""
     from common.backbones import load_backbone
-    from common.training import Trainable
+    from common.policy import Trainable
 
     path = request.getfixturevalue(fixture)
     bb = load_backbone(path, "cpu", max_sequence_length=8)
