@@ -3,14 +3,11 @@ ones deleted and run again), the flags every run gets, and the table's numbers. 
 
 import json
 import os
-import sys
 import textwrap
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_compare as bc  # noqa: E402
-
+from benchmarks import bench_compare as bc
 from common.backbones import ConfigError  # noqa: E402
 
 # A stand-in for a training script: the harness's flags in, a metrics.jsonl out. Accuracy 0.5 at the start and

@@ -5,14 +5,12 @@ Both are estimators whose numbers end up in docs/results.md, so they are checked
 
 import itertools
 import math
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_grad_snr import snr_from_gram  # noqa: E402
-from bench_toy_model import pass_at_k  # noqa: E402
+from benchmarks.bench_grad_snr import snr_from_gram
+from benchmarks.bench_toy_model import pass_at_k
 
 
 @pytest.mark.parametrize("signal", [0.0, 0.05, 1.0])
@@ -41,7 +39,7 @@ def test_pass_at_k_matches_enumeration():
 
 
 # ---- the comparison harness's interval (bench_compare.py): t quantiles without scipy
-from bench_compare import mean_ci, seeds_for_se, t_cdf, t_quantile, welch_ci  # noqa: E402
+from benchmarks.bench_compare import mean_ci, seeds_for_se, t_cdf, t_quantile, welch_ci  # noqa: E402
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,7 @@ from unittest import mock
 import pytest
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-import bench_gpu_throughput as bench  # noqa: E402
+from benchmarks import bench_gpu_throughput as bench
 
 
 def test_without_cuda_it_skips_with_one_line(capsys, monkeypatch, tmp_path):

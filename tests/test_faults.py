@@ -1,7 +1,7 @@
 """Fault injection: processes killed mid-save, broken checkpoints, a resume under other flags, bad numbers, an
 unwritable output folder, NaN rewards and losses, a rank that dies or hangs. Each case asserts its exact outcome.
 
-The long randomised kill loop is tests/bench_faults.py; here a short one (40 kills) and an exhaustive one (a crash
+The long randomised kill loop is benchmarks/bench_faults.py; here a short one (40 kills) and an exhaustive one (a crash
 before every file-system call of a save) keep the suite fast.
 """
 

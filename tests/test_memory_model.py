@@ -1,14 +1,12 @@
-"""The memory model's activation count (tests/bench_memory.py): computed on the meta device from a config, it must
+"""The memory model's activation count (benchmarks/bench_memory.py): computed on the meta device from a config, it must
 give exactly the bytes autograd saves on real tensors, for the tiny SD3 and FLUX, LoRA and full fine-tuning."""
 
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import bench_memory as bm  # noqa: E402
+from benchmarks import bench_memory as bm
 
 
 @pytest.mark.parametrize(

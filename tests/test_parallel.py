@@ -341,7 +341,7 @@ def test_fsdp_holds_half_the_parameters_and_optimizer_state_per_rank(two_nodes):
         for r in (
             d,
             *both,
-        ):  # the memory model's terms at rest (tests/bench_memory.py): weights 4P / N, Adam 8P / N
+        ):  # the memory model's terms at rest (benchmarks/bench_memory.py): weights 4P / N, Adam 8P / N
             assert r["optimizer_bytes"] == 2 * r["param_bytes"], (script, r)
         print(
             script,

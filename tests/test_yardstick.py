@@ -1,4 +1,4 @@
-"""The yardstick (tests/yardstick_raft.py): which images it keeps, and a short run on the shipped toy model that
+"""The yardstick (benchmarks/yardstick_raft.py): which images it keeps, and a short run on the shipped toy model that
 writes the metrics the comparison harness reads, stops on its CPU budget and trains the LoRA."""
 
 import os
@@ -8,9 +8,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import read_metrics, run_main, write_prompts  # noqa: E402
-from yardstick_raft import select  # noqa: E402
 
-SCRIPT = "tests/yardstick_raft.py"
+from benchmarks.yardstick_raft import select  # noqa: E402
+
+SCRIPT = "benchmarks/yardstick_raft.py"
 
 
 def test_select_keeps_the_best_of_each_group_with_a_spread():

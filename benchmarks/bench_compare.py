@@ -1,11 +1,11 @@
 """Benchmark (not a test): the algorithms on the toy world at an equal CPU-seconds budget, several seeds, with CIs.
 
-    python tests/bench_compare.py                                      # the grid: 3 scripts + yardstick x 5 seeds
-    python tests/bench_compare.py --jobs 2                             # two runs side by side, 1 thread each
-    python tests/bench_compare.py --algos yardstick --seeds 1 --cpu-seconds 20 --out /tmp/smoke   # a smoke run
-    python tests/bench_compare.py --report-only --out runs/compare     # redo every table and plot from the folders
-    python tests/bench_compare.py --report-only --out runs/verdict --merge runs/a runs/b   # grids from several places
-    python tests/bench_compare.py --variants "lr1e-4=--learning-rate 1e-4" -- --eval-every 20   # variants, extra flags
+    python benchmarks/bench_compare.py                                      # the grid: 3 scripts + yardstick x 5 seeds
+    python benchmarks/bench_compare.py --jobs 2                             # two runs side by side, 1 thread each
+    python benchmarks/bench_compare.py --algos yardstick --seeds 1 --cpu-seconds 20 --out /tmp/smoke   # a smoke run
+    python benchmarks/bench_compare.py --report-only --out runs/compare     # redo every table and plot from the folders
+    python benchmarks/bench_compare.py --report-only --out runs/verdict --merge runs/a runs/b   # grids from several places
+    python benchmarks/bench_compare.py --variants "lr1e-4=--learning-rate 1e-4" -- --eval-every 20   # variants, extra flags
 
 Every run is one script (its toy-world defaults, then the variant's flags, then the flags after `--`) with
 `--cpu-budget-s`: it trains until its process CPU seconds since the training loop began (all threads) pass the
@@ -45,7 +45,7 @@ SCRIPTS = {
     "flowgrpo_baseline": "flowgrpo_baseline.py",
     "g2rpo": "g2rpo.py",
     "densegrpo": "densegrpo.py",
-    "yardstick": "tests/yardstick_raft.py",
+    "yardstick": "benchmarks/yardstick_raft.py",
 }
 ALGOS = tuple(SCRIPTS)
 START = "start"  # the seed slot of the zero-iteration run that evaluates the starting model
@@ -1021,7 +1021,7 @@ def main(argv=None):
             math.inf if args.iterations else 4 * args.cpu_seconds / threads + 3600
         )
         command = shlex.join(
-            ["python", "tests/bench_compare.py", *(sys.argv[1:] if argv is None else argv)]
+            ["python", "benchmarks/bench_compare.py", *(sys.argv[1:] if argv is None else argv)]
         )
         probe = None if args.no_speed_probe else speed_probe()
         if probe is not None:

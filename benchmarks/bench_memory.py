@@ -1,6 +1,6 @@
 """Memory model: per-GPU bytes of the training step for FLUX.1-dev and SD3.5-Medium, DDP against FSDP (--parallel).
 
-    python tests/bench_memory.py            # the table of docs/results.md ("Memory per GPU: DDP against FSDP")
+    python benchmarks/bench_memory.py            # the table of docs/results.md ("Memory per GPU: DDP against FSDP")
 
 Parameter counts are exact: the diffusers transformer is built on the meta device from the published config
 (FLUX.1-dev: FluxTransformer2DModel's defaults with guidance_embeds; SD3.5-M: its transformer/config.json), and a LoRA

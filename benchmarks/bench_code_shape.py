@@ -1,7 +1,7 @@
 """Benchmark (not a test): the shape of the three scripts as a reader meets it, measured on formatted code.
 
-    python tests/bench_code_shape.py                 # this checkout
-    python tests/bench_code_shape.py --root DIR      # another checkout (e.g. a worktree at an older commit)
+    python benchmarks/bench_code_shape.py                 # this checkout
+    python benchmarks/bench_code_shape.py --root DIR      # another checkout (e.g. a worktree at an older commit)
 
 Every number is taken after `ruff format --line-length 100` of a temporary copy (so packing lines cannot move it):
 lines per script; lines > 100 characters; the main loop's lines (the `for iteration in ...` statement, whole) and the

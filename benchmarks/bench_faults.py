@@ -1,6 +1,6 @@
 """The long randomised kill loop (not part of the suite): SIGKILL a saving process at random instants, many times.
 
-    python tests/bench_faults.py [KILLS] [SEED]      (default 500 kills, seed 0)
+    python benchmarks/bench_faults.py [KILLS] [SEED]      (default 500 kills, seed 0)
 
 Prints the figures: kills, resumes, kills that landed inside a save, saves completed, lost iterations (must be 0).
 """
@@ -10,8 +10,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the kill loop is the test suite's own, run longer
 
 from test_faults import kill_loop  # noqa: E402
 

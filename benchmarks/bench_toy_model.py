@@ -1,6 +1,6 @@
 """Benchmark (not a test): the shipped toy model's load time, CPU sampling time, and its base accuracy.
 
-    python tests/bench_toy_model.py            # ~2 minutes on 2 CPU cores; writes docs/img/toy_base_grid.png
+    python benchmarks/bench_toy_model.py            # ~2 minutes on 2 CPU cores; writes docs/img/toy_base_grid.png
 
 Prints load time (cold: first load in the process; warm: second), the time to sample a 16-image grid
 (20 ODE steps, fixed seeds), and strict accuracy per category on the test prompts under the evaluation

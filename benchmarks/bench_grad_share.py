@@ -1,7 +1,7 @@
 """Benchmark (not a test): where each script's update comes from, step by step, on the toy world.
 
-    python tests/bench_grad_share.py --out runs/grad_share            # the recipes below, 3 iterations each
-    python tests/bench_grad_share.py --out runs/grad_share --report-only
+    python benchmarks/bench_grad_share.py --out runs/grad_share            # the recipes below, 3 iterations each
+    python benchmarks/bench_grad_share.py --out runs/grad_share --report-only
 
 Every recipe is one script at its toy defaults plus a few flags, run for --iterations iterations with
 `--grad-share-every 1` (common/training.py GradShare: each trained step's share g_j . g / |g|^2 of the iteration's

@@ -9,9 +9,9 @@ and fine-tunes the same LoRA on them with the plain flow-matching regression los
 No log-probs, no ratios, no advantages: if this learns as fast per image as the policy-gradient scripts, their
 estimator is not what limits them on this world; if it learns faster, it is. Same evaluation
 (common/evaluation.py), same metrics.jsonl keys and the same harness flags as the three scripts
-(tests/bench_compare.py --algos yardstick). Probe it comes from: ../shared/reference/toyworld_finetune_probe.md.
+(benchmarks/bench_compare.py --algos yardstick). Probe it comes from: ../shared/reference/toyworld_finetune_probe.md.
 
-    python tests/yardstick_raft.py --num-iterations 60             # toy world, CPU
+    python benchmarks/yardstick_raft.py --num-iterations 60             # toy world, CPU
 """
 
 from __future__ import annotations

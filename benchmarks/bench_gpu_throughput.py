@@ -1,7 +1,7 @@
 """Benchmark (not a test): throughput of the three scripts on full-size SD3.5-Medium and FLUX.1-dev, one GPU.
 
-    python tests/bench_gpu_throughput.py --out runs/throughput          # GPU: full-size models, 512 px
-    python tests/bench_gpu_throughput.py --tiny --out /tmp/tp           # CPU dry run of the same code (tiny models)
+    python benchmarks/bench_gpu_throughput.py --out runs/throughput          # GPU: full-size models, 512 px
+    python benchmarks/bench_gpu_throughput.py --tiny --out /tmp/tp           # CPU dry run of the same code (tiny models)
 
 Without CUDA (and without --tiny) it prints one line and exits 0.
 

@@ -1,8 +1,8 @@
 """Benchmark (not a test): seconds per iteration by phase, and NFE per phase, for the three scripts at their defaults.
 
-    python tests/bench_phases.py                              # this checkout
+    python benchmarks/bench_phases.py                              # this checkout
     git worktree add /tmp/before b828563                      # an older commit, to compare
-    python tests/bench_phases.py --repo /tmp/before --label before
+    python benchmarks/bench_phases.py --repo /tmp/before --label before
 
 Runs each script with its default (toy-world) flags for `--iterations` iterations, one run at a time, evaluation only
 at the start (`--eval-every` large), and averages the phase times of iterations 1.. (iteration 0 also pays the first

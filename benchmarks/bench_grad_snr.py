@@ -1,7 +1,7 @@
 """Benchmark (not a test): how much of one iteration's policy gradient is signal, and how much is noise?
 
-    python tests/bench_grad_snr.py --batches 32                          # flowgrpo_baseline, toy defaults, ~3 min
-    python tests/bench_grad_snr.py --batches 32 -- --timestep-fraction 0.99   # any script flags after "--"
+    python benchmarks/bench_grad_snr.py --batches 32                          # flowgrpo_baseline, toy defaults, ~3 min
+    python benchmarks/bench_grad_snr.py --batches 32 -- --timestep-fraction 0.99   # any script flags after "--"
 
 Runs a training script in this process with its AdamW replaced by a recorder: every optimizer step stores the
 gradient and leaves the weights alone, so each iteration gives an independent gradient estimate g_i at the

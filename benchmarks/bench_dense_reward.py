@@ -1,7 +1,7 @@
 """Benchmark (not a test): how good is DenseGRPO's dense reward, step by step, for n = t, 2 and 1 ODE steps?
 
-    python tests/bench_dense_reward.py                     # 512 trajectories on the shipped toy model, psi = 0.7
-    python tests/bench_dense_reward.py --psi-file runs/<a DenseGRPO run>/psi.json
+    python benchmarks/bench_dense_reward.py                     # 512 trajectories on the shipped toy model, psi = 0.7
+    python benchmarks/bench_dense_reward.py --psi-file runs/<a DenseGRPO run>/psi.json
 
 DenseGRPO (arXiv 2601.20218, Eq. 8-9) scores every latent x_t of a trajectory by the reward of its ODE completion,
 R_t = R(ODE_n(x_t)), and trains step t on DeltaR_t = R_{t-1} - R_t. Its Fig. 6c finds n = t (all remaining steps)
