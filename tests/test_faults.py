@@ -101,6 +101,66 @@ def test_sigkill_at_random_points_of_a_save_never_loses_a_completed_save(tmp_pat
     assert figures["saves"] >= 10 and _resume_point(str(tmp_path / "run")) >= figures["saves"]
 
 
+def test_a_real_run_killed_at_random_instants_resumes_to_the_uninterrupted_weights(
+    tiny_sd3, tmp_path, capsys
+):
+    """End to end, real processes: a DenseGRPO run (it writes every kind of file a run writes: its lock,
+    args.json, psi.json, metrics.jsonl, checkpoint-N with ψ inside) is SIGKILLed at a random instant after each
+    new checkpoint, twice, and continued with --resume each time. It ends with the uninterrupted run's trained
+    weights bit for bit, every metrics row exactly once, and whole side files: a kill loses at most the work
+    since the last checkpoint, never a file."""
+    prompts = write_prompts(tmp_path / "p.txt", PROMPTS)
+    dense = ["--calibration-iterations", "2", "--calibration-trajectories", "2"]
+    dense += ["--completion-batch-size", "4", "--num-iterations", "4", *FAST]
+
+    def flags(name):
+        return [*tiny_flags(tiny_sd3, tmp_path, prompts, name), *dense]
+
+    run_main("densegrpo.py", *flags("straight"))
+    digest = [ln for ln in capsys.readouterr().out.splitlines() if "sha256" in ln][-1].split()[-1]
+    run, rng = tmp_path / "killed", random.Random(0)
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2"}
+    cmd = [sys.executable, os.path.join(ROOT, "densegrpo.py"), *flags("killed")]
+    kills = 0
+
+    def new_checkpoint(before):
+        names = os.listdir(run) if run.exists() else []
+        return any(n.startswith("checkpoint-") and n not in before for n in names)
+
+    for attempt in range(2):
+        before = set(os.listdir(run)) if run.exists() else set()
+        p = subprocess.Popen(
+            cmd + (["--resume", str(run)] if attempt else []),
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        while p.poll() is None and not new_checkpoint(before):
+            time.sleep(0.05)  # a new checkpoint: from here on a kill has something to resume from
+        time.sleep(rng.uniform(0.0, 2.0))  # then anywhere: a save, a metrics append, the rollout
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            kills += 1
+        p.wait()
+        killed = "killed" if p.returncode == -signal.SIGKILL else "finished"
+        print(
+            f"run {attempt}: {killed} with", sorted(n for n in os.listdir(run) if "checkpoint" in n)
+        )
+    assert kills >= 1, "both runs finished before their kill: the test killed nothing"
+    last = subprocess.run(
+        [*cmd, "--resume", str(run)], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+    assert last.returncode == 0, last.stderr[-3000:]
+    assert f"sha256 {digest}" in last.stdout  # the uninterrupted run's weights, bit for bit
+    rows = [r["iteration"] for r in read_metrics(run)]
+    assert rows == [r["iteration"] for r in read_metrics(tmp_path / "straight")]
+    for side in ("args.json", "psi.json"):
+        json.loads((run / side).read_text())  # whole, not cut by a kill
+    psi = json.loads((run / "psi.json").read_text())["psi"]
+    assert psi == json.loads((tmp_path / "straight" / "psi.json").read_text())["psi"]
+
+
 FS_CALLS = [
     (os, "makedirs"),
     (os, "replace"),
