@@ -158,7 +158,7 @@ def test_learning_on_the_toy_world(tmp_path):
     learning rate 0 the two evaluations would be identical, and with the advantages' sign flipped it falls
     (-1.146 -> -1.298), so this fails when learning is broken. The reward is JPEG compressibility: smooth and
     dense, so a short CPU run shows the effect reliably. (With the strict-GenEval-like toyworld reward, gains within
-    minutes are real but noisy across seeds: see README, Results.)"""
+    minutes are real but noisy across seeds: see docs/results.md.)"""
     prompts = write_prompts(
         tmp_path / "p.txt",
         [

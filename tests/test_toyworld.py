@@ -279,11 +279,11 @@ def test_image_grid():
 
 
 # ---- the shipped model ---------------------------------------------------------------------------------------
-def test_shipped_model_is_partly_competent_with_the_readme_profile():
+def test_shipped_model_is_partly_competent_with_the_documented_profile():
     """Base accuracy of common/toyworld/model under the scripts' evaluation protocol (the 100 test prompts x 2
     fixed seeds, 20-step ODE, guidance 1): partly competent, single objects the easiest category and counting the
-    hardest, as for a real model on GenEval; and the README's table is what the model does (to one image per
-    category). Fails if the weights, the sampler or the scorer drift from what the README reports."""
+    hardest, as for a real model on GenEval; and the table of docs/toyworld.md is what the model does (to one image per
+    category). Fails if the weights, the sampler or the scorer drift from what docs/toyworld.md reports."""
     import re
 
     import torch
@@ -298,9 +298,9 @@ def test_shipped_model_is_partly_competent_with_the_readme_profile():
     assert acc["single"] == max(acc.values()) and acc["counting"] == min(acc.values()), acc
     assert acc["single"] >= 0.6 and acc["position"] <= 0.6, acc
 
-    readme = (tw.PROMPT_DIR.parents[1] / "README.md").read_text()
-    row = re.search(r"^\| 1 \(the scripts' default\) \|(.*)\|$", readme, re.M)
-    assert row, "README: base-accuracy table row for guidance 1 not found"
+    page = (tw.PROMPT_DIR.parents[1] / "docs" / "toyworld.md").read_text()
+    row = re.search(r"^\| 1 \(the scripts' default\) \|(.*)\|$", page, re.M)
+    assert row, "docs/toyworld.md: base-accuracy table row for guidance 1 not found"
     claimed = [float(x) for x in row.group(1).split("|")]
     measured = [acc[c] for c in tw.CATEGORIES] + [overall]
     assert np.allclose(claimed, measured, atol=1 / 24 + 1e-3), (claimed, measured)

@@ -1,4 +1,4 @@
-"""The README's "Use what you trained" snippet, run verbatim: it loads the shipped toy model into a stock diffusers
+"""The "Use what you trained" snippet of docs/usage.md, run verbatim: it loads the shipped toy model into a stock diffusers
 pipeline, loads a run's LoRA and samples. A zero LoRA (the scripts' initial one) gives bit for bit the evaluation
 sampler's image; a non-zero one changes it."""
 
@@ -16,11 +16,11 @@ SNIPPET = re.compile(
 )
 
 
-def readme_snippet() -> str:
-    with open(os.path.join(ROOT, "README.md")) as f:
+def usage_snippet() -> str:
+    with open(os.path.join(ROOT, "docs", "usage.md")) as f:
         found = SNIPPET.findall(f.read())
     assert len(found) == 1, (
-        "README.md: expected one ```python block between <!-- snippet:load-lora --> markers"
+        "docs/usage.md: expected one ```python block between <!-- snippet:load-lora --> markers"
     )
     return found[0]
 
@@ -65,7 +65,7 @@ def run_snippet(workdir, b_std: float) -> np.ndarray:
     os.chdir(workdir)
     try:
         exec(
-            compile(readme_snippet(), "README.md:snippet:load-lora", "exec"),
+            compile(usage_snippet(), "docs/usage.md:snippet:load-lora", "exec"),
             {"__name__": "__snippet__"},
         )
     finally:
@@ -75,11 +75,11 @@ def run_snippet(workdir, b_std: float) -> np.ndarray:
     return np.asarray(Image.open(workdir / pngs[0]).convert("RGB"))
 
 
-def test_readme_snippet_loads_a_lora_into_a_stock_pipeline(tmp_path):
+def test_the_usage_snippet_loads_a_lora_into_a_stock_pipeline(tmp_path):
     from common import toyworld
     from common.backbones import load_backbone, sample_ode
 
-    code = readme_snippet()
+    code = usage_snippet()
     prompt = re.search(r'pipe\(\s*"([^"]+)"', code).group(1)
     zero = run_snippet(tmp_path / "zero", 0.0)
     trained = run_snippet(tmp_path / "trained", 0.05)
@@ -94,7 +94,7 @@ def test_readme_snippet_loads_a_lora_into_a_stock_pipeline(tmp_path):
 def test_stock_call_without_the_nones_still_needs_them():
     """Why the snippet passes text_encoder_3=None, tokenizer_3=None: diffusers 0.42.1 drops the null components of
     model_index.json and then requires the T5 slots to be passed. If a future diffusers accepts the folder as it is,
-    this fails and the README can drop the two arguments."""
+    this fails and the snippet can drop the two arguments."""
     from diffusers import StableDiffusion3Pipeline
 
     with pytest.raises(ValueError, match="expected"):
