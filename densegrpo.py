@@ -784,12 +784,13 @@ def calibrate_or_load_psi(
             args.calibration_average,
             unit,
         )
+        # the calibration's wall and CPU seconds (this rank's CPU, all threads)
         metrics.update(
             {
                 "time/calibration_s": time.perf_counter() - t0,
                 "time/calibration_cpu_s": time.process_time() - c0,
             }
-        )  # this rank's CPU, all threads
+        )
         info = {
             "psi": psi.tolist(),
             "psi_scale": args.psi_scale,
@@ -960,9 +961,10 @@ if __name__ == "__main__":
     )
     start_iteration, counts = 0, None  # counts: cumulative over all ranks (common/run.py)
     if resume_dir:
+        # the weights, the optimizer, the EMA and this rank's RNG, as they were saved
         start_iteration, counts = restore_checkpoint(
             resume_dir, rank, params, optimizer, ema, policy
-        )  # and this rank's RNG
+        )
         if is_main:
             truncate_metrics(run_dir, start_iteration)
 
@@ -1026,7 +1028,7 @@ if __name__ == "__main__":
                 args.seed * 1_000_003 + iteration * 1009 + rank
             )
             # SDE trajectories with psi(t), T ODE completions each (staircase-batched), T+1 rewards
-            # each (Eq. 8-9)
+            # each (Eq. 8-9): R of latents 0..L (+ the SDE image's)
             out = dense_rollout(
                 backbone,
                 reward_model,
@@ -1037,7 +1039,7 @@ if __name__ == "__main__":
                 args,
                 gen,
                 upto=args.trained_steps,
-            )  # R of latents 0..L (+ the SDE image's)
+            )
             rollout_counts = {
                 "trajectories": len(my_prompts),  # every needed latent of a trajectory is scored:
                 "scored_images": len(my_prompts) * out["scores"].shape[1],

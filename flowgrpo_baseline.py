@@ -488,9 +488,10 @@ if __name__ == "__main__":
     )
     start_iteration, counts = 0, None  # counts: cumulative over all ranks (common/run.py)
     if resume_dir:
+        # the weights, the optimizer, the EMA and this rank's RNG, as they were saved
         start_iteration, counts = restore_checkpoint(
             resume_dir, rank, params, optimizer, ema, policy
-        )  # and this rank's RNG
+        )
         if is_main:
             truncate_metrics(run_dir, start_iteration)
 

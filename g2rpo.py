@@ -625,9 +625,10 @@ if __name__ == "__main__":
     )
     start_iteration, counts = 0, None  # counts: cumulative over all ranks (common/run.py)
     if resume_dir:
+        # the weights, the optimizer, the EMA and this rank's RNG, as they were saved
         start_iteration, counts = restore_checkpoint(
             resume_dir, rank, params, optimizer, ema, policy
-        )  # and this rank's RNG
+        )
         if is_main:
             truncate_metrics(run_dir, start_iteration)
 
@@ -685,18 +686,20 @@ if __name__ == "__main__":
             )
             # the anchor's calls; the rest are completions
             anchor_nfe = len(my_prompts) * (max(M) + 1)
+            # nfe/rollout + nfe/completion = prompts_per_rank * rollout_nfe(...)
             rollout_counts = {
                 # a group: G branches at each k, scored at each λ
                 "trajectories": len(my_prompts) * G,
                 "scored_images": args.images_per_rank,
                 "nfe/rollout": anchor_nfe,
                 "nfe/completion": roll["nfe"] - anchor_nfe,
-            }  # = prompts_per_rank * rollout_nfe(...)
+            }
         with run.timer("reward"):
             # clean latents, one image per (prompt, k, λ, member)
             clean = roll.pop("final").flatten(0, 3)
             job_prompts = [p for p in my_prompts for _ in range(len(M) * len(Lam) * G)]
             bs = args.rollout_batch_size
+            # [n, R] raw scores, one column per reward
             scores = torch.cat(
                 [
                     reward_model(
@@ -705,7 +708,7 @@ if __name__ == "__main__":
                     )
                     for b in range(0, len(clean), bs)
                 ]
-            )  # [n, R] raw
+            )
             # rank-major = global prompt order
             all_scores = all_gather_cat(scores.to(device), world_size).cpu()
             if not torch.isfinite(all_scores).all():

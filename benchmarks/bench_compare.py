@@ -49,10 +49,11 @@ SCRIPTS = {
 }
 ALGOS = tuple(SCRIPTS)
 START = "start"  # the seed slot of the zero-iteration run that evaluates the starting model
+# counter -> column name
 BUDGETS = {
     "trajectories": "trajectories",
     "scored_images": "scored images",
-}  # counter -> column name
+}
 
 
 # ------------------------------------------------------------------------------------------------ statistics
@@ -165,6 +166,7 @@ def eval_points(rows: list[dict], trajectories_per_iteration: int = 0) -> list[d
     out, prev = [], {}
     for r in rows:
         if "eval/accuracy" in r:
+            # nfe: training forwards
             out.append(
                 {
                     "iteration": r["iteration"],
@@ -184,7 +186,7 @@ def eval_points(rows: list[dict], trajectories_per_iteration: int = 0) -> list[d
                     "nfe": prev.get("nfe", 0),
                     "final": bool(r.get("final")),
                 }
-            )  # nfe: training forwards
+            )
         prev = r
     return out
 
@@ -560,9 +562,8 @@ def plot(
         ]
         for xs, ys in curves:
             ax.plot(xs, ys, color=colour, alpha=0.25, lw=1)
-            ax.plot(
-                xs[-1:], ys[-1:], "o", color=colour, alpha=0.4, ms=3
-            )  # the final (many-seed) evaluation
+            # the final (many-seed) evaluation
+            ax.plot(xs[-1:], ys[-1:], "o", color=colour, alpha=0.4, ms=3)
         end = min(xs[-1] for xs, _ in curves)
         grid = np.linspace(0, end, 50) if end > 0 else np.zeros(1)
         ax.plot(
@@ -858,9 +859,8 @@ def run_grid(
                     print(
                         f"killing  {p.run['name']}: over --max-wall-s {max_wall_s:.0f}", flush=True
                     )
-                    os.kill(
-                        p.pid, signal.SIGKILL
-                    )  # not p.kill(): its poll() would reap the child before reap()
+                    # not p.kill(): its poll() would reap the child before reap()
+                    os.kill(p.pid, signal.SIGKILL)
                     p.meta["killed"] = True
                 if not reap(p):
                     continue
@@ -983,9 +983,8 @@ def main(argv=None):
         action="store_true",
         help="skip timing the machine before the grid (speed_probe_cpu_s in every harness.json)",
     )
-    ap.add_argument(
-        "--probe-only", action="store_true", help=argparse.SUPPRESS
-    )  # speed_probe()'s child process
+    # speed_probe()'s child process
+    ap.add_argument("--probe-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("extra", nargs="*", help="flags for every script (after --)")
     args = ap.parse_args(argv)
     if args.probe_only:

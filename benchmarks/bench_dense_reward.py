@@ -91,9 +91,8 @@ def main() -> None:
             args,
             torch.Generator().manual_seed(a.seed),
         )
-        R[name] = reward_model.mix(
-            out["scores"]
-        )  # [N, T+1]: column k = R(ODE_n(latents[k])), last = the SDE image
+        # [N, T+1]: column k = R(ODE_n(latents[k])), last = the SDE image
+        R[name] = reward_model.mix(out["scores"])
         cost[name] = (out["nfe"]["completion"] / a.trajectories, time.process_time() - t0)
         print(
             f"n = {name}: {cost[name][0]:.0f} completion NFE per trajectory, {cost[name][1]:.0f} CPU s"

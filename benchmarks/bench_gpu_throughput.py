@@ -143,9 +143,8 @@ class Probe:
             out = fn(*args, **kwargs)
             sync()
             dt, rows = time.perf_counter() - t0, args[1].shape[0]
-            reference = (
-                getattr(kwargs.get("model"), "__name__", "") == "reference"
-            )  # the KL reference: no gradient
+            # the KL reference: no gradient
+            reference = getattr(kwargs.get("model"), "__name__", "") == "reference"
             if (
                 kind == "velocity" and torch.is_grad_enabled() and not reference
             ):  # a training forward: the train phase
@@ -331,12 +330,13 @@ def main():
     ]
     sd35 = ["--model-path", "{sd35}", "--guidance-scale", "4.5", "--max-sequence-length", "256"]
     flux = ["--model-path", "{flux}", "--guidance-scale", "3.5", "--max-sequence-length", "512"]
+    # not the toy defaults
     paper = [
         "--timestep-fraction",
         "0.99",
         "--optimizer-steps-per-iteration",
         "1",
-    ]  # not the toy defaults
+    ]
     g2 = [
         "--branch-steps",
         "0",
@@ -541,9 +541,8 @@ def main():
             print(f"skipped {name}: over --budget-s", flush=True)
             continue
         try:
-            path = build_folder(
-                model, args.cache, args.tiny, device
-            )  # the first run of a model builds it
+            # the first run of a model builds it
+            path = build_folder(model, args.cache, args.tiny, device)
             run_flags = [
                 f.replace("{" + model + "}", path)
                 for f in [*common, *flags, "--run-name", name.replace(" ", "_")]

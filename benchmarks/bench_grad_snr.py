@@ -64,6 +64,7 @@ def main():
         """AdamW that records the gradient and does not step: the weights stay at the starting model."""
 
         def step(self, closure=None):
+            # float32 on the CPU: N copies fit
             grads.append(
                 torch.cat(
                     [
@@ -75,7 +76,7 @@ def main():
                 )
                 .float()
                 .cpu()
-            )  # float32 on the CPU: N copies fit
+            )
             if len(grads) == a.batches:
                 raise _Done
 
@@ -104,9 +105,8 @@ def main():
             pass
     g = torch.stack(grads)
     n = len(g)
-    chunks = (
-        g[:, c : c + (1 << 20)].double() for c in range(0, g.shape[1], 1 << 20)
-    )  # float64 sums, bounded memory
+    # float64 sums, bounded memory
+    chunks = (g[:, c : c + (1 << 20)].double() for c in range(0, g.shape[1], 1 << 20))
     gram = sum(x @ x.T for x in chunks)
     snr, signal, noise = snr_from_gram(gram)
     others = ~torch.eye(n, dtype=torch.bool)  # row i: every gradient but the i-th

@@ -155,9 +155,8 @@ class _FlashAttentionSaves(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v):
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        ctx.save_for_backward(
-            q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32)
-        )  # + logsumexp
+        # + logsumexp
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
         return out
 
 
@@ -316,9 +315,8 @@ def check() -> str:
         model = trainable(build(kind, config, dtype=torch.bfloat16), LORA_TARGETS["attention"])
         T = sum(p.numel() for p in model.parameters() if p.requires_grad)
         P = sum(p.numel() for p in model.parameters()) - T
-        fixed = (
-            2 * P + 4 * T + 4 * T + 8 * T
-        )  # bf16 base, fp32 LoRA, its gradient, Adam (one GPU: no DDP buckets)
+        # bf16 base, fp32 LoRA, its gradient, Adam (one GPU: no DDP buckets)
+        fixed = 2 * P + 4 * T + 4 * T + 8 * T
         act = activations(name, mb, False, False, "attention")
         lines.append(
             f"{name}, attention LoRA ({T / 1e6:.1f} M), micro-batch {mb}: weights + LoRA state "

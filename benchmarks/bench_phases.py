@@ -63,9 +63,8 @@ def main():
         "|---|" + "---|" * (len(PHASES) + 5),
     ]
     for s in a.scripts:
-        extra = (
-            ["--calibration-iterations", "0"] if s == "densegrpo" else []
-        )  # time the loop, not Algorithm 1
+        # time the loop, not Algorithm 1
+        extra = ["--calibration-iterations", "0"] if s == "densegrpo" else []
         m = [
             r
             for r in run(a.repo, s, a.iterations, a.threads, extra)

@@ -85,9 +85,10 @@ def main():
         "grid16_20steps_s": round(grid_s, 3),
     }
 
+    # after the timed loads: its imports are not theirs
     from common.toyworld.pretrain import (
         evaluate,
-    )  # after the timed loads: its imports are not theirs
+    )
 
     for cfg in (1.0, 3.0):  # the scripts' prompts, seeds and sampler
         r, _ = evaluate(bb, steps=20, cfg=cfg, batch=100)
@@ -98,9 +99,8 @@ def main():
         test = toyworld.load_prompts(toyworld.TEST_FILE)
         n = a.pass_at_k
         prompts = [p for p in test for _ in range(n)]
-        seeds = [
-            10_000 * s + i for i in range(len(test)) for s in range(n)
-        ]  # s = 0, 1 are the evaluation seeds
+        # s = 0, 1 are the evaluation seeds
+        seeds = [10_000 * s + i for i in range(len(test)) for s in range(n)]
         images = torch.cat(
             [
                 sample(bb, prompts[b : b + 256], seeds[b : b + 256])

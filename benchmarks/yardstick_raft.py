@@ -151,6 +151,7 @@ if __name__ == "__main__":
     from peft.utils import get_peft_model_state_dict
 
     transformer.requires_grad_(False)
+    # as the scripts: a no-op at start
     transformer.add_adapter(
         LoraConfig(
             r=args.lora_rank,
@@ -158,7 +159,7 @@ if __name__ == "__main__":
             init_lora_weights="gaussian",
             target_modules=LORA_TARGETS["all-linear"],
         )
-    )  # as the scripts: a no-op at start
+    )
     params = [p for p in transformer.parameters() if p.requires_grad]
     for p in params:
         p.data = p.data.float()
@@ -234,9 +235,8 @@ if __name__ == "__main__":
             loss = torch.zeros(())
             if len(kept):
                 x0 = x[kept]
-                t = torch.sigmoid(
-                    torch.randn(len(kept), device=device)
-                )  # logit-normal t, as SD3 pretraining
+                # logit-normal t, as SD3 pretraining
+                t = torch.sigmoid(torch.randn(len(kept), device=device))
                 eps = torch.randn_like(x0)
                 tt = t.view(-1, *[1] * (x0.ndim - 1))
                 v = backbone.velocity((1 - tt) * x0 + tt * eps, t, emb[kept], 1.0)
@@ -257,9 +257,8 @@ if __name__ == "__main__":
             )
         metrics.update(
             {
-                "nfe": sum(
-                    count[k] for k in ("rollout", "completion", "train_forward")
-                ),  # as training_nfe
+                # as training_nfe
+                "nfe": sum(count[k] for k in ("rollout", "completion", "train_forward")),
                 **{f"nfe/{k}": v for k, v in count.items()},
                 "trajectories": images_seen,
                 "scored_images": images_seen,

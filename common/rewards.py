@@ -566,6 +566,7 @@ def _blip_configs(vit: dict, med: dict):
         layer_norm_eps=1e-6,
         image_size=math.isqrt(vit["embeddings.position_embedding"].shape[1] - 1) * patch,
     )
+    # is_decoder: build the cross-attention layers
     text = BlipTextConfig(
         vocab_size=med["vocab_size"],
         hidden_size=med["hidden_size"],
@@ -581,7 +582,7 @@ def _blip_configs(vit: dict, med: dict):
         sep_token_id=None,  # unused here; BLIP's defaults overflow tiny vocabs
         encoder_hidden_size=width,
         is_decoder=True,
-    )  # is_decoder: build the cross-attention layers
+    )
     return vision, text
 
 

@@ -41,12 +41,14 @@ REQUIRED = {  # field -> (dtype kind, shape after the first dim is [N])
     "prompt_index": "long",
     "step_index": "long",
 }
+# optional fields; mean: the rollout step's Gaussian mean, [N, ...] like latents (--ratio-norm
+# needs it)
 OPTIONAL = {
     "trajectory": "long",
     "state_index": "long",
     "update_block": "long",
     "mean": "float",
-}  # mean: the rollout step's Gaussian mean, [N, ...] like latents (--ratio-norm needs it)
+}
 
 
 # ------------------------------------------------------------------------------------- the contract

@@ -111,9 +111,8 @@ def assert_resume_is_exact(script: str, flags_for, total: int, extra, between=No
     run_main(script, *flags_for("straight"), "--num-iterations", str(total), *extra)
     run_main(script, *flags_for("split"), "--num-iterations", str(total // 2), *extra)
     out = flags_for("split")[flags_for("split").index("--output-dir") + 1]
-    run = os.path.join(
-        out, "split"
-    )  # the run folder: resume takes its latest complete checkpoint-N
+    # the run folder: resume takes its latest complete checkpoint-N
+    run = os.path.join(out, "split")
     if between is not None:
         between(run)
     run_main(script, *flags_for("split"), "--num-iterations", str(total), "--resume", run, *extra)

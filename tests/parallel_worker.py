@@ -66,9 +66,8 @@ def main(runs_file: str, smooth_reward: bool) -> None:
 
     if smooth_reward:
         common.rewards._jpeg_kb = smooth_jpeg_kb
-    common.run.run_pictures = (
-        lambda *a, **k: []
-    )  # as in tests/conftest.py: the pictures, most of a tiny run's time
+    # as in tests/conftest.py: the pictures, most of a tiny run's time
+    common.run.run_pictures = lambda *a, **k: []
 
     with open(runs_file) as f:
         runs = json.load(f)
@@ -93,6 +92,7 @@ def main(runs_file: str, smooth_reward: bool) -> None:
             for v in s.values()
             if torch.is_tensor(v) and v.dim() > 0
         ]
+        # one write: a line of its own
         sys.stdout.write(
             "RESULT "
             + json.dumps(
@@ -105,7 +105,7 @@ def main(runs_file: str, smooth_reward: bool) -> None:
                 }
             )
             + "\n"
-        )  # one write: a line of its own
+        )
         sys.stdout.flush()
     dist.destroy_process_group()
 

@@ -38,13 +38,11 @@ def test_a_writer_killed_at_random_instants_leaves_a_whole_file(tmp_path):
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
         text = path.read_text()
-        assert (
-            len(text) == 3_000_000 and len(set(text)) == 1
-        )  # the old file or the new one, never a mix or a cut
+        # the old file or the new one, never a mix or a cut
+        assert len(text) == 3_000_000 and len(set(text)) == 1
     left = [n for n in os.listdir(tmp_path) if n != "side.json"]
-    assert all(
-        n.startswith("side.json.tmp.") for n in left
-    )  # only a killed writer's own temporary file remains
+    # only a killed writer's own temporary file remains
+    assert all(n.startswith("side.json.tmp.") for n in left)
 
 
 def test_a_metrics_line_cut_mid_write_does_not_stop_a_resume(tiny_sd3, tmp_path):

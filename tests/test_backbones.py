@@ -133,9 +133,8 @@ def test_attention_lora_targets_skip_sd35_attn2():
         for n, m in build_sd3(sd35=True).transformer.named_modules()
         if isinstance(m, torch.nn.Linear)
     }
-    assert (
-        "transformer_blocks.0.attn2.to_q" in names
-    )  # the tiny SD3.5 does have a dual-attention block
+    # the tiny SD3.5 does have a dual-attention block
+    assert "transformer_blocks.0.attn2.to_q" in names
     attn = lora_modules(build_sd3(sd35=True).transformer, "attention")
     assert (
         "transformer_blocks.0.attn.to_q" in attn and "transformer_blocks.0.attn.to_add_out" in attn

@@ -80,9 +80,8 @@ def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path
         "1",
     ]
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.setattr(
-        bc, "speed_probe", lambda: 2.5
-    )  # the real one loads the toy model (test below)
+    # the real one loads the toy model (test below)
+    monkeypatch.setattr(bc, "speed_probe", lambda: 2.5)
     monkeypatch.setenv("STUB_CRASH", "yardstick__default__2")
     bc.main(argv)
     first = launches(out)
@@ -103,9 +102,8 @@ def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path
 
     monkeypatch.delenv("STUB_CRASH")
     bc.main(argv)
-    assert launches(out)[len(first) :] == [
-        "yardstick__default__2"
-    ]  # only the unfinished run ran again
+    # only the unfinished run ran again
+    assert launches(out)[len(first) :] == ["yardstick__default__2"]
     assert bc.is_finished(crashed) and not os.path.exists(os.path.join(crashed, "leftover"))
     bc.main(argv)
     assert len(launches(out)) == len(first) + 1  # a complete grid launches nothing
@@ -154,12 +152,10 @@ def test_resume_keeps_finished_runs_and_restarts_unfinished_ones(stubs, tmp_path
         "| flowgrpo_baseline | default | 2 | 0.500 (0.013) | 0.575 | +0.075 [-0.243, +0.393] |"
         in text
     )
-    assert (
-        "| 1 x 2" not in text and "| 2 x 1, passive |" in text
-    )  # side by side, 1 thread, no spinning
-    assert (
-        text.count("| 2.50 |") == 4 and "machines of different speed" not in text
-    )  # the probe, per run
+    # side by side, 1 thread, no spinning
+    assert "| 1 x 2" not in text and "| 2 x 1, passive |" in text
+    # the probe, per run
+    assert text.count("| 2.50 |") == 4 and "machines of different speed" not in text
 
 
 def write_run(out, name, rows):
@@ -223,9 +219,8 @@ def test_table_numbers(tmp_path):
                 },
             ],
         )
-    write_run(
-        out, "g2rpo__lr1e-4__4", [{"iteration": 0, "eval/accuracy": 0.5, "nfe": 0}]
-    )  # unfinished: left out
+    # unfinished: left out
+    write_run(out, "g2rpo__lr1e-4__4", [{"iteration": 0, "eval/accuracy": 0.5, "nfe": 0}])
     text = bc.report(out)
     row = next(line for line in text.splitlines() if line.startswith("| g2rpo | lr1e-4 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -245,16 +240,14 @@ def test_table_numbers(tmp_path):
     ]
     got = dict(zip(head, cells))
     assert got["seeds"] == "3" and got["start (SE)"] == "0.500 (0.019)" and got["final"] == "0.700"
-    assert (
-        got["gain [95 % CI]"] == "+0.200 [-0.048, +0.448]"
-    )  # gains .1 .2 .3: s = .1, t_{.975,2} = 4.303
+    # gains .1 .2 .3: s = .1, t_{.975,2} = 4.303
+    assert got["gain [95 % CI]"] == "+0.200 [-0.048, +0.448]"
     assert (
         got["gain single"] == "+0.200 [-0.048, +0.448]"
         and got["gain position"] == "+0.200 [-0.048, +0.448]"
     )
-    assert (
-        got["reward gain [95 % CI]"] == "+0.700 [+0.452, +0.948]"
-    )  # .8 .9 1.0 against the start's .2
+    # .8 .9 1.0 against the start's .2
+    assert got["reward gain [95 % CI]"] == "+0.700 [+0.452, +0.948]"
     assert got["final-eval SE"] == "0.018" and got["iterations"] == "2"
     # consumption at the final evaluation = the counters of the row before it (the last training iteration)
     # (a log from before 2026-12-03: its one `images` counter counted the scored images)
@@ -329,21 +322,18 @@ def test_merged_folders_and_the_gain_at_equal_trajectories_and_scored_images(tmp
         line = next(line for line in text.splitlines() if line.startswith(f"| {algo} |"))
         return [c.strip() for c in line.strip("|").split("|")]
 
-    assert (
-        row("g2rpo")[col] == "+0.300 [-0.971, +1.571]"
-    )  # gains .2 .4 at their end: s = .141, t_{.975,1} = 12.71
-    assert (
-        row("densegrpo")[col] == "+0.075 [-0.243, +0.393]"
-    )  # (.5 - .4) / 2 and (.6 - .4) / 2 at 128 of 256
+    # gains .2 .4 at their end: s = .141, t_{.975,1} = 12.71
+    assert row("g2rpo")[col] == "+0.300 [-0.971, +1.571]"
+    # (.5 - .4) / 2 and (.6 - .4) / 2 at 128 of 256
+    assert row("densegrpo")[col] == "+0.075 [-0.243, +0.393]"
     # at 512 scored images DenseGRPO has ended (its final evaluation: .9 - .4 in both seeds), and G²RPO is 0.4 of the
     # way from its first evaluation (0 scored) to its last (1280): gains .08 and .16
     assert row("densegrpo")[scored] == "+0.500 [+0.500, +0.500]" and row("g2rpo")[
         scored
     ].startswith("+0.120 [")
     assert os.path.exists(tmp_path / "verdict" / "results.md")
-    text = bc.report(
-        str(tmp_path / "verdict"), (a, b), reference="g2rpo:small"
-    )  # gain minus the reference's
+    # gain minus the reference's
+    text = bc.report(str(tmp_path / "verdict"), (a, b), reference="g2rpo:small")
     head = next(
         line for line in text.splitlines() if line.startswith("| algorithm | variant | seeds")
     )
@@ -351,9 +341,8 @@ def test_merged_folders_and_the_gain_at_equal_trajectories_and_scored_images(tmp
         "gain − g2rpo:small's (Welch 95 % CI)"
     )
     assert row("g2rpo")[col] == "—"
-    assert (
-        row("densegrpo")[col] == "+0.200 [-1.071, +1.471]"
-    )  # .5 .5 against .2 .4: df 1, t 12.706, SE .1
+    # .5 .5 against .2 .4: df 1, t 12.706, SE .1
+    assert row("densegrpo")[col] == "+0.200 [-1.071, +1.471]"
     text = bc.report(str(tmp_path / "verdict"), (a, b), only=("densegrpo:big",))
     assert "| densegrpo | big |" in text and "| g2rpo |" not in text
     with pytest.raises(ConfigError, match="--only g2rpo:none: no such group"):
@@ -418,9 +407,8 @@ def test_a_run_on_a_busy_machine_is_flagged():
         {"jobs": 2, "threads": 1, "load": [1.9, 2.1, 2.2]},
         {"jobs": 2, "threads": 1, "load": [2.9, 3.1]},
     )
-    assert (
-        not bc.busy(quiet) and bc.busy(loaded) and not bc.busy({"jobs": 2, "threads": 1})
-    )  # old runs: no samples
+    # old runs: no samples
+    assert not bc.busy(quiet) and bc.busy(loaded) and not bc.busy({"jobs": 2, "threads": 1})
     assert bc.load_text(loaded) == "3.0 (3.1)" and bc.load_text({}) == "—"
 
 
@@ -428,11 +416,12 @@ def test_the_speed_probe_times_the_toy_model_and_flags_runs_from_machines_of_dif
     """CPU seconds are equal work only on one machine (the same G2RPO iteration: 45.9 CPU s on 2026-12-01's,
     86.3 on 2026-12-02's): every run records a timed workload, and a table that mixes speeds says so."""
     assert 0 < bc.probe_workload(calls=1) < 60
+    # {}: a run from before the probe
     same = [
         {"speed_probe_cpu_s": 2.7},
         {"speed_probe_cpu_s": 3.0},
         {},
-    ]  # {}: a run from before the probe
+    ]
     assert bc.speed_spread(same) is None and bc.speed_spread([{"speed_probe_cpu_s": 2.7}]) is None
     note = bc.speed_spread([*same, {"speed_probe_cpu_s": 5.3}])
     assert "from 2.70 to 5.30 CPU s" in note and "different speed" in note
@@ -460,6 +449,5 @@ def test_a_log_from_before_the_two_counters_is_read_under_their_names(tmp_path):
     with open(os.path.join(out, "densegrpo__old__1", "args.json"), "w") as f:
         json.dump({"groups_per_iteration": 8, "group_size": 8}, f)
     last = bc.summarize(os.path.join(out, "densegrpo__old__1"))["final"]
-    assert (
-        last["trajectories"] == 2 * 64 and last["scored_images"] == 704
-    )  # the counters of the row before
+    # the counters of the row before
+    assert last["trajectories"] == 2 * 64 and last["scored_images"] == 704

@@ -17,10 +17,11 @@ from benchmarks.bench_toy_model import pass_at_k
 def test_snr_recovers_a_known_signal_to_noise_ratio(signal):
     # N gradients g_i = mu + noise, ||mu||^2 = signal, E||noise||^2 = 1 (spread over P coordinates).
     g = torch.Generator().manual_seed(0)
+    # few gradients: the bias noise / N (0.02) a naive ||g_bar||^2 would carry shows
     n, p = (
         50,
         20_000,
-    )  # few gradients: the bias noise / N (0.02) a naive ||g_bar||^2 would carry shows
+    )
     mu = torch.randn(p, generator=g, dtype=torch.float64)
     mu *= math.sqrt(signal) / mu.norm()
     grads = mu + torch.randn(n, p, generator=g, dtype=torch.float64) / math.sqrt(p)
@@ -63,9 +64,8 @@ def test_t_quantile_matches_tables(p, df, expected):
 
 
 def test_t_interval_of_known_samples():
-    m, lo, hi = mean_ci(
-        [0.1, 0.2, 0.3]
-    )  # s = 0.1, n = 3: half-width t_{0.975,2} 0.1 / sqrt(3) = 0.24841
+    # s = 0.1, n = 3: half-width t_{0.975,2} 0.1 / sqrt(3) = 0.24841
+    m, lo, hi = mean_ci([0.1, 0.2, 0.3])
     assert (
         m == pytest.approx(0.2)
         and lo == pytest.approx(0.2 - 0.24841, abs=1e-5)
@@ -87,9 +87,8 @@ def test_final_eval_seeds_give_the_standard_error():
     s = seeds_for_se(0.02, counts)
     se = lambda k: math.sqrt(sum(0.25 / (n * k) for n in counts.values())) / 4  # noqa: E731
     assert se(s) <= 0.02 < se(s - 1) and s == 8
-    assert (
-        seeds_for_se(0.05, {"a": 100}) == 1 and seeds_for_se(0.02, {"a": 100}) == 7
-    )  # 0.5 / sqrt(100 S) <= 0.02
+    # 0.5 / sqrt(100 S) <= 0.02
+    assert seeds_for_se(0.05, {"a": 100}) == 1 and seeds_for_se(0.02, {"a": 100}) == 7
 
 
 def test_welch_interval_of_known_samples():

@@ -72,12 +72,10 @@ def test_counts_match_the_scripts_own_accounting(tmp_path):
     ]
     row = bench.run_one("flowgrpo_baseline.py", flags, "sd35")
     kept = row["train_rows"]
-    assert (
-        0 < kept <= 4 * 3
-    )  # 3 trained steps of 4 (--timestep-fraction 0.99), zero-advantage rows dropped
-    assert (
-        row["forward_rows"] == 4 * 4 + kept
-    )  # sampling + the KL reference forward (no grad) of each trained row
+    # 3 trained steps of 4 (--timestep-fraction 0.99), zero-advantage rows dropped
+    assert 0 < kept <= 4 * 3
+    # sampling + the KL reference forward (no grad) of each trained row
+    assert row["forward_rows"] == 4 * 4 + kept
     assert row["decode_images"] == 4 and row["reward_images"] == 4
     # the script counts NFE as sampled rows + trained rows + reference rows
     assert row["nfe_iteration"] == 4 * 4 + 2 * kept

@@ -51,9 +51,8 @@ def args_for(**kw):
 def test_completion_grid_and_its_nfe():
     T = 10
     for k in range(T):
-        assert D.completion_grid(T, k, None) == list(
-            range(k, T + 1)
-        )  # n = t: the rest of the rollout grid
+        # n = t: the rest of the rollout grid
+        assert D.completion_grid(T, k, None) == list(range(k, T + 1))
         assert D.completion_grid(T, k, 1) == [k, T]  # n = 1: one jump, the x0 prediction
         g2 = D.completion_grid(T, k, 2)
         assert g2[0] == k and g2[-1] == T and g2 == sorted(set(g2)) and len(g2) - 1 == min(2, T - k)
@@ -130,13 +129,13 @@ def test_dense_rewards_unchanged_by_reuse_and_skip(sd3, n, monkeypatch):
     )
     assert dR.shape == (6, T)
     torch.testing.assert_close(dR, dR_old, atol=1e-6, rtol=0)  # measured: 3e-8
-    assert (
-        dR[:, :2].abs().min() > 2e-5
-    )  # the early noisy steps do move the reward: the comparison is not vacuous
+    # the early noisy steps do move the reward: the comparison is not vacuous
+    assert dR[:, :2].abs().min() > 2e-5
+    # grid_2[1:] == grid_3: the psi = 0 step is the first step of one shared completion
     skipped = n in (
         None,
         2,
-    )  # grid_2[1:] == grid_3: the psi = 0 step is the first step of one shared completion
+    )
     if skipped:
         assert (dR[:, 2] == 0).all() and dR_old[:, 2].abs().max() < 1e-6
     steps = sum(len(D.completion_grid(T, k, n)) - 1 for k in range(T))
@@ -198,9 +197,8 @@ def test_trained_steps_only_complete_the_latents_they_need(sd3, upto):
     torch.testing.assert_close(
         part["scores"][:, : upto + 1], full["scores"][:, : upto + 1], atol=1e-6, rtol=0
     )
-    torch.testing.assert_close(
-        part["scores"][:, -1], full["scores"][:, -1], atol=0, rtol=0
-    )  # the SDE image
+    # the SDE image
+    torch.testing.assert_close(part["scores"][:, -1], full["scores"][:, -1], atol=0, rtol=0)
     assert part["nfe"]["rollout"] == full["nfe"]["rollout"]
     assert part["nfe"]["completion"] <= full["nfe"]["completion"]
     assert (part["nfe"]["completion"] < full["nfe"]["completion"]) == (upto == 1)
@@ -261,15 +259,13 @@ def test_per_step_advantages_normalise_each_timestep_in_each_group():
     for k in (0, 1):
         a = A[group == k]
         assert torch.allclose(a.mean(0), torch.zeros(5), atol=1e-5)
-        assert torch.allclose(
-            a[:, :3].std(0, unbiased=False), torch.ones(3), atol=5e-3
-        )  # scale-free per column (+eps)
+        # scale-free per column (+eps)
+        assert torch.allclose(a[:, :3].std(0, unbiased=False), torch.ones(3), atol=5e-3)
     assert (A[:, 3] == 0).all()
     assert (A[group == 0, 4] == 0).all() and (A[group == 1, 4] != 0).all()
     Ag = D.per_step_advantages(dR, group, global_std=True, eps=1e-4)
-    assert torch.allclose(
-        Ag[:, 1].std(unbiased=False), torch.ones(()), atol=0.2
-    )  # std over all, per timestep
+    # std over all, per timestep
+    assert torch.allclose(Ag[:, 1].std(unbiased=False), torch.ones(()), atol=0.2)
 
 
 # ---------------------------------------------------------------------------------------------- calibration
@@ -474,13 +470,11 @@ def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(
     m = read_metrics(run)
     assert [x["iteration"] for x in m] == [0, 1]
     first = m[0]
-    shares = [
-        v for k, v in first.items() if k.startswith("steps/grad_share/")
-    ]  # the diagnostic: 2 trained steps
+    # the diagnostic: 2 trained steps
+    shares = [v for k, v in first.items() if k.startswith("steps/grad_share/")]
     assert len(shares) == 2 and sum(shares) == pytest.approx(1)
-    assert (
-        first["ratio/first_minibatch_max_dev"] < 1e-5
-    )  # psi(t) per transition is used consistently
+    # psi(t) per transition is used consistently
+    assert first["ratio/first_minibatch_max_dev"] < 1e-5
     for key in (
         "nfe",
         "train/reward_mean",
@@ -495,18 +489,16 @@ def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(
     ):
         assert key in first, key
     T, n = 3, 4
-    assert first["rollout/completion_nfe"] == n * (
-        T * (T + 1) // 2 - T
-    )  # the first steps reuse the SDE's v
+    # the first steps reuse the SDE's v
+    assert first["rollout/completion_nfe"] == n * (T * (T + 1) // 2 - T)
     assert (
         first["nfe/rollout"] == n * T and first["nfe/completion"] == first["rollout/completion_nfe"]
     )
     # trajectories: prompts x G; scored: the L + 1 latents whose completions the L = 2 trained steps need, and the SDE
     # image (--timestep-fraction 0.99 of T = 3 trains 2 steps)
     assert first["trajectories"] == n and first["scored_images"] == n * (2 + 1 + 1)
-    assert (
-        first["nfe/train_forward"] == 2 * first["nfe/train_backward"] > 0
-    )  # beta > 0: a reference forward each
+    # beta > 0: a reference forward each
+    assert first["nfe/train_forward"] == 2 * first["nfe/train_backward"] > 0
     psi = json.load(open(run / "psi.json"))
     assert len(psi["psi"]) == T and len(psi["history"]) == 2 and psi["balance_test"] == "share"
     assert all(abs(p - 0.7) <= 2 * 0.2 + 1e-6 for p in psi["psi"])  # two steps of 0.2 at most

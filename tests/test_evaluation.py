@@ -51,9 +51,8 @@ def test_evaluate_scores_fixed_seed_ode_samples_per_category(toy):
         assert m[f"eval/accuracy_{c}"] == pytest.approx(per_cat[c])
     assert m["eval/accuracy"] == pytest.approx(np.mean(list(per_cat.values())))
     p = np.array([per_cat[c] for c in toyworld.CATEGORIES])
-    n = np.array(
-        [sum(toyworld.category_of(q) == c for q in ps) for c in toyworld.CATEGORIES]
-    )  # images per category
+    # images per category
+    n = np.array([sum(toyworld.category_of(q) == c for q in ps) for c in toyworld.CATEGORIES])
     assert m["eval/accuracy_se"] == pytest.approx(np.sqrt(np.sum(p * (1 - p) / n)) / len(p))
     assert m["eval/reward_mean"] == pytest.approx(
         reward.mix(reward(imgs, ps)).mean().item(), abs=1e-6
@@ -72,9 +71,8 @@ def test_evaluate_scores_fixed_seed_ode_samples_per_category(toy):
     assert grid.size == panel.grid().size and grid.width >= 4 * 128  # 4 per row, upscaled to 128 px
 
     again, _ = evaluate(toy, reward, None, prompts, 8, None, 1.0, 2, len(prompts) * 2, RES)
-    assert {k: again[k] for k in m if "guard" not in k} == {
-        k: m[k] for k in m if "guard" not in k
-    }  # deterministic
+    # deterministic
+    assert {k: again[k] for k in m if "guard" not in k} == {k: m[k] for k in m if "guard" not in k}
 
 
 def test_evaluate_reports_accuracy_only_for_toy_prompts(toy):

@@ -85,9 +85,8 @@ def kill_loop(run_dir: str, kills: int, seed: int, max_delay: float = 0.25) -> d
         # Nothing completed is lost; at most the save in flight (renamed but not yet reported) is ahead.
         figures["lost"] += max(0, last_completed - resumed)
         assert last_completed <= resumed <= last_completed + 1, (last_completed, resumed)
-        assert (
-            len(ck.list_checkpoints(run_dir)) <= 3
-        )  # keep 2, plus at most one renamed before its rotation
+        # keep 2, plus at most one renamed before its rotation
+        assert len(ck.list_checkpoints(run_dir)) <= 3
         start = resumed
     return figures
 
@@ -511,9 +510,8 @@ def test_resume_problems_from_the_script_are_one_line(base_run, tmp_path, no_mod
     assert msg.endswith(
         f"pass the older complete checkpoint instead: --resume {ck.checkpoint_dir(run, 1)} (or the run folder {run})"
     )
-    g2rpo_flags = [
-        f for f in flags if f not in ("--timestep-fraction", "0.99")
-    ]  # a flag g2rpo does not have
+    # a flag g2rpo does not have
+    g2rpo_flags = [f for f in flags if f not in ("--timestep-fraction", "0.99")]
     msg = script_error(*g2rpo_flags, "--resume", run, script="g2rpo.py")
     assert msg == (
         f"error: --resume {ck.checkpoint_dir(run, 1)} was written by flowgrpo_baseline.py, not g2rpo.py: "

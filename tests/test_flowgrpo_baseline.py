@@ -96,13 +96,14 @@ def window_flags(model, out_dir, prompts_file, run_name="run"):
     return flags[:i] + flags[i + 2 :]
 
 
+# one of the 3 steps, drawn per iteration
 WINDOW = [
     "--sde-window-size",
     "1",
     "--sde-window-range",
     "0",
     "3",
-]  # one of the 3 steps, drawn per iteration
+]
 
 
 def expected_window(iteration, size, lo, hi, seed=1, groups=2, group_size=2, n_prompts=2):
@@ -285,14 +286,12 @@ def test_sde_window_trains_its_steps_only_and_is_ode_elsewhere(
     )
     m = read_metrics(tmp_path / "run")
     starts = [m[i]["train/sde_window_start"] for i in range(2)]
-    assert (
-        starts == [expected_window(i, 2, 0, 3, seed=2) for i in range(2)] == [0, 1]
-    )  # seed 2: both windows
+    # seed 2: both windows
+    assert starts == [expected_window(i, 2, 0, 3, seed=2) for i in range(2)] == [0, 1]
     sigmas = sorted({s for s, _ in calls}, reverse=True)  # the 3 rollout sigmas, in step order
     for i, (w0, idx) in enumerate(zip(starts, seen)):
-        assert torch.equal(
-            idx, torch.tensor([w0, w0 + 1]).repeat_interleave(4)
-        )  # step-major, 4 images per step
+        # step-major, 4 images per step
+        assert torch.equal(idx, torch.tensor([w0, w0 + 1]).repeat_interleave(4))
         assert sorted(k for k in m[i] if k.startswith("steps/kept/")) == [
             f"steps/kept/{w0}",
             f"steps/kept/{w0 + 1}",
@@ -317,9 +316,8 @@ def test_bad_input_from_the_shell_is_one_line_without_traceback(tmp_path, prompt
     )
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
-    assert (
-        last.startswith("error: unknown reward 'nonsense'") and "toyworld" in last
-    )  # lists the choices
+    # lists the choices
+    assert last.startswith("error: unknown reward 'nonsense'") and "toyworld" in last
 
 
 @pytest.mark.parametrize(
@@ -466,10 +464,11 @@ def test_grad_share_diagnostic_sums_to_one_and_leaves_the_update_unchanged(
     run_main(SCRIPT, *tiny_flags(tiny_sd3, tmp_path, prompts_file, "plain"), *flags)
     for row in read_metrics(tmp_path / "share")[:2]:
         shares = {k: v for k, v in row.items() if k.startswith("steps/grad_share/")}
+        # 3 steps, fraction 0.99: 2 trained
         assert sorted(shares) == [
             "steps/grad_share/0",
             "steps/grad_share/1",
-        ]  # 3 steps, fraction 0.99: 2 trained
+        ]
         assert sum(shares.values()) == pytest.approx(1.0) and row["steps/grad_norm/1"] > 0
     assert not any(k.startswith("steps/grad_share/") for k in read_metrics(tmp_path / "plain")[0])
     a, b = (

@@ -45,13 +45,11 @@ def test_official_schedule_reproduces_the_released_code():
     sig = 3 * sig / (1 + 2 * sig)
     for e, g, at in [(0, 2, 0.300), (1, 2, 0.409), (0, 3, 0.577), (1, 3, 0.500), (7, 3, 0.500)]:
         idx = g2rpo.completion_schedule(e, g, 16, official=True)
-        code = list(range(e + 1, e + 2)) + list(
-            range(e + 2, 17, g)
-        )  # sigma[0..e+1] ++ sigma[e+2::g], from e+1
+        # sigma[0..e+1] ++ sigma[e+2::g], from e+1
+        code = list(range(e + 1, e + 2)) + list(range(e + 2, 17, g))
         assert idx[:-1] == code[:-1]  # the same model calls ...
-        assert (
-            abs(float(sig[idx[-2]]) - at) < 1e-3
-        )  # ... the last one at the quoted sigma, then a jump to 0
+        # ... the last one at the quoted sigma, then a jump to 0
+        assert abs(float(sig[idx[-2]]) - at) < 1e-3
         clean = g2rpo.completion_schedule(e, g, 16)
         assert clean[-2] > idx[-2] or clean == idx  # the default goes further before its last step
 
@@ -61,9 +59,8 @@ def test_mgai_on_a_hand_computed_table():
     # 2 prompts, K=2 branch steps, L=2 granularities, G=3 members, R=1 reward.
     r = torch.zeros(2, 2, 2, 3, 1)
     r[0, 0, 0, :, 0] = torch.tensor([1.0, 2.0, 3.0])  # mean 2, unbiased std 1        -> -1, 0, 1
-    r[0, 0, 1, :, 0] = torch.tensor(
-        [0.0, 0.0, 6.0]
-    )  # mean 2, std sqrt(12)          -> -2/s, -2/s, 4/s
+    # mean 2, std sqrt(12)          -> -2/s, -2/s, 4/s
+    r[0, 0, 1, :, 0] = torch.tensor([0.0, 0.0, 6.0])
     r[0, 1, 0, :, 0] = torch.tensor([5.0, 5.0, 5.0])  # equal: 0
     r[0, 1, 1, :, 0] = torch.tensor([4.0, 0.0, 2.0])  # mean 2, std 2                 -> 1, -1, 0
     r[1] = 10 * r[0] + 7  # normalisation is affine-invariant
@@ -86,9 +83,8 @@ def test_mgai_on_a_hand_computed_table():
 
 
 def test_mgai_of_equal_rewards_is_exactly_zero():
-    r = torch.full(
-        (3, 2, 12, 2), 0.1
-    )  # 0.1 is not exact in binary: a float32 mean would not return it
+    # 0.1 is not exact in binary: a float32 mean would not return it
+    r = torch.full((3, 2, 12, 2), 0.1)
     r[1] = 0.3333
     assert (g2rpo.mgai_advantages(r, torch.ones(2), eps=1e-8) == 0).all()
 
@@ -309,9 +305,8 @@ def test_smoke_tiny_backbones(request, fixture, extra, tmp_path):
     m = read_metrics(tmp_path / "run")
     assert [x["iteration"] for x in m] == [0, 1]
     first = m[0]
-    shares = {
-        k: v for k, v in first.items() if k.startswith("steps/grad_share/")
-    }  # the diagnostic: M = {0, 2}
+    # the diagnostic: M = {0, 2}
+    shares = {k: v for k, v in first.items() if k.startswith("steps/grad_share/")}
     assert sorted(shares) == ["steps/grad_share/0", "steps/grad_share/2"] and sum(
         shares.values()
     ) == pytest.approx(1)
@@ -327,9 +322,8 @@ def test_smoke_tiny_backbones(request, fixture, extra, tmp_path):
         "eval/reward_mean",
     ):
         assert key in first and math.isfinite(first[key]), key
-    assert (
-        first["ratio/first_minibatch_max_dev"] < 1e-5
-    )  # on-policy: the rollout's log-probs are recomputed
+    # on-policy: the rollout's log-probs are recomputed
+    assert first["ratio/first_minibatch_max_dev"] < 1e-5
     if "cps" in extra:  # the CPS branch step: its (unnormalised) log-prob recomputed bit for bit
         assert (
             first["ratio/first_minibatch_max_dev"] == 0
@@ -399,9 +393,8 @@ def test_official_sigma_grid_is_the_released_codes(request, fixture):
     official = bb.schedule(16, res, res, grid="official")
     assert round(float(official[7]), 3) == 0.794 and official[0] == 1 and official[-1] == 0
     torch.testing.assert_close(official, bb.schedule(16, res, res, 3.0, grid="official"))
-    assert not torch.allclose(
-        bb.schedule(16, res, res, 2.0, grid="official"), official
-    )  # --shift is honoured
+    # --shift is honoured
+    assert not torch.allclose(bb.schedule(16, res, res, 2.0, grid="official"), official)
     pipeline = bb.schedule(16, res, res)
     assert pipeline.shape == official.shape and not torch.allclose(pipeline, official, atol=1e-3)
     if fixture == "tiny_flux":
@@ -529,9 +522,8 @@ def test_shared_state_gradient_equals_per_transition_gradient(request, fixture):
     sigmas = bb.schedule(4, RES, RES)
     emb = bb.encode(["a photo of a red circle", "a photo of two blue squares"])
     states = bb.initial_noise(P, RES, RES, generator=torch.Generator().manual_seed(1))
-    rows_x = states.repeat_interleave(
-        G, 0
-    )  # transitions (prompt, member), each starting from its prompt's state
+    # transitions (prompt, member), each starting from its prompt's state
+    rows_x = states.repeat_interleave(G, 0)
     with torch.no_grad():
         v0 = bb.velocity(rows_x, sigmas[1], emb[torch.arange(P).repeat_interleave(G)], cfg)
         nxt, lp_old, _, _ = sde_step_with_logprob(

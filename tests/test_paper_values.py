@@ -41,9 +41,8 @@ FLOW_GRPO = {  # Liu et al., arXiv 2505.05470; reference/flowgrpo.md §3.4 (SD3.
     "beta": {0.04, 0.01},  # §3.4: 0.04 GenEval and OCR, 0.01 PickScore
     "timestep_fraction": {0.99},  # §3.4: 9 of 10 steps
     "learning_rate": {3e-4},  # §3.4: AdamW 3e-4 with the LoRA
-    "optimizer_steps_per_iteration": {
-        2
-    },  # §3.4: grad accumulation num_batches // 2 = 2 steps per epoch
+    # §3.4: grad accumulation num_batches // 2 = 2 steps per epoch
+    "optimizer_steps_per_iteration": {2},
     "clip_range": {1e-4},
     "adv_clip_max": {5},  # §3.4
     "ema_decay": {0.9},
@@ -59,18 +58,18 @@ G2RPO = {  # Zhou et al., arXiv 2510.01982; reference/g2rpo.md §3.3 (hyperparam
     "noise_level": {0.7},  # §1.3, §3.3: eta = 0.7
     "group_size": {12},  # §3.3: G = 12
     "groups_per_iteration": {16},  # §3.3: 1 prompt per GPU, 16 GPUs
+    # §1.2: M = {16, ..., 9} of T = 16, 8 steps (code: --eta_step_list 0..7)
     "branch_steps": {
         *range(10),
         16,
-    },  # §1.2: M = {16, ..., 9} of T = 16, 8 steps (code: --eta_step_list 0..7)
+    },
     "granularities": {1, 2, 3},  # §2.1: paper Lambda = {1, 2, 3} (scripts {1, 2})
     "adv_clip_max": {5},  # §3.3: "epsilon = 5"
     "learning_rate": {2e-6},  # §3.3: AdamW 2e-6, full fine-tune
     "weight_decay": {1e-4},
     "max_grad_norm": {1.0},  # §3.3
-    "optimizer_steps_per_iteration": {
-        1
-    },  # §3.1/§3.2: one step per iteration (the (1/|M|) sum; hps: one per k)
+    # §3.1/§3.2: one step per iteration (the (1/|M|) sum; hps: one per k)
+    "optimizer_steps_per_iteration": {1},
     "eval_num_steps": {50, 10, 20},  # §4.4 (code: 50), §5 Table 3 (10, 20)
 }
 DENSE_GRPO = {  # Deng et al., arXiv 2601.20218 v2; reference/densegrpo.md §4.2 (hyperparameter table), §3.2
@@ -80,12 +79,13 @@ DENSE_GRPO = {  # Deng et al., arXiv 2601.20218 v2; reference/densegrpo.md §4.2
     "num_steps": {10, 40},  # §4.2: T = 10, 40 at evaluation
     "eval_num_steps": {40},  # §4.2
     "group_size": {24},  # §4.2: G = 24
+    # §4.2: global batch 144 x accumulation 8 = 1152 = 48 x 24
     "groups_per_iteration": {
         48,
         24,
         144,
         8,
-    },  # §4.2: global batch 144 x accumulation 8 = 1152 = 48 x 24
+    },
     "beta": {0.04, 0.01},  # §4.2: 0.04 GenEval and OCR, 0.01 PickScore
     "learning_rate": {3e-4},  # §4.2: AdamW 3e-4 (paper + code)
     "optimizer_steps_per_iteration": {1},  # §4.2: one optimizer step per 1152 images (App. A)
@@ -154,9 +154,8 @@ def check_source(source: str, table: dict) -> list[str]:
         if cls.lineno <= n <= cls.end_lineno:  # checked flag by flag above
             continue
         for m in CLAUSE.finditer(line):
-            got = {
-                float(x) for x in NUMBER.findall(m["clause"])
-            }  # numbers only: prose is free here
+            # numbers only: prose is free here
+            got = {float(x) for x in NUMBER.findall(m["clause"])}
             if not got <= union:
                 errors.append(
                     f"line {n}: '{m.group(0).strip()}' quotes {sorted(map(str, got))}, none of this "

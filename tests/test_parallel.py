@@ -132,6 +132,7 @@ def assert_close(a: dict, b: dict, base: dict | None = None, atol: float = 1e-4)
 
 
 # ============================================================ one launch of 2 "nodes" x 1 process for all the runs
+# and 3 evaluation prompts: split unevenly over 2 ranks
 LORA = [
     "--ema-decay",
     "0.5",
@@ -145,7 +146,7 @@ LORA = [
     "2",
     "--learning-rate",
     "5e-2",
-]  # and 3 evaluation prompts: split unevenly over 2 ranks
+]
 
 
 @pytest.fixture(scope="module")
@@ -161,9 +162,8 @@ def two_nodes(tiny_sd3, tiny_flux, tmp_path_factory):
     runs, names = [], []
     for script in SCRIPTS:
         its = "4" if script == SCRIPTS[0] else "2"
-        beta = (
-            ["--beta", "0.04"] if script == SCRIPTS[0] else []
-        )  # the KL reference: the frozen copy, sharded too
+        # the KL reference: the frozen copy, sharded too
+        beta = ["--beta", "0.04"] if script == SCRIPTS[0] else []
         for par in ("ddp", "fsdp"):
             names.append(f"{script}-{par}")
             runs.append(
@@ -333,10 +333,11 @@ def test_fsdp_holds_half_the_parameters_and_optimizer_state_per_rank(two_nodes):
         d, f = (res[names.index(f"{script}-{p}"), 0] for p in ("ddp", "fsdp"))
         both = [res[names.index(f"{script}-fsdp"), r] for r in (0, 1)]
         for key in ("param_bytes", "optimizer_bytes"):
+            # the shards add up to the whole
             assert sum(r[key] for r in both) == d[key], (
                 script,
                 key,
-            )  # the shards add up to the whole
+            )
             assert abs(f[key] / d[key] - 0.5) < 0.02, (script, key, f[key], d[key])
         for r in (
             d,

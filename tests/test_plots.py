@@ -22,9 +22,8 @@ from common.plots import (
     step_heatmap,
 )
 
-pytestmark = (
-    pytest.mark.pictures
-)  # run_pictures is what this file tests: not replaced by tests/conftest.py
+# run_pictures is what this file tests: not replaced by tests/conftest.py
+pytestmark = pytest.mark.pictures
 
 
 def png_size(path) -> tuple[int, int]:
@@ -98,6 +97,7 @@ def test_learning_curve_reward_only_evaluation(tmp_path):
 
 @pytest.mark.parametrize("metrics", [STEP_METRICS, ("ratio", "kl"), ()])
 def test_step_heatmap_one_panel_per_metric(tmp_path, metrics):
+    # iteration 5 missing (grey column)
     rows = [
         {
             "iteration": it,
@@ -106,15 +106,14 @@ def test_step_heatmap_one_panel_per_metric(tmp_path, metrics):
         }
         for it in range(0, 10)
         if it != 5
-    ]  # iteration 5 missing (grey column)
+    ]
     path = tmp_path / "h.png"
     titles = step_heatmap(rows, "steps/", str(path), "per-step diagnostics")
     assert titles == [STEP_LABELS[m] for m in metrics]
     ncols = min(3, max(1, len(metrics)))
     assert png_size(path) == (440 * ncols, 320 * max(1, math.ceil(len(metrics) / ncols)))
-    assert set(STEP_LABELS) == set(
-        STEP_METRICS
-    )  # every logged metric (tests/test_training.py) has its panel title
+    # every logged metric (tests/test_training.py) has its panel title
+    assert set(STEP_LABELS) == set(STEP_METRICS)
     # a metric that is the same at every step of every iteration (the KL with beta 0; Flow-GRPO's |advantage|, equal
     # at every step of a trajectory) tells nothing per step: it is named under the panels, not drawn
     flat = [
@@ -130,10 +129,11 @@ def test_step_heatmap_one_panel_per_metric(tmp_path, metrics):
         for it in range(3)
     ]
     assert step_heatmap(flat, "steps/", str(tmp_path / "f.png"), "t") == [STEP_LABELS["grad_share"]]
+    # one panel and the line naming the other two
     assert png_size(tmp_path / "f.png") == (
         440,
         320 + 40,
-    )  # one panel and the line naming the other two
+    )
 
 
 def test_the_learning_curves_running_mean_shows_the_trend_through_the_noise():
@@ -146,9 +146,8 @@ def test_the_learning_curves_running_mean_shows_the_trend_through_the_noise():
         and running_window(500) == 10
     )
     assert running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
-    noisy = [
-        0.5 + 0.002 * i + (0.1 if i % 2 else -0.1) for i in range(60)
-    ]  # a climb hidden by +-0.1 jumps
+    # a climb hidden by +-0.1 jumps
+    noisy = [0.5 + 0.002 * i + (0.1 if i % 2 else -0.1) for i in range(60)]
     smooth = running_mean(noisy, running_window(len(noisy)))
     assert (
         max(abs(a - b) for a, b in zip(smooth[6:], smooth[7:]))
@@ -207,9 +206,8 @@ def test_before_after_pairs_the_same_prompts_and_panel_round_trips(tmp_path):
     out = before_after(again, after, str(tmp_path / "ba.png"), "run")
     assert png_size(tmp_path / "ba.png") == out.size
     arr = np.asarray(out)
-    assert (
-        frame_pixels(arr, GREEN) > 0 and frame_pixels(arr, RED) > 0
-    )  # correct before, wrong after
+    # correct before, wrong after
+    assert frame_pixels(arr, GREEN) > 0 and frame_pixels(arr, RED) > 0
     with pytest.raises(ValueError, match="different prompts"):
         before_after(before, make_panel(prompts[::-1], 60), str(tmp_path / "x.png"))
 
@@ -231,9 +229,8 @@ def test_run_pictures_draws_curve_heatmap_and_before_after_from_the_run_folder(t
         png_size(w)
     os.remove(tmp_path / "samples" / "eval_00005.npz")
     os.remove(tmp_path / "samples" / "eval_00010.npz")
-    assert (
-        len(run_pictures(str(tmp_path), history(steps=False), "run")) == 1
-    )  # one evaluation, no step metrics
+    # one evaluation, no step metrics
+    assert len(run_pictures(str(tmp_path), history(steps=False), "run")) == 1
 
 
 def test_run_logger_sends_captioned_panels_to_wandb(tmp_path, monkeypatch):

@@ -26,9 +26,8 @@ from common.rewards import (
     parse_reward_spec,
 )
 
-DEVICE = os.environ.get(
-    "REWARD_TEST_DEVICE", "cpu"
-)  # e.g. cuda: the model tests then run on the GPU
+# e.g. cuda: the model tests then run on the GPU
+DEVICE = os.environ.get("REWARD_TEST_DEVICE", "cpu")
 PROMPTS = [
     "a red circle",
     "two blue squares",
@@ -218,9 +217,8 @@ def test_model_reward_loads_and_is_consistent(name, ckpts):
         and torch.isfinite(s).all()
     )
     assert s.std() > 0, "different images must get different scores"
-    torch.testing.assert_close(
-        model(x, PROMPTS[:5]), s, rtol=0, atol=0
-    )  # deterministic (eval mode, no dropout)
+    # deterministic (eval mode, no dropout)
+    torch.testing.assert_close(model(x, PROMPTS[:5]), s, rtol=0, atol=0)
     one = build_reward(name, DEVICE, model_paths=paths_for(name, ckpts), batch_size=1)
     assert one.fns[0] is model.fns[0], "rewards are cached, not loaded twice"
     torch.testing.assert_close(one(x, PROMPTS[:5]), s, rtol=1e-4, atol=1e-5)
@@ -320,9 +318,8 @@ def _imagereward_expected():
         "make_fixture", os.path.join(IMAGEREWARD, "make_fixture.py")
     )
     make_fixture = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(
-        make_fixture
-    )  # imports only torch at the top; the package only in its main()
+    # imports only torch at the top; the package only in its main()
+    spec.loader.exec_module(make_fixture)
     with open(os.path.join(IMAGEREWARD, "expected.json")) as f:
         expected = json.load(f)
     square, smooth = make_fixture.images(), make_fixture.smooth_images()
@@ -337,9 +334,8 @@ def test_imagereward_matches_the_original_package(monkeypatch):
     """Every prompt x image pair scores as the package's public `load` + `inference_rank` does, without importing
     it. 224x224 images: the package's PIL preprocessing is then the identity, so scores agree to float rounding;
     non-square ones go through its PIL bicubic resize + uint8 round trip, which ours does on tensors (~4e-3)."""
-    monkeypatch.setitem(
-        sys.modules, "ImageReward", None
-    )  # the package is not needed (nor importable here)
+    # the package is not needed (nor importable here)
+    monkeypatch.setitem(sys.modules, "ImageReward", None)
     expected, square, smooth = _imagereward_expected()
     model = build_reward(
         "imagereward", DEVICE, model_paths={"imagereward": IMAGEREWARD}, batch_size=4
@@ -373,9 +369,8 @@ def test_imagereward_file_path_and_tokenizer_key(tmp_path, monkeypatch):
     paths = {"imagereward": str(tmp_path / "ImageReward.pt"), "imagereward_tokenizer": IMAGEREWARD}
     s = build_reward("imagereward", DEVICE, model_paths=paths)(square, expected["prompts"][:1] * 4)
     torch.testing.assert_close(s[:, 0], torch.tensor(expected["scores"][0]), rtol=0, atol=1e-4)
-    monkeypatch.setattr(
-        rewards, "IMAGEREWARD_TOKENIZER", "no-such-org/bert-base-uncased"
-    )  # surely not cached
+    # surely not cached
+    monkeypatch.setattr(rewards, "IMAGEREWARD_TOKENIZER", "no-such-org/bert-base-uncased")
     with pytest.raises(
         RewardLoadError
     ) as e:  # no vocab.txt next to the weights: the hub id, offline
@@ -383,9 +378,8 @@ def test_imagereward_file_path_and_tokenizer_key(tmp_path, monkeypatch):
     assert "no-such-org/bert-base-uncased" in _one_line(e) and "imagereward_tokenizer" in _one_line(
         e
     )
-    (tmp_path / "vocab.txt").write_text(
-        "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\na\n"
-    )  # some other BERT vocab
+    # some other BERT vocab
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\na\n")
     with pytest.raises(
         RewardLoadError, match="has 8 tokens with .DEC. and .ENC., its text encoder 41"
     ) as e:
@@ -407,15 +401,13 @@ def test_imagereward_wrong_paths_give_one_clear_line(tmp_path):
     _one_line(e)
     with open(os.path.join(IMAGEREWARD, "med_config.json")) as f:
         med = json.load(f)
-    (tmp_path / "med_config.json").write_text(
-        json.dumps({**med, "hidden_size": 48})
-    )  # does not fit the weights
+    # does not fit the weights
+    (tmp_path / "med_config.json").write_text(json.dumps({**med, "hidden_size": 48}))
     with pytest.raises(RewardLoadError, match="not an ImageReward checkpoint.*size mismatch") as e:
         build_reward("imagereward", model_paths=paths)
     _one_line(e)
-    torch.save(
-        {"layers.0.weight": torch.zeros(1, 768)}, tmp_path / "ImageReward.pt"
-    )  # some other state dict
+    # some other state dict
+    torch.save({"layers.0.weight": torch.zeros(1, 768)}, tmp_path / "ImageReward.pt")
     with pytest.raises(RewardLoadError, match="not an ImageReward checkpoint") as e:
         build_reward("imagereward", model_paths=paths)
     _one_line(e)

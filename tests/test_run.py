@@ -89,20 +89,17 @@ def test_a_training_row_holds_the_counters_the_reduced_stats_and_the_phase_times
     assert m["ratio/mean"] == pytest.approx(1.0) and m["ratio/max"] == pytest.approx(1.2)
     assert m["ratio/min"] == pytest.approx(0.8) and m["clipfrac"] == pytest.approx(2 / 3)
     assert m["steps/ratio/0"] == pytest.approx(1.1) and m["steps/ratio/2"] == pytest.approx(0.8)
-    assert (
-        m["steps/ratio_std/0"] == pytest.approx(0.1, rel=1e-5) and "steps/ratio/1" not in m
-    )  # step 1 had no transition
-    assert (
-        m["grad_norm"] == pytest.approx(4.0) and m["train/optimizer_steps"] == 2
-    )  # the mean over steps
+    # step 1 had no transition
+    assert m["steps/ratio_std/0"] == pytest.approx(0.1, rel=1e-5) and "steps/ratio/1" not in m
+    # the mean over steps
+    assert m["grad_norm"] == pytest.approx(4.0) and m["train/optimizer_steps"] == 2
     assert (
         m["ratio/first_minibatch_max_dev"] == pytest.approx(0.25)
         and m["train/kept_transitions"] == 3
     )
     assert m["time/rollout_s"] >= 0 and m["time/train_s"] == 0 and "time/cpu_s" in m
-    assert (
-        rows(tmp_path) == [m] and run.timer.times == {}
-    )  # written, and the phase timers start again
+    # written, and the phase timers start again
+    assert rows(tmp_path) == [m] and run.timer.times == {}
 
 
 def test_an_iteration_that_trained_nothing_logs_a_ratio_of_one(tmp_path):
@@ -168,10 +165,11 @@ def test_the_evaluation_uses_the_final_seeds_at_the_end_counts_its_nfe_and_saves
         "eval/reward_mean": 0.1,
     }
     run.evaluate(3, True, None, None, None, prompts, None)
+    # periodic: 2 seeds per prompt; final: 8; eval guidance = the rollout's
     assert calls == [
         (2, 4.5),
         (8, 4.5),
-    ]  # periodic: 2 seeds per prompt; final: 8; eval guidance = the rollout's
+    ]
     assert run.counts["nfe/eval"] == 3 * 2 * 5 + 3 * 8 * 5
     assert sorted(os.listdir(tmp_path / "samples")) == [
         "eval_00000.npz",

@@ -122,9 +122,8 @@ def test_a_second_run_on_a_finished_run_is_refused_and_the_first_is_untouched(
     ):
         run_main(SCRIPT, *flags, "--resume", str(run))
     assert {n: (run / n).read_bytes() for n in before} == before
-    run_main(
-        SCRIPT, *flags[:-2], "--num-iterations", "2", "--resume", str(run)
-    )  # what the message says works
+    # what the message says works
+    run_main(SCRIPT, *flags[:-2], "--num-iterations", "2", "--resume", str(run))
     assert [r["iteration"] for r in read_metrics(run)] == [0, 1, 2]
 
 
@@ -140,12 +139,12 @@ def test_path_flags_are_compared_by_what_they_point_to(tmp_path, monkeypatch):
     (tmp_path / "other.txt").write_text("a photo of a blue square\n")
     monkeypatch.chdir(tmp_path)
     saved = {"prompts_file": str(tmp_path / "a" / "prompts.txt"), "seed": 1}
-    assert (
-        changed_flags(saved, {"prompts_file": "a/prompts.txt", "seed": 1}) == []
-    )  # relative spelling
+    # relative spelling
+    assert changed_flags(saved, {"prompts_file": "a/prompts.txt", "seed": 1}) == []
+    # a copy
     assert (
         changed_flags(saved, {"prompts_file": str(tmp_path / "b" / "prompts.txt"), "seed": 1}) == []
-    )  # a copy
+    )
     assert [c[0] for c in changed_flags(saved, {"prompts_file": "other.txt", "seed": 1})] == [
         "prompts_file"
     ]
@@ -165,9 +164,8 @@ def test_a_model_folder_is_known_by_its_files_and_configs(tmp_path):
     (model / "transformer" / "config.json").write_text('{"num_layers": 2}')
     (model / "transformer" / "weights.safetensors").write_bytes(b"\0" * 1000)
     shutil.copytree(model, tmp_path / "clone2" / "model")
-    assert same_path_meaning(
-        str(model), str(tmp_path / "clone2" / "model")
-    )  # a second clone: the same model
+    # a second clone: the same model
+    assert same_path_meaning(str(model), str(tmp_path / "clone2" / "model"))
     (tmp_path / "clone2" / "model" / "transformer" / "config.json").write_text('{"num_layers": 3}')
     assert not same_path_meaning(str(model), str(tmp_path / "clone2" / "model"))
     assert path_fingerprint(str(tmp_path / "nowhere")) is None

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(
-    0, str(pathlib.Path(__file__).resolve().parents[1])
-)  # repo root, for `import common`
+# repo root, for `import common`
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
 
@@ -245,15 +244,13 @@ def test_cps_step_matches_formulas_and_released_log_prob():
         v, x, sigma, sigma_next, a, sde_type="cps", generator=torch.Generator().manual_seed(3)
     )
     torch.testing.assert_close(mean, mean_ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(
-        std, std_ref
-    )  # the step std itself: no sqrt|dt| factor, finite at sigma = 1
+    # the step std itself: no sqrt|dt| factor, finite at sigma = 1
+    torch.testing.assert_close(std, std_ref)
     eps = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(prev, mean_ref + std_ref * eps, rtol=1e-5, atol=1e-6)
     assert log_prob.shape == (3,) and torch.isfinite(log_prob).all()
-    torch.testing.assert_close(
-        log_prob, -((prev - mean_ref) ** 2).mean(DIMS), rtol=1e-5, atol=1e-6
-    )  # released
+    # released
+    torch.testing.assert_close(log_prob, -((prev - mean_ref) ** 2).mean(DIMS), rtol=1e-5, atol=1e-6)
     # Scoring a stored step under another policy: the released log-ratio is 2 s^2 times the exact Gaussian one
     # (the dropped -log s - log sqrt(2 pi) cancels, the dropped 1 / (2 s^2) does not).
     v_new = v + 0.1 * torch.randn(SHAPE, generator=torch.Generator().manual_seed(4))
@@ -344,9 +341,8 @@ def test_gaussian_kl():
     assert torch.equal(gaussian_kl(mean, mean, std), torch.zeros(3))
     expected = ((mean - mean_ref) ** 2).mean(DIMS) / (2 * std**2)
     torch.testing.assert_close(gaussian_kl(mean, mean_ref, std), expected)
-    torch.testing.assert_close(
-        gaussian_kl(mean, mean_ref, std.reshape(-1, 1, 1, 1)), expected
-    )  # as returned
+    # as returned
+    torch.testing.assert_close(gaussian_kl(mean, mean_ref, std.reshape(-1, 1, 1, 1)), expected)
     torch.testing.assert_close(
         gaussian_kl(mean, mean_ref, 0.5), ((mean - mean_ref) ** 2).mean(DIMS) / 0.5
     )
@@ -426,9 +422,8 @@ def test_static_shift_schedule_is_the_released_g2rpo_grid():
     # not the pipeline grids: FLUX at 720 px (45 x 45 packed tokens) and SD3's shifted-twice linspace
     assert round(float(sigma_schedule(16, image_seq_len=45 * 45)[7]), 3) == 0.741
     assert not torch.allclose(sigma_schedule(16, 3.0), ours, atol=1e-3)
-    torch.testing.assert_close(
-        static_shift_schedule(4, 1.0), torch.tensor([1, 0.75, 0.5, 0.25, 0])
-    )  # no shift
+    # no shift
+    torch.testing.assert_close(static_shift_schedule(4, 1.0), torch.tensor([1, 0.75, 0.5, 0.25, 0]))
     with pytest.raises(ValueError, match="positive"):
         static_shift_schedule(16, 0.0)
 
@@ -633,9 +628,8 @@ def _paths(seed=0, n=11):
 @pytest.mark.parametrize("reuse", [False, True])
 def test_ode_along_paths_equals_rows_one_by_one(batch_size, reuse):
     paths = _paths()
-    assert (
-        min(len(p) for p in paths) == 1 and max(len(p) for p in paths) >= 5
-    )  # the edge cases are in there
+    # the edge cases are in there
+    assert min(len(p) for p in paths) == 1 and max(len(p) for p in paths) >= 5
     x = torch.randn(len(paths), 2, 3, 3, generator=torch.Generator().manual_seed(1))
     first = (
         _row_velocity([])(x, torch.stack([p[0] for p in paths]), torch.arange(len(paths)))
@@ -657,9 +651,8 @@ def test_ode_along_paths_equals_rows_one_by_one(batch_size, reuse):
     reused = sum(len(p) > 1 for p in paths) if reuse else 0
     assert nfe == sum(calls) == steps - reused  # a reused first step costs no evaluation
     assert n_calls == len(calls) and max(calls) <= batch_size
-    assert n_calls <= -(-nfe // batch_size) + max(
-        len(p) for p in paths
-    )  # the staircase keeps calls full
+    # the staircase keeps calls full
+    assert n_calls <= -(-nfe // batch_size) + max(len(p) for p in paths)
 
 
 def test_ode_along_paths_fills_calls_longest_first():
@@ -712,13 +705,11 @@ def test_ratio_norm_is_one_on_policy_and_scales_the_gradient_by_the_step_std():
     )
     raw = lp - lp_old
     normed = ratio_norm(raw, mu, mu_old, std, sigma, sigma_next)
-    assert torch.equal(raw, torch.zeros(8)) and torch.equal(
-        normed, torch.zeros(8)
-    )  # ratio exactly 1
+    # ratio exactly 1
+    assert torch.equal(raw, torch.zeros(8)) and torch.equal(normed, torch.zeros(8))
     adv = torch.randn(8, generator=g)
-    assert torch.equal(
-        -adv * torch.exp(normed), -adv * torch.exp(raw)
-    )  # the loss at ratio 1 is the same
+    # the loss at ratio 1 is the same
+    assert torch.equal(-adv * torch.exp(normed), -adv * torch.exp(raw))
     (g_raw,) = torch.autograd.grad(raw.sum(), w, retain_graph=True)
     (g_norm,) = torch.autograd.grad(normed.sum(), w)
     s = (std.reshape(-1) * torch.sqrt(sigma - sigma_next))[0]
@@ -734,20 +725,18 @@ def test_ratio_norm_recentres_the_ratio_and_equalises_its_spread_across_steps():
         raw, mu, mu_old, std = _step(0.2, sig, sig_next)
         normed = ratio_norm(raw, mu, mu_old, std, torch.tensor(sig), torch.tensor(sig_next))
         s = float(std.reshape(-1)[0]) * (sig - sig_next) ** 0.5
+        # se: MC error of a mean
         bias, se = (
             ((mu - mu_old) ** 2).mean(1) / (2 * s**2),
             raw.std() / len(raw) ** 0.5,
-        )  # se: MC error of a mean
-        assert (
-            bias.mean() > 10 * se and abs(raw.mean() + bias.mean()) < 4 * se
-        )  # the raw mean shift, as derived
-        assert (
-            abs(normed.mean()) < 4 * normed.std() / len(normed) ** 0.5
-        )  # zero-mean within MC error
+        )
+        # the raw mean shift, as derived
+        assert bias.mean() > 10 * se and abs(raw.mean() + bias.mean()) < 4 * se
+        # zero-mean within MC error
+        assert abs(normed.mean()) < 4 * normed.std() / len(normed) ** 0.5
         out[name] = (raw.std().item(), normed.std().item())
-    assert (
-        out["quiet"][0] > 2 * out["noisy"][0]
-    )  # raw: the quiet step's log-ratio spreads much more
+    # raw: the quiet step's log-ratio spreads much more
+    assert out["quiet"][0] > 2 * out["noisy"][0]
     assert abs(out["quiet"][1] / out["noisy"][1] - 1) < 0.1  # normalised: the same spread
 
 

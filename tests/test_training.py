@@ -70,13 +70,11 @@ def test_plan_makes_exactly_the_requested_optimizer_steps():
     assert len(steps) == 4
     rows = torch.cat([mb.rows for mb in plan])
     assert sorted(rows.tolist()) == list(range(40))  # every transition exactly once
-    assert all(
-        len({mb.divisor for mb in st}) == 1 for st in steps
-    )  # one divisor per optimizer step
+    # one divisor per optimizer step
+    assert all(len({mb.divisor for mb in st}) == 1 for st in steps)
     assert sum(st[0].divisor for st in steps) == 40
-    assert len(plan_updates(keep, 8, 4, epochs=3)) == 3 * len(
-        plan
-    )  # --num-inner-epochs: one plan per pass
+    # --num-inner-epochs: one plan per pass
+    assert len(plan_updates(keep, 8, 4, epochs=3)) == 3 * len(plan)
 
 
 def test_plan_drops_zero_weight_and_keeps_the_mean():
@@ -127,10 +125,11 @@ def test_stats_weighted_means_per_step_and_extremes():
     st.count(grad_norm=1.0)
     out = st.reduce(1, "cpu")
     assert out["ratio"] == pytest.approx(3.0) and out["ratio/weight"] == 3
+    # step 1 had only weight 0
     assert out["ratio/per_step"] == {
         0: pytest.approx(2.0),
         2: pytest.approx(5.0),
-    }  # step 1 had only weight 0
+    }
     assert out["ratio/max"] == 5.0 and out["ratio/min"] == 1.0 and out["grad_norm"] == 3.0
 
 
@@ -171,14 +170,12 @@ def test_check_transitions_accepts_a_valid_set_and_catches_order_mistakes():
         check_transitions({k: v for k, v in tr.items() if k != "step_index"}, sigmas, 3)
     with pytest.raises(AssertionError, match="dtype"):
         check_transitions(dict(tr, advantage=tr["advantage"].double()), sigmas, 3)
-    bad = dict(
-        tr, state_index=torch.tensor([0, 0, 1, 2, 2, 3])
-    )  # rows 0 and 1 start from different latents
+    # rows 0 and 1 start from different latents
+    bad = dict(tr, state_index=torch.tensor([0, 0, 1, 2, 2, 3]))
     with pytest.raises(AssertionError, match="rows of one state"):
         check_transitions(bad, sigmas, 3)
-    check_transitions(
-        dict(tr, mean=torch.randn_like(tr["latents"])), sigmas, 3
-    )  # the rollout means: optional
+    # the rollout means: optional
+    check_transitions(dict(tr, mean=torch.randn_like(tr["latents"])), sigmas, 3)
     with pytest.raises(AssertionError, match="mean differ in shape"):
         check_transitions(dict(tr, mean=tr["latents"][:, :2]), sigmas, 3)
 
@@ -366,9 +363,8 @@ def test_grad_share_splits_the_gradient_by_step_exactly_as_separate_backward_pas
         )
         separate.append(torch.cat([g.flatten() for g in grads]).double())
     for j in range(3):
-        assert torch.allclose(share.grads[j], separate[j], atol=1e-6), (
-            j
-        )  # float32 sums, split differently
+        # float32 sums, split differently
+        assert torch.allclose(share.grads[j], separate[j], atol=1e-6), j
     assert share.grads[3] is None and torch.allclose(sum(separate), accumulated, atol=1e-6)
     total = sum(separate)
     expect = {j: float(separate[j] @ total / (total @ total)) for j in range(3)}

@@ -18,10 +18,11 @@ def test_select_keeps_the_best_of_each_group_with_a_spread():
     rewards = torch.tensor([0.1, 0.9, 0.6, 0.3, 0.3, 0.3, 0.2, 0.8])
     group = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
     correct = torch.tensor([False, True, False, False, False, True, False, True])
+    # group 1 is tied: none
     assert select(rewards, correct, group, "best").nonzero().squeeze(1).tolist() == [
         1,
         7,
-    ]  # group 1 is tied: none
+    ]
     assert select(rewards, correct, group, "correct").nonzero().squeeze(1).tolist() == [1, 5, 7]
     assert select(rewards, correct, group, "above_mean").nonzero().squeeze(1).tolist() == [1, 2, 7]
 
@@ -80,13 +81,11 @@ def test_short_run_logs_the_harness_keys_and_stops_on_its_budget(tmp_path):
         and m[1]["trajectories"] == m[1]["scored_images"] == 8
         and m[1]["nfe/rollout"] == 8 * 3
     )
-    assert (
-        m[-1]["nfe/eval"] == 2 * 1 * 2 + 2 * 3 * 2
-    )  # the periodic evaluation (1 seed), the final one (3 seeds)
+    # the periodic evaluation (1 seed), the final one (3 seeds)
+    assert m[-1]["nfe/eval"] == 2 * 1 * 2 + 2 * 3 * 2
     assert m[-1]["nfe"] == sum(
         m[-1][f"nfe/{k}"] for k in ("rollout", "completion", "train_forward")
     )
     lora = torch.load(tmp_path / "run" / "lora.pt")
-    assert any(
-        v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k
-    )  # B starts at 0: it trained
+    # B starts at 0: it trained
+    assert any(v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k)
