@@ -14,6 +14,7 @@ from helpers import (
     read_metrics,
     run_main,
     run_script,
+    stock_pipeline_image,
     tiny_flags,
     write_prompts,
 )
@@ -139,17 +140,9 @@ def test_saved_lora_loads_into_stock_pipeline(tiny_sd3, tmp_path, prompts_file):
         "100",
     )
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
-    kw = dict(
-        height=64,
-        width=64,
-        num_inference_steps=2,
-        guidance_scale=1.0,
-        max_sequence_length=8,
-        output_type="pt",
-    )
-    before = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
+    before = stock_pipeline_image(pipe, PROMPTS[0])
     pipe.load_lora_weights(str(tmp_path / "run" / "checkpoint-2"))
-    after = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
+    after = stock_pipeline_image(pipe, PROMPTS[0])
     assert (after - before).abs().max() > 1e-4
 
 

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, read_metrics, run_main, tiny_flags, write_prompts
+from helpers import ROOT, read_metrics, run_main, stock_pipeline_image, tiny_flags, write_prompts
 
 from common.backbones import ConfigError
 
@@ -371,17 +371,9 @@ def test_fsdp_resume_is_exact_and_loads_in_a_stock_pipeline(two_nodes, tiny_sd3)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [x["iteration"] for x in read_metrics(out / "split")] == [0, 1, 2, 3, 4]
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
-    kw = dict(
-        height=64,
-        width=64,
-        num_inference_steps=2,
-        guidance_scale=1.0,
-        max_sequence_length=8,
-        output_type="pt",
-    )
-    before = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
+    before = stock_pipeline_image(pipe, PROMPTS[0])
     pipe.transformer = SD3Transformer2DModel.from_pretrained(str(split / "transformer"))
-    after = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
+    after = stock_pipeline_image(pipe, PROMPTS[0])
     assert (after - before).abs().max() > 1e-3
 
 
@@ -413,22 +405,14 @@ def test_two_nodes_over_loopback_and_flux_fsdp_matches_ddp(two_nodes, tiny_flux)
         a, b, {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in a.items()}, atol=2e-3
     )
     pipe = FluxPipeline.from_pretrained(tiny_flux)
-    kw = dict(
-        height=64,
-        width=64,
-        num_inference_steps=2,
-        guidance_scale=3.5,
-        max_sequence_length=8,
-        output_type="pt",
-    )
-    before = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
+    before = stock_pipeline_image(pipe, PROMPTS[0], guidance_scale=3.5)
     pipe.load_lora_weights(str(out / "flux-lora-fsdp" / "checkpoint-2"))
-    with_lora = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
+    with_lora = stock_pipeline_image(pipe, PROMPTS[0], guidance_scale=3.5)
     pipe.unload_lora_weights()
     pipe.transformer = FluxTransformer2DModel.from_pretrained(
         str(out / "flux-full-fsdp" / "checkpoint-3" / "transformer")
     )
-    full = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), **kw).images
+    full = stock_pipeline_image(pipe, PROMPTS[0], guidance_scale=3.5)
     assert (with_lora - before).abs().max() > 1e-3 and (full - before).abs().max() > 1e-3
 
 
