@@ -17,10 +17,14 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # the kill loop is the test sui
 from test_faults import kill_loop  # noqa: E402
 
 if __name__ == "__main__":
-    kills = int(sys.argv[1]) if len(sys.argv) > 1 else 500
-    seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("kills", nargs="?", type=int, default=500, help="SIGKILLs to send (default 500)")
+    p.add_argument("seed", nargs="?", type=int, default=0, help="seed of the kill instants")
+    args = p.parse_args()
     t = time.time()
     with tempfile.TemporaryDirectory() as d:
-        figures = kill_loop(os.path.join(d, "run"), kills, seed)
+        figures = kill_loop(os.path.join(d, "run"), args.kills, args.seed)
     print({**figures, "seconds": round(time.time() - t, 1)})
     assert figures["lost"] == 0
