@@ -27,13 +27,12 @@ import tyro
 from common import toyworld
 from common.backbones import (
     LORA_TARGETS,
-    ConfigError,
     check_model_path,
     check_resolution,
     load_backbone,
 )
 from common.checkpoint import resolve_run_dir, restore_checkpoint
-from common.checks import check_ranges, check_sde_type, read_prompt_file
+from common.checks import ConfigError, check_ranges, check_sde_type, read_prompt_file
 from common.parallel import check_parallel, parallelize, set_grad_sync
 from common.policy import EMA, Trainable, ema_weights
 from common.rewards import advantage_mix, check_rewards, load_rewards

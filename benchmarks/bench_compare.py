@@ -38,7 +38,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.backbones import ConfigError  # noqa: E402
+from common.checks import ConfigError  # noqa: E402
 from common.utils import read_metrics_lines  # noqa: E402
 
 SCRIPTS = {

@@ -28,7 +28,8 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import toyworld  # noqa: E402
-from common.backbones import LORA_TARGETS, ConfigError, check_model_path, load_backbone  # noqa: E402
+from common.backbones import LORA_TARGETS, check_model_path, load_backbone  # noqa: E402
+from common.checks import ConfigError  # noqa: E402
 from common.evaluation import evaluate  # noqa: E402
 from common.rewards import build_reward  # noqa: E402
 from common.sampler import sde_step_with_logprob  # noqa: E402

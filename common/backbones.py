@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from common.checks import ConfigError
 from common.sampler import ode_step, sigma_schedule, static_shift_schedule
 
 PIPELINES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
@@ -52,14 +53,6 @@ LORA_TARGETS = {
     + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"],
     "all-linear": "all-linear",
 }
-
-
-class ConfigError(SystemExit):
-    """Bad user input: printed as one line (no traceback) and the process exits with status 2."""
-
-    def __init__(self, message: str):
-        super().__init__(f"error: {message}")
-        self.code_message = message
 
 
 @dataclass

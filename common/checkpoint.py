@@ -49,7 +49,7 @@ import time
 import numpy as np
 import torch
 
-from common.backbones import ConfigError
+from common.checks import ConfigError
 
 MARKER = "COMPLETE.json"
 STATE_FILE = "trainer_state.pt"

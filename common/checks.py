@@ -1,5 +1,6 @@
-"""Range checks of the numeric flags the three scripts share, in one table, run before any model is
-loaded.
+"""Checks of user input before any model is loaded, and their one-line error, ConfigError.
+
+The numeric flags the three scripts share have their ranges in one table (RANGES).
 
 Each script's check_args calls `check_ranges(args)` first (so the batch arithmetic after it never
 divides by 0), then checks its own flags with `check_flag`. A violation is one line, raised as
@@ -19,7 +20,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from common.backbones import ConfigError
+
+class ConfigError(SystemExit):
+    """Bad user input: printed as one line (no traceback) and the process exits with status 2."""
+
+    def __init__(self, message: str):
+        super().__init__(f"error: {message}")
+        self.code_message = message
 
 
 @dataclass(frozen=True)

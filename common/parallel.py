@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from common.backbones import ConfigError
+from common.checks import ConfigError
 
 PARALLEL = ("ddp", "fsdp")
 

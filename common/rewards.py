@@ -175,7 +175,7 @@ def check_rewards(
     both specs and their weights, the --reward-model-paths keys, the optional packages, and every
     prompt a toy-world reward will score (it scores only prompts of its grammar). prompt_files:
     {flag: its prompts}."""
-    from common.backbones import ConfigError
+    from common.checks import ConfigError
 
     try:
         names = [n for s in (spec, guard_spec) if s for n, _ in parse_reward_spec(s)]
@@ -205,7 +205,7 @@ def load_rewards(
     """The target reward and the guard rewards (None without --guard-rewards), each a RewardModel; a
     weight file that is missing or unreadable is one line (ConfigError). The scripts load them
     before the backbone, so that such a mistake costs seconds, not a model load."""
-    from common.backbones import ConfigError
+    from common.checks import ConfigError
 
     try:
         paths = parse_model_paths(model_paths)

@@ -34,7 +34,7 @@ def collective_timeout() -> datetime.timedelta:
         seconds = float(raw)
         assert seconds > 0
     except (ValueError, AssertionError):
-        from common.backbones import ConfigError
+        from common.checks import ConfigError
 
         raise ConfigError(
             f"{TIMEOUT_ENV}={raw!r}: give the collective timeout in seconds, > 0 (default "

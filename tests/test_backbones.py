@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from common.backbones import ConfigError, check_resolution, load_backbone
+from common.backbones import check_resolution, load_backbone
+from common.checks import ConfigError
 from common.sampler import ode_step, sde_step_with_logprob
 
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]

@@ -24,7 +24,7 @@ from fault_worker import save_loop, tiny_state, tiny_weights
 from helpers import ROOT, read_metrics, run_main, tiny_flags, write_prompts
 
 import common.checkpoint as ck
-from common.backbones import ConfigError
+from common.checks import ConfigError
 
 SCRIPTS = ["flowgrpo_baseline.py", "g2rpo.py", "densegrpo.py"]
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]

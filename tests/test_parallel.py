@@ -22,7 +22,7 @@ import pytest
 import torch
 from helpers import ROOT, read_metrics, run_main, stock_pipeline_image, tiny_flags, write_prompts
 
-from common.backbones import ConfigError
+from common.checks import ConfigError
 
 SCRIPTS = ["flowgrpo_baseline.py", "g2rpo.py", "densegrpo.py"]
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
