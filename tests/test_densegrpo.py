@@ -43,7 +43,13 @@ def sd3(tiny_sd3):
 
 
 def args_for(**kw):
-    base = dict(resolution=RES, guidance_scale=4.5, rollout_batch_size=3, completion_batch_size=5)
+    base = dict(
+        resolution=RES,
+        guidance_scale=4.5,
+        rollout_batch_size=3,
+        completion_batch_size=5,
+        completion_steps=None,  # the paper's n = t unless a test says otherwise (the toy default is 2)
+    )
     return D.Args(**{**base, **kw})
 
 
@@ -465,6 +471,8 @@ def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(
         *extra,
         "--grad-share-every",
         "1",
+        "--completion-steps",  # the paper's n = t: the closed forms below
+        "None",
     )
     run = tmp_path / "run"
     m = read_metrics(run)
