@@ -218,8 +218,8 @@ class Args:
 
     # ---- optimisation
     num_iterations: int = 39
-    """rollout + update iterations (0 = only evaluate the starting model). The toy defaults train for
-    1,200 to 1,500 CPU seconds on 2 cores (the README's table)"""
+    """rollout + update iterations (0 = only evaluate the starting model). The toy defaults train
+    for 1,200 to 1,500 CPU seconds on 2 cores (the README's table)"""
     learning_rate: float = 3e-4
     """AdamW learning rate (a LoRA needs a far larger one than a full fine-tune)"""
     adam_betas: tuple[float, float] = (0.9, 0.999)
