@@ -538,6 +538,14 @@ def _describe(changes) -> str:
     return ", ".join(f"--{k.replace('_', '-')} {show(a)} -> {show(b)}" for k, a, b in changes)
 
 
+def _has_final_row(run_dir: str, iteration: int) -> bool:
+    """The run's metrics.jsonl holds its final evaluation at `iteration`."""
+    from common.utils import read_metrics_lines
+
+    rows, _ = read_metrics_lines(os.path.join(run_dir, "metrics.jsonl"))
+    return any(r.get("final") and r.get("iteration") == iteration for r in rows)
+
+
 def default_run_name(args) -> str:
     return f"{args.exp_name}__{args.seed}__{int(time.time())}"
 
@@ -680,8 +688,12 @@ def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, 
             f"{_describe(changes)}; pass the checkpoint's values to continue that run, or add "
             "--resume-override to start a new run folder from its weights"
         )
-    # (a new folder loses nothing)
-    if args.num_iterations <= marker["iteration"] and not args.resume_override:
+    # (a new folder loses nothing). At the checkpoint's own iteration a run may still owe its final
+    # evaluation (killed after its last save): then the resume runs only that.
+    owes_final = args.num_iterations == marker["iteration"] and not _has_final_row(
+        source_run, marker["iteration"]
+    )
+    if args.num_iterations <= marker["iteration"] and not args.resume_override and not owes_final:
         raise ConfigError(
             f"--resume {ckpt} is at iteration {marker['iteration']} and --num-iterations "
             f"{args.num_iterations} asks for no more: pass --num-iterations above "

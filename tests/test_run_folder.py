@@ -127,6 +127,29 @@ def test_a_second_run_on_a_finished_run_is_refused_and_the_first_is_untouched(
     assert [r["iteration"] for r in read_metrics(run)] == [0, 1, 2]
 
 
+def test_a_run_killed_after_its_last_save_resumes_to_its_final_evaluation(
+    tiny_sd3, tmp_path, prompts_file
+):
+    """A kill between the last checkpoint and the end (the final evaluation, the pictures) leaves a run that owes its
+    final row: `--resume` at the same --num-iterations runs only that evaluation, trains nothing, and the run ends
+    as the uninterrupted one did. (The end-to-end kill test met this when a kill landed there.)"""
+    flags = [*tiny_flags(tiny_sd3, tmp_path, prompts_file), "--num-iterations", "1"]
+    run_main(SCRIPT, *flags)
+    run = tmp_path / "run"
+    rows = read_metrics(run)
+    assert rows[-1]["final"] and rows[-1]["iteration"] == 1
+    weights = (run / "checkpoint-1" / "pytorch_lora_weights.safetensors").read_bytes()
+    # the kill: everything but the final row
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:-1]))
+    run_main(SCRIPT, *flags, "--resume", str(run))
+    again = read_metrics(run)
+    assert [r["iteration"] for r in again] == [r["iteration"] for r in rows] and again[-1]["final"]
+    assert (
+        again[-1]["eval/accuracy"] == rows[-1]["eval/accuracy"]
+    )  # the same weights, the same seeds
+    assert (run / "checkpoint-1" / "pytorch_lora_weights.safetensors").read_bytes() == weights
+
+
 def test_path_flags_are_compared_by_what_they_point_to(tmp_path, monkeypatch):
     """The same prompts file by a relative path, or a copy of it (a second clone of the repository), is the same
     experiment; a file with other content is not."""
