@@ -301,6 +301,9 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
             "script": state.get("script"),
             "saved_at": time.time(),
             "args": json.loads(json.dumps(state.get("args", {}), default=str)),
+            # what each path flag pointed to: a resume from a clone whose old paths are gone
+            # compares against these (same_path_meaning)
+            "path_fingerprints": path_fingerprints(state.get("args", {})),
             "files": files,
         }
         with open(os.path.join(tmp, MARKER), "w") as f:
@@ -499,28 +502,43 @@ def path_fingerprint(path: str) -> str | None:
     return h.hexdigest()
 
 
-def same_path_meaning(a, b) -> bool:
+def path_fingerprints(args: dict) -> dict:
+    """{path flag: fingerprint} of the path flags that name something that exists, as a checkpoint
+    records them."""
+    return {
+        k: fp
+        for k in PATH_FLAGS
+        if isinstance(args.get(k), str) and (fp := path_fingerprint(args[k])) is not None
+    }
+
+
+def same_path_meaning(a, b, saved_fingerprint: str | None = None) -> bool:
     """Two values of a path flag name the same thing: equal, the same file once resolved, or the
-    same content (the same run resumed from a second clone of the repository)."""
+    same content (the same run resumed from a second clone of the repository). When `a` no longer
+    exists (the first clone was deleted or moved), its content is the fingerprint the checkpoint
+    recorded, if any."""
     if a == b:
         return True
     if not isinstance(a, str) or not isinstance(b, str):
         return False
     if os.path.realpath(a) == os.path.realpath(b):
         return True
-    fa = path_fingerprint(a)
+    fa = path_fingerprint(a) or saved_fingerprint
     return fa is not None and fa == path_fingerprint(b)
 
 
-def changed_flags(saved: dict, now: dict) -> list[tuple[str, object, object]]:
+def changed_flags(
+    saved: dict, now: dict, fingerprints: dict | None = None
+) -> list[tuple[str, object, object]]:
     """(flag, value in the checkpoint, value now) for every experiment-defining argument that
-    differs; path flags differ only when they point to different content (`same_path_meaning`)."""
-    saved, now, missing = _json(saved), _json(now), "(absent)"
+    differs; path flags differ only when they point to different content (`same_path_meaning`,
+    with the checkpoint's recorded `fingerprints` for paths that are gone)."""
+    saved, now, missing, fingerprints = _json(saved), _json(now), "(absent)", fingerprints or {}
     keys = sorted((set(saved) | set(now)) - set(MAY_CHANGE_ON_RESUME) - DERIVED)
     out = []
     for k in keys:
         a, b = saved.get(k, missing), now.get(k, missing)
-        if a != b and not (k in PATH_FLAGS and same_path_meaning(a, b)):
+        if a != b and not (k in PATH_FLAGS and same_path_meaning(a, b, fingerprints.get(k))):
             out.append((k, a, b))
     return out
 
@@ -667,7 +685,9 @@ def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, 
         return run_dir, None
     ckpt = find_resume_checkpoint(args.resume, log=print if is_main else (lambda *_: None))
     marker = read_marker(ckpt)
-    changes = changed_flags(marker.get("args", {}), dataclasses.asdict(args))
+    changes = changed_flags(
+        marker.get("args", {}), dataclasses.asdict(args), marker.get("path_fingerprints")
+    )
     script, saved_script = os.path.basename(script_file), marker.get("script")
     if saved_script and saved_script != script:
         raise ConfigError(

@@ -194,10 +194,36 @@ def test_a_model_folder_is_known_by_its_files_and_configs(tmp_path):
     assert path_fingerprint(str(tmp_path / "nowhere")) is None
 
 
+def test_a_path_that_is_gone_is_compared_with_what_the_checkpoint_recorded(tmp_path):
+    """A checkpoint records each path flag's fingerprint: when the saved path no longer exists (the first clone was
+    deleted), a path with the same content is the same experiment and one with other content is not; without a
+    record (a checkpoint from before 2026-12-03) a vanished path counts as changed."""
+    from common.checkpoint import changed_flags, path_fingerprints
+
+    old = tmp_path / "clone_a" / "prompts.txt"
+    old.parent.mkdir()
+    old.write_text("a photo of a red circle\n")
+    saved = {"prompts_file": str(old), "model_path": str(tmp_path / "nowhere")}
+    recorded = path_fingerprints(saved)
+    assert list(recorded) == ["prompts_file"]  # only what exists is recorded
+    shutil.rmtree(old.parent)
+    same, other = tmp_path / "same.txt", tmp_path / "other.txt"
+    same.write_text("a photo of a red circle\n")
+    other.write_text("a photo of a blue square\n")
+    assert changed_flags(saved, {**saved, "prompts_file": str(same)}, recorded) == []
+    assert [
+        c[0] for c in changed_flags(saved, {**saved, "prompts_file": str(other)}, recorded)
+    ] == ["prompts_file"]
+    assert [c[0] for c in changed_flags(saved, {**saved, "prompts_file": str(same)})] == [
+        "prompts_file"
+    ]
+
+
 def test_a_run_started_in_one_clone_resumes_from_another(tmp_path):
     """End to end, real processes: DenseGRPO at its defaults' paths (--model-path and --prompts-file default to
-    absolute paths into the clone) trains 1 iteration from clone A, then `--resume` from clone B (another folder, the
-    same files) continues to iteration 2: the same experiment, not a changed flag; psi(t) comes from the checkpoint."""
+    absolute paths into the clone) trains 1 iteration from clone A; clone A is deleted; `--resume` from clone B
+    (another folder, the same files) continues to iteration 2: the same experiment, not a changed flag (the
+    checkpoint recorded what each path pointed to); psi(t) comes from the checkpoint."""
     clones = []
     for name in ("clone_a", "clone_b"):
         clone = tmp_path / name
@@ -246,6 +272,8 @@ def test_a_run_started_in_one_clone_resumes_from_another(tmp_path):
 
     run(clones[0], "--run-name", "r", "--num-iterations", "1")
     run_dir = tmp_path / "runs" / "r"
+    # the first clone is gone: its paths are compared with what the checkpoint recorded of them
+    shutil.rmtree(clones[0])
     run(clones[1], "--num-iterations", "2", "--resume", str(run_dir))
     rows = read_metrics(str(run_dir))
     assert [r["iteration"] for r in rows] == [0, 1, 2] and rows[-1]["final"]
