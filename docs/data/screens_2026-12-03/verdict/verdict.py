@@ -1,0 +1,136 @@
+"""Issue #36 item 5: the three algorithms' gains on three axes, from the committed run logs.
+
+    python docs/data/screens_2026-12-03/verdict/verdict.py      # from the repository root
+
+A run's gain is its final evaluation (8 seeds per test prompt) minus its folder's start run (the shipped model on
+the same seeds, 0.471); a group's gain is the mean over its seeds with a 95 % t-interval, and a difference of two
+groups is Welch's. Flow-GRPO's default of 2026-12-01 left no logs (only its table in docs/results.md, "The new
+default"), so its five final accuracies are read from `flow_default_2026-12-01.json`.
+"""
+
+import glob
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.abspath(os.path.join(HERE, *[".."] * 4)))
+
+from benchmarks.bench_compare import mean_ci, summarize, welch_ci  # noqa: E402
+
+DATA = os.path.dirname(HERE)  # docs/data/screens_2026-12-03
+
+
+def from_folder(folder: str, pattern: str, start_folder: str | None = None) -> dict:
+    """Every finished seed of `pattern` in `folder` (the harness's reading: benchmarks/bench_compare.py), its gain
+    against the start run of `start_folder` (default: `folder`)."""
+    start_run = next(iter(glob.glob(os.path.join(start_folder or folder, "*__start"))), None)
+    if start_run is None:
+        return {"runs": []}
+    start = summarize(start_run)["final"]["acc"]
+    runs = []
+    for d in sorted(glob.glob(os.path.join(folder, pattern))):
+        s = summarize(d)
+        if d.endswith("__start") or s is None:
+            continue
+        f = s["final"]
+        runs.append(
+            {
+                "seed": int(d.rsplit("__", 1)[1]),
+                "gain": f["acc"] - start,
+                "iterations": f["iteration"],
+                "trajectories": f["trajectories"],
+                "cpu": f["cpu_s"],
+            }
+        )
+    return {"runs": runs}
+
+
+def flow_default() -> dict:
+    table = json.load(open(os.path.join(HERE, "flow_default_2026-12-01.json")))
+    runs = [
+        {
+            "seed": s,
+            "gain": acc - table["start"],
+            "iterations": 30,
+            "trajectories": 7680,
+            "cpu": cpu,
+        }
+        for s, acc, cpu in zip(table["seeds"], table["final"], table["cpu_s_with_evaluations"])
+    ]
+    return {"runs": runs}
+
+
+V = os.path.join(DATA, "verdict")
+GROUPS = {
+    "flow30": ("Flow-GRPO default (32 x 8), 30 it.", flow_default()),
+    "flow15": ("Flow-GRPO default (32 x 8), 15 it.", from_folder(f"{V}/f15", "flowgrpo_*")),
+    "flow12": ("Flow-GRPO at 12 x 8, 39 it.", from_folder(f"{V}/f12", "flowgrpo_*")),
+    "g2rpo39": (
+        "G²RPO default (12 x 8), 39 it.",
+        from_folder(os.path.join(DATA, "..", "screens_2026-12-02", "g12m3"), "g2rpo_*"),
+    ),
+    "dense30": ("DenseGRPO default (32 x 8), 30 it.", from_folder(f"{DATA}/c", "densegrpo_*")),
+    "dense20": (
+        "DenseGRPO default (32 x 8), 20 it.",
+        from_folder(f"{V}/d20", "densegrpo_*", f"{V}/d15"),
+    ),
+    "dense15": ("DenseGRPO default (32 x 8), 15 it.", from_folder(f"{V}/d15", "densegrpo_*")),
+    "dense15u": ("DenseGRPO, uniform psi, 15 it.", from_folder(f"{V}/d15u", "densegrpo_*")),
+}
+
+
+def fmt(m, lo, hi) -> str:
+    return f"{m:+.3f}" + ("" if lo is None else f" [{lo:+.3f}, {hi:+.3f}]")
+
+
+def row(key: str, ref: str | None) -> str:
+    name, g = GROUPS[key]
+    gains = [r["gain"] for r in g["runs"]]
+    if not gains:
+        return f"| {name} | 0 | (no finished run) | | | | |"
+    tr = sorted({r["trajectories"] for r in g["runs"]})
+    cpu = [r["cpu"] for r in g["runs"]]
+    diff = ""
+    ref_gains = [r["gain"] for r in GROUPS[ref][1]["runs"]] if ref else []
+    if ref_gains:
+        diff = f"{fmt(*welch_ci(gains, ref_gains))} against {GROUPS[ref][0].split(' (')[0]}"
+    return (
+        f"| {name} | {len(gains)} | {'/'.join(f'{x:,}' for x in tr)} | {fmt(*mean_ci(gains))} | "
+        f"{' / '.join(f'{x:+.3f}' for x in gains)} | {diff} | {min(cpu):,.0f}–{max(cpu):,.0f} |"
+    )
+
+
+AXES = [
+    (
+        "Equal CPU seconds (those of Flow-GRPO's default run: G²RPO at the iterations 1,200 CPU s bought on the "
+        "verdict's machine, DenseGRPO at 30 / 1.49, its CPU per iteration against Flow-GRPO's side by side)",
+        [("flow30", None), ("g2rpo39", "flow30"), ("dense20", "flow30")],
+    ),
+    (
+        "Equal trajectories (G²RPO's default, 3,744; the others cut at 15 iterations, 3,840)",
+        [("g2rpo39", None), ("flow15", "g2rpo39"), ("dense15", "g2rpo39"), ("dense15", "flow15")],
+    ),
+    (
+        "Equal trajectories (7,680: Flow-GRPO's and DenseGRPO's defaults)",
+        [("flow30", None), ("dense30", "flow30")],
+    ),
+    (
+        "The papers' protocol (the same prompts x G per iteration and iterations as a Flow-GRPO run)",
+        [("flow12", None), ("g2rpo39", "flow12"), ("flow30", None), ("dense30", "flow30")],
+    ),
+    (
+        "Item 3c: calibrated psi against uniform noise (15 it.)",
+        [("dense15", None), ("dense15u", "dense15")],
+    ),
+]
+
+if __name__ == "__main__":
+    for title, rows in AXES:
+        print(f"\n{title}\n")
+        print(
+            "| run | seeds | trajectories | gain [95 % CI] | per seed | − another (Welch) | CPU s in loop, that day |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for key, ref in rows:
+            print(row(key, ref))
