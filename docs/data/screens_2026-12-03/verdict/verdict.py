@@ -76,7 +76,10 @@ GROUPS = {
         from_folder(f"{V}/d20", "densegrpo_*", f"{V}/d15"),
     ),
     "dense15": ("DenseGRPO default (32 x 8), 15 it.", from_folder(f"{V}/d15", "densegrpo_*")),
-    "dense15u": ("DenseGRPO, uniform psi, 15 it.", from_folder(f"{V}/d15u", "densegrpo_*")),
+    "dense15u": (
+        "DenseGRPO, uniform psi, 15 it.",
+        from_folder(f"{V}/d15u", "densegrpo_*", f"{V}/d15"),
+    ),
 }
 
 
