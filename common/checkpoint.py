@@ -768,9 +768,10 @@ def restore_checkpoint(
 ) -> tuple[int, dict]:
     """Load a checkpoint (verified by resolve_run_dir) into params / optimizer / EMA
     (common.training.EMA) / this rank's RNG, in place. Returns (iteration, the run's cumulative
-    counts: images and NFE per phase). A parameter whose name or shape differs is one line, not a
-    tensor-size traceback. FSDP (`params` are DTensors, `model` the sharded transformer): every rank
-    reads its own shards from trainer_state.dcp/ (a collective)."""
+    counts: images and NFE per phase, and its clocks time/cpu_s and time/elapsed_s). A parameter
+    whose name or shape differs is one line, not a tensor-size traceback. FSDP (`params` are
+    DTensors, `model` the sharded transformer): every rank reads its own shards from
+    trainer_state.dcp/ (a collective)."""
     from common.parallel import is_sharded
 
     state = load_checkpoint(folder)
@@ -791,7 +792,9 @@ def restore_checkpoint(
     rngs = state["rng"]
     # fewer ranks saved: only with --resume-override
     set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
-    return state["iteration"], state["counts"]
+    # the clocks apart from the counts: a resume replays the iterations after the checkpoint, so
+    # only the counts are reproduced exactly; checkpoints before 2026-12-03 have no clocks
+    return state["iteration"], {**state["counts"], **state.get("clocks", {})}
 
 
 def _restore_whole(folder: str, state: dict, params: dict, optimizer, ema) -> None:

@@ -108,7 +108,11 @@ class Run:
         self.is_main, self.logger, self.script = rank == 0, logger, os.path.basename(script)
         self.counts = restored_counts(counts)
         self.timer = Timer()
-        self.wall_start, self.cpu_start = time.time(), time.process_time()
+        # a resumed run's clocks continue from its checkpoint's, so time/cpu_s and the CPU budget
+        # (--cpu-budget-s) count the whole run, not the last process
+        saved = counts or {}
+        self.wall_start = time.time() - saved.get("time/elapsed_s", 0.0)
+        self.cpu_start = time.process_time() - saved.get("time/cpu_s", 0.0)
         self.pictures = None  # this iteration's evaluation grid and panel, for wandb
         self.last_eval = ""
         self.bar = tqdm(
@@ -255,6 +259,7 @@ class Run:
                 **trainer_state(params, optimizer, ema, policy),
                 "iteration": iteration,
                 "counts": self.counts,
+                "clocks": self._clocks(),
                 "rng": rngs,
                 "args": dataclasses.asdict(self.args),
                 "script": self.script,

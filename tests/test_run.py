@@ -58,6 +58,21 @@ def test_the_loop_stops_at_the_last_iteration_or_once_the_cpu_budget_is_spent(tm
     assert not make_run(tmp_path, cpu_budget_s=1e6).is_last(0)
 
 
+def test_a_resumed_run_continues_its_clocks_and_its_cpu_budget(tmp_path):
+    # the checkpoint's clocks (restore_checkpoint merges them into the counts): a resume that
+    # restarted them would give a killed budget run a fresh budget and reset time/cpu_s
+    saved = {"trajectories": 5, "time/cpu_s": 100.0, "time/elapsed_s": 50.0}
+    run = make_run(tmp_path, counts=saved, cpu_budget_s=150.0)
+    assert 100.0 <= run.cpu_seconds() < 101.0 and 50.0 <= run._clocks()["time/elapsed_s"] < 51.0
+    assert not run.is_last(0) and make_run(tmp_path, counts=saved, cpu_budget_s=99.0).is_last(0)
+    assert "time/cpu_s" not in run.counts  # a clock, not a counter: not summed into the rows
+    run.args = make_dataclass("Args", [("keep_checkpoints", int, 2)])()
+    w = torch.nn.Parameter(torch.ones(2))
+    run.checkpoint(3, {"w": w}, torch.optim.AdamW([w]), None, None, lambda folder: None)
+    ((_, folder),) = list_checkpoints(str(tmp_path))
+    assert load_checkpoint(folder)["clocks"]["time/cpu_s"] >= 100.0
+
+
 def test_a_training_row_holds_the_counters_the_reduced_stats_and_the_phase_times(tmp_path):
     run = make_run(tmp_path, counts={"trajectories": 8, "scored_images": 80, "nfe/rollout": 30})
     stats = Stats(num_slots=3)
