@@ -21,9 +21,12 @@ from benchmarks.bench_compare import mean_ci, summarize, welch_ci  # noqa: E402
 DATA = os.path.dirname(HERE)  # docs/data/screens_2026-12-03
 
 
-def from_folder(folder: str, pattern: str, start_folder: str | None = None) -> dict:
+def from_folder(
+    folder: str, pattern: str, start_folder: str | None = None, resumed_from: str | None = None
+) -> dict:
     """Every finished seed of `pattern` in `folder` (the harness's reading: benchmarks/bench_compare.py), its gain
-    against the start run of `start_folder` (default: `folder`)."""
+    against the start run of `start_folder` (default: `folder`). Runs continued with --resume from the same run in
+    `resumed_from` add its CPU seconds: before 2026-12-03 (237750a) a resumed process restarted time/cpu_s at 0."""
     start_run = next(iter(glob.glob(os.path.join(start_folder or folder, "*__start"))), None)
     if start_run is None:
         return {"runs": []}
@@ -40,7 +43,12 @@ def from_folder(folder: str, pattern: str, start_folder: str | None = None) -> d
                 "gain": f["acc"] - start,
                 "iterations": f["iteration"],
                 "trajectories": f["trajectories"],
-                "cpu": f["cpu_s"],
+                "cpu": f["cpu_s"]
+                + (
+                    summarize(os.path.join(resumed_from, os.path.basename(d)))["final"]["cpu_s"]
+                    if resumed_from
+                    else 0
+                ),
             }
         )
     return {"runs": runs}
@@ -73,7 +81,7 @@ GROUPS = {
     "dense30": ("DenseGRPO default (32 x 8), 30 it.", from_folder(f"{DATA}/c", "densegrpo_*")),
     "dense20": (
         "DenseGRPO default (32 x 8), 20 it.",
-        from_folder(f"{V}/d20", "densegrpo_*", f"{V}/d15"),
+        from_folder(f"{V}/d20", "densegrpo_*", f"{V}/d15", f"{V}/d15"),
     ),
     "dense15": ("DenseGRPO default (32 x 8), 15 it.", from_folder(f"{V}/d15", "densegrpo_*")),
     "dense15u": (
