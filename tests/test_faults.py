@@ -22,6 +22,7 @@ import pytest
 import torch
 from fault_worker import save_loop, tiny_state, tiny_weights
 from helpers import ROOT, read_metrics, run_main, tiny_flags, write_prompts
+from safetensors.torch import load_file
 
 import common.checkpoint as ck
 from common.checks import ConfigError
@@ -114,8 +115,6 @@ def test_a_real_run_killed_at_random_instants_resumes_to_the_uninterrupted_weigh
 
     def flags(name):
         return [*tiny_flags(tiny_sd3, tmp_path, prompts, name), *dense]
-
-    from safetensors.torch import load_file
 
     run_main("densegrpo.py", *flags("straight"))
     digest = [ln for ln in capsys.readouterr().out.splitlines() if "sha256" in ln][-1].split()[-1]

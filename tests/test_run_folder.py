@@ -144,9 +144,8 @@ def test_a_run_killed_after_its_last_save_resumes_to_its_final_evaluation(
     run_main(SCRIPT, *flags, "--resume", str(run))
     again = read_metrics(run)
     assert [r["iteration"] for r in again] == [r["iteration"] for r in rows] and again[-1]["final"]
-    assert (
-        again[-1]["eval/accuracy"] == rows[-1]["eval/accuracy"]
-    )  # the same weights, the same seeds
+    # the same weights, the same seeds
+    assert again[-1]["eval/accuracy"] == rows[-1]["eval/accuracy"]
     assert (run / "checkpoint-1" / "pytorch_lora_weights.safetensors").read_bytes() == weights
 
 
