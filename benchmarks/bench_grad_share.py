@@ -18,14 +18,33 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OLD_DENSE = [
+    "--groups-per-iteration",
+    "8",
+    "--timestep-fraction",
+    "0.99",
+    "--completion-steps",
+    "None",
+]
 RECIPES = {  # name -> (script, flags)
     "Flow-GRPO default (steps 0-4)": ("flowgrpo_baseline.py", []),
+    "Flow-GRPO default, --ratio-norm guard": ("flowgrpo_baseline.py", ["--ratio-norm", "guard"]),
     "Flow-GRPO, 9 steps": ("flowgrpo_baseline.py", ["--timestep-fraction", "0.99"]),
     "G²RPO default (branches 0-2)": ("g2rpo.py", []),
-    "DenseGRPO default (9 steps)": ("densegrpo.py", []),
-    "DenseGRPO, steps 0-4": ("densegrpo.py", ["--timestep-fraction", "0.5"]),
-    "DenseGRPO, --ratio-norm guard": ("densegrpo.py", ["--ratio-norm", "guard"]),
+    "DenseGRPO default (steps 0-4, n = 2)": ("densegrpo.py", []),
+    "DenseGRPO default, --ratio-norm guard": ("densegrpo.py", ["--ratio-norm", "guard"]),
+    # the default until 2026-12-03 (8 prompts x 8, 9 steps trained, n = t): where issue #36 found the update
+    "DenseGRPO old default (9 steps)": ("densegrpo.py", OLD_DENSE),
+    "DenseGRPO old default, steps 0-4": (
+        "densegrpo.py",
+        [*OLD_DENSE, "--timestep-fraction", "0.5"],
+    ),
+    "DenseGRPO old default, --ratio-norm guard": (
+        "densegrpo.py",
+        [*OLD_DENSE, "--ratio-norm", "guard"],
+    ),
 }
+DENSE_REWARD = "DenseGRPO old default (9 steps)"  # its dense reward is logged at all 9 steps
 
 
 def folder(out: str, name: str) -> str:
@@ -121,11 +140,11 @@ def report(out: str) -> str:
             + " ".join(f"{j}:{v:+.2f}" for j, v in s.items())
             + f" | {growth(e['norm'])} |"
         )
-    dense = data.get("DenseGRPO default (9 steps)")
+    dense = data.get(DENSE_REWARD)
     if dense and dense["dR_abs"]:
         lines += [
             "",
-            "DenseGRPO default, per trained step: mean |ΔR_t| "
+            f"{DENSE_REWARD}, per trained step: mean |ΔR_t| "
             + " ".join(f"{j}:{v:.3f}" for j, v in dense["dR_abs"].items())
             + "; share of ΔR_t = 0 "
             + " ".join(f"{j}:{v:.2f}" for j, v in dense["dR_zero"].items()),
@@ -140,23 +159,29 @@ def report(out: str) -> str:
 def figure(data: dict, path: str) -> None:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(12, 4.6), dpi=100, layout="constrained")
-    ax, bx = fig.subplots(1, 2, width_ratios=[1.6, 1])
-    names = list(data)
-    width = 0.8 / max(1, len(names))
-    for n, name in enumerate(names):
-        s = data[name]["share"]
-        ax.bar([j - 0.4 + width * (n + 0.5) for j in s], list(s.values()), width, label=name)
-    ax.axhline(0, color="0.3", lw=0.8)
+    fig = Figure(figsize=(15, 4.8), dpi=100, layout="constrained")
+    axes = fig.subplots(1, 3, width_ratios=[1.2, 1.5, 1])
+    groups = {  # one panel of bars per script family, so that each step's bars stay readable
+        "Flow-GRPO and G²RPO": [n for n in data if not n.startswith("DenseGRPO")],
+        "DenseGRPO": [n for n in data if n.startswith("DenseGRPO")],
+    }
     low = min([0.0, *[v for e in data.values() for v in e["share"].values()]])
-    ax.set_ylim(low - 0.02, 1.08)  # room above the bars for the legend
-    ax.set_xticks(range(1 + max([j for e in data.values() for j in e["share"]] or [0])))
-    ax.set_xlabel("trained step j (0 = the noisiest, first step of the rollout)")
-    ax.set_ylabel("share of the iteration's gradient, g_j . g / |g|^2")
-    ax.set_title("where the update comes from (mean over the measured iterations)")
-    ax.legend(fontsize="small", ncols=2, loc="upper left")
-    ax.grid(axis="y", alpha=0.3)
-    dense = data.get("DenseGRPO default (9 steps)")
+    steps = range(1 + max([j for e in data.values() for j in e["share"]] or [0]))
+    for ax, (title, names) in zip(axes, groups.items()):
+        width = 0.8 / max(1, len(names))
+        for n, name in enumerate(names):
+            s = data[name]["share"]
+            ax.bar([j - 0.4 + width * (n + 0.5) for j in s], list(s.values()), width, label=name)
+        ax.axhline(0, color="0.3", lw=0.8)
+        ax.set_ylim(low - 0.02, 1.25)  # room above the bars for the legend
+        ax.set_xticks(steps)
+        ax.set_xlabel("trained step j (0 = the noisiest, first step of the rollout)")
+        ax.set_title(f"{title}:\nwhere the update comes from")
+        ax.legend(fontsize="small", loc="upper left")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("share of the iteration's gradient, g_j . g / |g|^2")
+    bx = axes[2]
+    dense = data.get(DENSE_REWARD)
     if dense and dense["dR_abs"]:
         steps = list(dense["dR_abs"])
         bx.plot(steps, list(dense["dR_abs"].values()), "o-", color="tab:blue", label="mean |ΔR_t|")
@@ -172,7 +197,7 @@ def figure(data: dict, path: str) -> None:
         bx.legend(fontsize="small")
         bx.grid(alpha=0.3)
     bx.set_xlabel("trained step j")
-    bx.set_title("DenseGRPO's dense reward per step (its default)")
+    bx.set_title("DenseGRPO's dense reward per step\n(its old default, 9 steps trained)")
     fig.savefig(path)
 
 
