@@ -70,6 +70,7 @@ def flow_default() -> dict:
 
 
 V = os.path.join(DATA, "verdict")
+G = os.path.join(DATA, "..", "screens_2026-12-04", "guard")
 GROUPS = {
     "flow30": ("Flow-GRPO default (32 x 8), 30 it.", flow_default()),
     "flow15": ("Flow-GRPO default (32 x 8), 15 it.", from_folder(f"{V}/f15", "flowgrpo_*")),
@@ -87,6 +88,23 @@ GROUPS = {
     "dense15u": (
         "DenseGRPO, uniform psi, 15 it.",
         from_folder(f"{V}/d15u", "densegrpo_*", f"{V}/d15"),
+    ),
+    # issue #36 item 3e (2026-12-04): GRPO-Guard's per-step weighting at the defaults; f30g continues f15g's runs
+    "flow15g": (
+        "Flow-GRPO default + --ratio-norm guard, 15 it.",
+        from_folder(f"{G}/f15g", "flowgrpo_*"),
+    ),
+    "flow30g": (
+        "Flow-GRPO default + --ratio-norm guard, 30 it.",
+        from_folder(f"{G}/f30g", "flowgrpo_*", f"{G}/f15g"),
+    ),
+    "dense15g": (
+        "DenseGRPO default + --ratio-norm guard, 15 it.",
+        from_folder(f"{G}/d15g", "densegrpo_*"),
+    ),
+    "dense30g": (
+        "DenseGRPO default + --ratio-norm guard, 30 it.",
+        from_folder(f"{G}/d30g", "densegrpo_*", f"{G}/d15g"),
     ),
 }
 
@@ -133,6 +151,19 @@ AXES = [
     (
         "Item 3c: calibrated psi against uniform noise (15 it.)",
         [("dense15", None), ("dense15u", "dense15")],
+    ),
+    (
+        "Item 3e: GRPO-Guard's per-step weighting (--ratio-norm guard) at the defaults, equal iterations and batch",
+        [
+            ("flow15", None),
+            ("flow15g", "flow15"),
+            ("flow30", None),
+            ("flow30g", "flow30"),
+            ("dense15", None),
+            ("dense15g", "dense15"),
+            ("dense30", None),
+            ("dense30g", "dense30"),
+        ],
     ),
 ]
 
