@@ -166,7 +166,7 @@ def figure(data: dict, path: str) -> None:
         "DenseGRPO": [n for n in data if n.startswith("DenseGRPO")],
     }
     low = min([0.0, *[v for e in data.values() for v in e["share"].values()]])
-    steps = range(1 + max([j for e in data.values() for j in e["share"]] or [0]))
+    ticks = range(1 + max([j for e in data.values() for j in e["share"]] or [0]))
     for ax, (title, names) in zip(axes, groups.items()):
         width = 0.8 / max(1, len(names))
         for n, name in enumerate(names):
@@ -174,7 +174,7 @@ def figure(data: dict, path: str) -> None:
             ax.bar([j - 0.4 + width * (n + 0.5) for j in s], list(s.values()), width, label=name)
         ax.axhline(0, color="0.3", lw=0.8)
         ax.set_ylim(low - 0.02, 1.25)  # room above the bars for the legend
-        ax.set_xticks(steps)
+        ax.set_xticks(ticks)
         ax.set_xlabel("trained step j (0 = the noisiest, first step of the rollout)")
         ax.set_title(f"{title}:\nwhere the update comes from")
         ax.legend(fontsize="small", loc="upper left")
