@@ -21,310 +21,93 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Literal
 
 import numpy as np
 import torch
 import tyro
 
-from common import toyworld
-from common.backbones import (
-    LORA_TARGETS,
-    check_model_path,
-    check_resolution,
-    load_backbone,
-)
-from common.checkpoint import resolve_run_dir, restore_checkpoint
-from common.checks import (
-    ConfigError,
-    Rule,
-    check_flag,
-    check_ranges,
-    check_sde_type,
-    read_prompt_file,
-)
-from common.parallel import check_parallel, parallelize, set_grad_sync
+from common.checks import ConfigError, Rule, check_flag, check_ranges, check_sde_type
+from common.harness import GRPOArgs, Harness, derived, setup
+from common.parallel import check_parallel, set_grad_sync
 from common.plots import line_plot
-from common.policy import EMA, Trainable, ema_weights
-from common.rewards import advantage_mix, check_rewards, load_rewards
-from common.run import Run
+from common.rewards import advantage_mix, group_reward_metrics
 from common.sampler import gaussian_kl, ode_along_paths, ratio_norm, sde_step_with_logprob
-from common.training import GradShare, Stats, check_transitions, optimizer_step, plan_updates
-from common.utils import (
-    RunLogger,
-    all_gather_cat,
-    atomic_write,
-    seed_everything,
-    setup_distributed,
-    truncate_metrics,
+from common.training import (
+    Rollout,
+    TrainStats,
+    check_finite_update,
+    check_transitions,
+    plan_updates,
 )
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-TOY_MODEL = os.path.join(HERE, "common", "toyworld", "model")
+from common.utils import all_gather_cat, atomic_write
 
 
 @dataclass
-class Args:
-    # ---- experiment
+class Args(GRPOArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment (part of the run name)"""
-    seed: int = 1
-    """seed of the experiment: prompts, noise, LoRA init"""
-    torch_deterministic: bool = True
-    """sets `torch.backends.cudnn.deterministic`"""
-    track: bool = False
-    """log to Weights & Biases (works offline with WANDB_MODE=offline)"""
-    wandb_project_name: str = "flow-rl"
-    """the wandb project"""
-    wandb_entity: str | None = None
-    """the wandb entity (team)"""
-    output_dir: str = "runs"
-    """runs are written to {output_dir}/{run_name}/"""
-    run_name: str | None = None
-    """the run folder's name (default: {exp_name}__{seed}__{unix time})"""
-    resume: str | None = None
-    """continue exactly from a run folder ({output_dir}/{run_name}: its latest complete checkpoint)
-    or from one of its checkpoint-N folders; flags that define the experiment must match
-    (docs/design.md)"""
-    resume_override: bool = False
-    """with --resume and changed experiment-defining flags: start a NEW run folder from the
-    checkpoint's weights"""
-    save_every: int = 10
-    """save a checkpoint every N iterations (and at the end), as {run_dir}/checkpoint-{iteration}"""
-    keep_checkpoints: int = 2
-    """keep the newest K checkpoint-N folders (0 = all); older ones are deleted after a new one is
-    complete"""
-
-    # ---- backbone
-    model_path: str = TOY_MODEL
-    """local diffusers folder of SD3/SD3.5/FLUX.1 (default: the toy-world model shipped in the
-    repo)"""
-    resolution: int = 32
-    """image height and width in pixels of every sampled image (rollout and evaluation); the latent
-    tokens, and with them the cost of each transformer call, grow with its square"""
-    max_sequence_length: int | None = None
-    """T5 tokens in the text context (default: 128 for SD3, 512 for FLUX, 1 without T5)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass (saves memory, costs ~30% time)"""
-    mixed_precision: Literal["bf16", "fp16"] = "bf16"
-    """dtype of the frozen weights and activations on CUDA (CPU: always fp32); trained weights stay
-    fp32 masters and the VAE decodes in fp32. Flow-GRPO's SD3 code: fp16 (its FAQ: smaller log-prob
-    error than bf16); FLUX: bf16"""
-    full_finetune: bool = False
-    """train every transformer weight instead of a LoRA (the KL reference is then a frozen copy)"""
-    parallel: Literal["ddp", "fsdp"] = "ddp"
-    """under torchrun: "ddp", every rank holds the whole model, its gradients and optimizer state;
-    "fsdp" (FSDP2), each of N ranks holds 1/N of them, frozen weights too (full fine-tuning of
-    FLUX.1-dev; docs/design.md, Sharding)"""
-    fsdp_offload: bool = False
-    """with --parallel fsdp: the shards, their gradients and the optimizer step live in host memory,
-    not on the GPU"""
-    lora_rank: int = 16
-    """LoRA rank r: the width of the low-rank update trained on each targeted layer (its trained
-    parameters and optimizer state grow with r); unused with --full-finetune"""
-    lora_alpha: float = 32.0
-    """LoRA alpha: the low-rank update is scaled by alpha / r, and with it (under Adam) the size of
-    each step of the adapter; unused with --full-finetune"""
-    lora_target: Literal["attention", "attention-ff", "all-linear"] = "all-linear"
-    """which layers get a LoRA: the attention projections (Flow-GRPO's SD3 set), those and the
-    feed-forward layers (Flow-GRPO's FLUX set), or every linear layer"""
-
     # ---- rollout
-    prompts_file: str = str(toyworld.TRAIN_MIX_FILE)
-    """training prompts, one per line, drawn uniformly over lines (toy world: each category equally
-    often)"""
     num_steps: int = 10
-    """denoising steps T of the rollout's sigma schedule, on which the trained steps lie (fewer:
-    cheaper rollouts, coarser SDE steps); evaluation has its own, --eval-num-steps"""
-    shift: float | None = None
-    """timestep shift s of the sigma schedule, sigma -> s sigma / (1 + (s - 1) sigma): a larger s
-    spends more steps at high noise (default: the model's scheduler config, 3 for SD3.5 and
-    FLUX.1-dev). FLUX's pipeline grid ignores it (its shift is dynamic, set by the image size)
-    unless a static grid is chosen (g2rpo.py: --sigma-grid official)"""
-    guidance_scale: float = 1.0
-    """guidance at rollout and in the training forward: SD3's classifier-free guidance w,
-    v = v_u + w (v_c - v_u) (<= 1: no CFG, half the transformer work), or FLUX.1-dev's distilled
-    guidance input (no CFG). Evaluation: --eval-guidance-scale"""
-    detach_uncond: bool = False
-    """stop the gradient through CFG's unconditional branch in the training forward. Off (the paper,
-    and the released code except for a few days around commit ac4c86e): v = v_u + w (v_c - v_u) is
-    differentiated whole, so the gradient is w dv_c - (w - 1) dv_u, that of log pi of the policy
-    that sampled. On: only w dv_c (a different objective)"""
+    """denoising steps T of the rollout's sigma schedule"""
     noise_level: float = 0.7
-    """a, the noise of the stochastic steps: std_dev_t = a*sqrt(sigma/(1-sigma)) (--sde-type cps:
-    std sigma_next sin(a pi / 2)). Too little makes a group's samples alike, too much degrades them;
-    where the script calibrates the noise per step (densegrpo.py: psi(t)), its starting value"""
-    sde_type: Literal["sde", "cps"] = "sde"
-    """the stochastic step: "sde", Flow-GRPO's SDE (common/sampler.py, E2-E3), or "cps",
-    coefficients-preserving sampling (Wang & Yu 2025, arXiv 2509.05952; E6): std sigma_next
-    sin(a pi / 2), a = --noise-level in [0, 1]. The released Flow-GRPO code runs CPS at a = 0.8
-    (docs/flowgrpo.md, CPS)"""
+    """a: psi(t)'s starting value, and its value without calibration"""
     group_size: int = 8
-    """G, the size of a group: samples of one prompt whose rewards are normalised against each other
-    into advantages (a larger G steadies the group's mean and std)"""
+    """G, images per prompt whose dense rewards are compared"""
     groups_per_iteration: int = 32
-    """prompts per iteration over all ranks; each prompt's samples form its group(s). More prompts
-    give each optimizer step a steadier gradient; each script's toy default was chosen by
-    measurement at the same CPU budget (docs/results.md)"""
+    """prompts per iteration, over all ranks"""
     rollout_batch_size: int = 16
-    """latents per transformer call while sampling, per rank: speed against memory (toy: all at
-    once; real models: what fits, e.g. 6); also the default of --train-batch-size"""
-
-    # ---- reward
-    reward: str = "toyworld"
-    """reward name or weighted mix, e.g. "pickscore" or "pickscore:1.0,clipscore:0.5"
-    (see common/rewards.py)"""
-    reward_mix: Literal["score", "advantage"] = "score"
-    """mix several rewards before (score) or after (advantage, as G2RPO) the group normalisation"""
-    reward_model_paths: str = ""
-    """where reward weights live, e.g. "pickscore=/models/PickScore_v1,clipscore=/models/clip" """
-    guard_rewards: str = ""
-    """extra rewards logged at evaluation only, to expose reward hacking, e.g.
-    "aesthetic,clipscore" """
-
-    # ---- algorithm (ALGO LOGIC)
-    clip_range: float = 1e-4
-    """PPO clip epsilon on the ratio (tiny because the log-prob is a per-element mean)"""
-    adv_clip_max: float = 5.0
-    """each transition's advantage, any sum over rewards or granularities included, is clipped to
-    [-adv_clip_max, adv_clip_max]: it bounds the pull of a single sample"""
-    beta: float = 0.0
-    """weight of the KL penalty to the reference policy (the model with its LoRA off, or a frozen
-    copy with --full-finetune); 0 = no KL and no reference forward"""
-    global_std: bool = False
-    """per timestep, divide by the std of all DeltaR of the iteration instead of each group's std
-    (Eq. 10: group)"""
-    std_eps: float = 1e-4
-    """added to the std before the centred rewards are divided by it: bounds the advantages of a
-    group whose rewards nearly agree (a group of exactly equal rewards gets 0 at any eps)"""
+    """latents per transformer call while sampling and decoding, per rank"""
     timestep_fraction: float = 0.5
-    """train on the first int(num_steps * fraction) steps (Flow-GRPO's code, which DenseGRPO builds
-    on: 0.99, all but the last, near-deterministic step). Toy default 0.5, steps 0-4: trained on 9,
-    the late low-noise steps, where the dense reward is 0 for 79-91 % of trajectories, make 95 % of
-    the update (docs/densegrpo.md, "Where the update comes from")"""
-    ratio_norm: Literal["off", "ratio", "guard"] = "off"
-    """GRPO-Guard (Wang et al. 2025, arXiv 2510.22319): "ratio" clips a normalised log-ratio instead
-    of the raw one (common/sampler.py, E7: its mean shift removed, its spread made independent of
-    the step's noise); "guard" also divides each step's loss by |dt|, its gradient re-weighting, as
-    the released scripts/train_sd3_GRPO_Guard.py. Needs --sde-type sde. On-policy (one optimizer
-    step per iteration) the ratio is 1 either way and only the gradient's per-step weight changes
-    (docs/flowgrpo.md, GRPO-Guard)"""
-    drop_zero_advantage: bool = True
-    """skip transitions whose advantage is exactly 0 (e.g. a group whose rewards all agree): their
-    clipped policy term has no gradient, so they would cost a training forward and backward for
-    nothing but their KL term (--beta > 0)"""
+    """train the first int(num_steps * fraction) steps"""
     completion_steps: int | None = 2
-    """ODE steps n of each completion (Eq. 8): None = t, the rest of the rollout schedule (paper,
-    `--completion-steps None`); 1 or 2 = a coarser grid to sigma = 0 (paper Fig. 6c: n = 2 is
-    behind n = t and ahead of Flow-GRPO, n = 1 behind Flow-GRPO). Toy default 2: a fifth of t's
-    completion NFE, for a reward about as predictive of the final one (docs/results.md)"""
+    """ODE steps n of each completion (Eq. 8); None = t, the rest of the schedule"""
     completion_batch_size: int = 64
-    """completions advanced per transformer call in the staircase, per rank"""
+    """completions advanced per transformer call, per rank"""
+    # ---- reward and advantage
+    reward_mix: Literal["score", "advantage"] = "score"
+    """mix several rewards before (score) or after (advantage) the normalisation"""
+    global_std: bool = False
+    """per timestep, divide by the std of all the iteration's DeltaR, not each group's"""
+    std_eps: float = 1e-4
+    """added to the std before dividing by it"""
+    adv_clip_max: float = 5.0
+    """advantages are clipped to [-max, max]"""
+    # ---- psi(t), the calibrated noise of each step (Algorithm 1)
     psi_scale: Literal["multiplier", "raw"] = "multiplier"
-    """psi(t) replaces a in std_dev_t = psi(t) sqrt(sigma/(1-sigma)) (multiplier), or is std_dev_t
-    itself (raw, Eq. 11 read literally; it starts at the baseline's std_dev_t and
-    --calibration-step / --psi-bounds are scaled by sqrt(sigma/(1-sigma)) at each t, so both scales
-    calibrate the same noise and differ only in the unit of psi)"""
+    """psi(t) is the multiplier a of each step, or its std_dev_t (raw, Eq. 11)"""
     psi_file: str | None = None
-    """a psi.json from an earlier run: use its psi(t) and skip the calibration"""
+    """a psi.json of an earlier run: use its psi(t), skip the calibration"""
     calibration_iterations: int = 12
-    """iterations K of Algorithm 1 (0 = no calibration: psi(t) = noise_level at every step). Toy
-    default 12 x 16 trajectories, under 2 CPU minutes; the paper gives no K (see docs: the precision
-    this buys)"""
+    """iterations K of Algorithm 1 (0 = psi(t) = --noise-level)"""
     calibration_trajectories: int = 16
-    """trajectories N per calibration iteration, over all ranks, each with its own random prompt"""
+    """trajectories N per calibration iteration, over all ranks"""
     calibration_step: float | None = None
-    """epsilon_2, the largest move of psi(t) per iteration (default: 0.2 for share; 0.01, the
-    paper's, otherwise)"""
+    """epsilon_2, psi's largest move per iteration (default: 0.2 share; 0.01 otherwise)"""
     balance_test: Literal["share", "literal", "ratio", "fraction"] = "share"
-    """the update rule of Algorithm 1: share psi += eps2 (#pos - #neg) / (#pos + #neg), which
-    settles at #pos = #neg (balance); or the paper's psi += eps2 if balanced else -= eps2 with the
-    test literal |#pos - #neg| < e (paper, e = 2), ratio max(#pos, #neg) < e min(#pos, #neg) (e = 2)
-    or fraction |#pos - #neg| < e N (e = 1/3). A timestep whose DeltaR are all 0 holds its psi
-    (literal: counts as balanced, as the paper). See docs"""
+    """Algorithm 1's update rule (docs/densegrpo.md; literal = the paper's)"""
     balance_threshold: float | None = None
-    """e of the balance test (default: 2 for literal and ratio, 1/3 for fraction; share has none)"""
+    """e of the balance test (default: 2 literal and ratio, 1/3 fraction)"""
     psi_bounds: tuple[float, float] | None = None
-    """psi(t) is clamped to [low, high] after every calibration update, in units of the multiplier a
-    (raw: times sqrt(sigma/(1-sigma))); must contain --noise-level, the start
-    (default 0 1.5; 0 1 with --sde-type cps, whose a enters as sin(a pi / 2): past 1 more psi would
-    mean less noise)"""
+    """psi(t) is clamped to [low, high], in units of a (default: 0 1.5; cps: 0 1)"""
     calibration_average: int = 6
-    """the calibrated psi(t) is the mean of the last this-many iterates (the iterates jitter by
-    ~epsilon_2)"""
-
-    # ---- optimisation
+    """psi(t) is the mean of the last this-many calibration iterates"""
+    # ---- optimizer
     num_iterations: int = 30
-    """rollout + update iterations (0 = only evaluate the starting model). The toy defaults train
-    for 1,200 to 1,500 CPU seconds on 2 cores (the README's table)"""
+    """rollout + update iterations (0 = only evaluate the starting model)"""
     learning_rate: float = 3e-4
-    """AdamW learning rate (a LoRA needs a far larger one than a full fine-tune)"""
+    """AdamW learning rate"""
     adam_betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas"""
     weight_decay: float = 1e-4
-    """AdamW's decoupled weight decay of the trained weights"""
-    max_grad_norm: float = 1.0
-    """the gradient of each optimizer step is clipped to this global L2 norm before the step"""
-    train_batch_size: int | None = None
-    """stored states per training forward, per rank, each with every transition sampled from it
-    (G²RPO: a group's G share one state x_k). Default: --rollout-batch-size (a batch shape unlike
-    the rollout's can move the ratio off 1 in bf16)"""
-    optimizer_steps_per_iteration: int = 1
-    """optimizer steps per iteration: the micro-batches are accumulated into this many steps (in
-    each update block where the rollout marks blocks: g2rpo.py --update-schedule per-k). Every step
-    after the first is off-policy (ratio != 1), where --clip-range matters"""
-    num_inner_epochs: int = 1
-    """passes over the iteration's transitions"""
-    ema_decay: float = 0.0
-    """largest EMA decay of the trained weights, used for evaluation and saving
-    (0 = off; Flow-GRPO: 0.9)"""
-    ema_update_interval: int = 8
-    """blend the EMA every N optimizer steps (Flow-GRPO: 8, so 0.9 averages over ~80 steps)"""
-    ema_warmup: bool = True
-    """EMA decay min((1 + s) / (10 + s), ema_decay) at optimizer step s, as Flow-GRPO; off:
-    ema_decay throughout"""
-
-    # ---- evaluation and logging
-    eval_prompts: str = str(toyworld.TEST_FILE)
-    """evaluation prompts, one per line (never trained on)"""
-    eval_every: int = 10
-    """evaluate every N iterations (and at the start and the end)"""
-    grad_share_every: int = 0
-    """diagnostic: every N iterations, split the update's gradient by trained step and log each
-    step's share, g_j . g / |g|^2 (steps/grad_share/{step}, summing to 1; common/training.py
-    GradShare). The update is unchanged; a measured iteration trains at a few times the cost; one
-    process only. 0 = off"""
-    eval_num_steps: int = 20
-    """ODE steps at evaluation: a grid of its own, often finer than the rollouts' --num-steps"""
-    eval_guidance_scale: float | None = None
-    """guidance at evaluation (default: guidance_scale)"""
-    eval_seeds_per_prompt: int = 2
-    """images per evaluation prompt, each from a fixed seed"""
-    eval_batch_size: int = 64
-    """images per transformer call at evaluation"""
-    final_eval_seeds_per_prompt: int | None = None
-    """images per evaluation prompt at the final evaluation only (default: eval_seeds_per_prompt);
-    more seeds give a smaller standard error where it matters (8 seeds x 100 prompts:
-    SE <= 0.018)"""
-    cpu_budget_s: float = 0.0
-    """stop at the first iteration that starts after this many CPU seconds of the process (all
-    threads), then run the final evaluation (0 = no budget; the comparison benchmark gives every
-    algorithm the same budget)"""
-
-    # ---- filled in at runtime
-    world_size: int = 0
-    """number of processes (torchrun ranks)"""
-    resumed_from: str | None = None
-    """the checkpoint folder this run was resumed from"""
-    images_per_iteration: int = 0
-    """the rollout's final images per iteration, over all ranks (groups_per_iteration * group_size;
-    G²RPO: times |M| * |Λ|)"""
-    images_per_rank: int = 0
+    """AdamW decoupled weight decay"""
+    # ---- filled in by check_args (not flags)
+    images_per_iteration: int = derived()
+    """trajectories sampled per iteration over all ranks: groups_per_iteration * group_size"""
+    images_per_rank: int = derived()
     """images_per_iteration / world_size"""
-    trained_steps: int = 0
-    """steps of the schedule that are trained: int(num_steps * timestep_fraction), or
-    sde_window_size (Flow-GRPO-Fast), or |M| (G²RPO's branch steps)"""
+    trained_steps: int = derived()
+    """L, steps trained per trajectory"""
 
 
 def check_args(args: Args, world_size: int) -> None:
@@ -743,18 +526,14 @@ def calibrate_or_load_psi(
     trajectories. Rank 0 prints psi(t)."""
     unit = psi_unit(sigmas, args.psi_scale)
     psi_file = args.psi_file
-    # a resume takes the checkpoint's own copy (checkpoints before 2026-12-03 had none: the run
-    # folder's psi.json)
+    # a resume takes the checkpoint's own copy of psi(t)
     if resume_dir and not (args.resume_override and args.psi_file):
-        saved = [
-            os.path.join(resume_dir, "psi.json"),
-            os.path.join(os.path.dirname(resume_dir), "psi.json"),
-        ]
-        psi_file = next((p for p in saved if os.path.isfile(p)), None)
-        if psi_file is None:
+        psi_file = os.path.join(resume_dir, "psi.json")
+        if not os.path.isfile(psi_file):
             raise ConfigError(
-                f"--resume {resume_dir}: neither the checkpoint nor its run folder holds psi.json "
-                "(the calibrated psi(t)); add --resume-override --psi-file <the run's psi.json>"
+                f"--resume {resume_dir}: the checkpoint holds no psi.json (the calibrated psi(t); "
+                "checkpoints before 2026-12-03 kept it beside them): add --resume-override "
+                "--psi-file <the run's psi.json>"
             )
     metrics = {}
     if psi_file:
@@ -851,16 +630,119 @@ def save_psi(run_dir: str, info: dict, psi0: torch.Tensor, average: int) -> None
     )
 
 
+# ALGO LOGIC: the rollout. DenseGRPO spreads each group over the ranks, as Flow-GRPO.
+def rollout(
+    h: Harness, args: Args, sigmas: torch.Tensor, noise_levels, iteration: int, timer
+) -> Rollout:
+    """SDE trajectories with psi(t), an ODE completion from every latent, a reward per step
+    (DeltaR_t, Eq. 7-9), per-timestep advantages (Eq. 10): every trained step of every trajectory is
+    a transition with its own step's advantage. All ranks draw the same prompts and shuffle (a
+    generator seeded by the iteration) and rank r keeps slice r, so a resumed run samples exactly
+    what the uninterrupted run would have; each rank scores its own trajectories at every step, and
+    the per-step rewards are gathered for the groups."""
+    with timer("rollout"):
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration)
+        prompt_ids = torch.randint(len(h.train_prompts), (args.groups_per_iteration,), generator=g)
+        group = torch.arange(args.groups_per_iteration).repeat_interleave(args.group_size)
+        group = group[torch.randperm(len(group), generator=g)]  # group of every image, global order
+        mine = slice(h.rank * args.images_per_rank, (h.rank + 1) * args.images_per_rank)
+        prompts = [h.train_prompts[prompt_ids[k]] for k in group[mine]]
+        emb = h.backbone.encode(prompts)
+        gen = torch.Generator(h.device).manual_seed(
+            args.seed * 1_000_003 + iteration * 1009 + h.rank
+        )
+        # SDE trajectories with psi(t), an ODE completion from each trained step's latent
+        # (staircase-batched), a reward for each (Eq. 8-9): R of latents 0..L, and the SDE image's
+        dense = dense_rollout(
+            h.backbone,
+            h.reward_model,
+            prompts,
+            emb,
+            sigmas,
+            noise_levels,
+            args,
+            gen,
+            upto=args.trained_steps,
+        )
+    with timer("reward"):
+        all_scores = all_gather_cat(dense["scores"].to(h.device), h.world_size).cpu()  # [N, L+2, K]
+        if not torch.isfinite(all_scores).all():
+            raise SystemExit(
+                f"error: non-finite reward at iteration {iteration}; stopping before any update"
+            )
+        mixed = h.reward_model.mix(all_scores)  # column 0: the ODE image, last: the SDE image
+        L = args.trained_steps
+        dR = dense_step_rewards(mixed[:, : L + 1])  # [N, L], Eq. 7: the trained steps
+        if args.reward_mix == "score":
+            advantages = per_step_advantages(dR, group, args.global_std, args.std_eps)  # Eq. 10
+        else:  # normalise each reward's DeltaR per timestep within its groups, then mix
+            dR_k = dense_step_rewards(all_scores[:, : L + 1])  # [N, L, K]
+            per_reward = torch.stack(
+                [
+                    per_step_advantages(dR_k[..., k], group, args.global_std, args.std_eps)
+                    for k in range(all_scores.shape[2])
+                ],
+                2,
+            )
+            advantages = advantage_mix(per_reward.flatten(0, 1), h.reward_model.weights)
+            advantages = advantages.view(dR.shape)
+        advantages = advantages.clamp(-args.adv_clip_max, args.adv_clip_max)
+        advantages[:, noise_levels[:L] == 0] = 0  # a noise-free step is no action
+        # Transitions: every trained step of every trajectory, step-major (row j * n + i is step j
+        # of trajectory i), each with its own timestep's advantage
+        n = args.images_per_rank
+        step_index, trajectory = torch.arange(L).repeat_interleave(n), torch.arange(n).repeat(L)
+        transitions = {
+            "latents": dense["latents"][:L].flatten(0, 1),
+            "next_latents": dense["latents"][1 : L + 1].flatten(0, 1),
+            "log_prob": dense["log_probs"][:L].flatten(),
+            "mean": dense["means"][:L].flatten(0, 1),
+            "sigma": sigmas[step_index],
+            "sigma_next": sigmas[step_index + 1],
+            "noise_level": noise_levels[step_index],
+            "advantage": advantages[mine][trajectory, step_index],
+            "prompt_index": trajectory,
+            "step_index": step_index,
+            "trajectory": trajectory,
+        }
+    sde_reward = mixed[:, -1]  # R of the SDE image, the trajectory's own
+    metrics = group_reward_metrics(
+        torch.stack([sde_reward[group == k] for k in range(args.groups_per_iteration)])
+    )
+    metrics.update(
+        {
+            "train/reward_ode_mean": mixed[:, 0].mean().item(),  # R_T: the ODE image, same noise
+            "train/dR_abs_mean": dR.abs().mean().item(),
+            "train/dR_zero_frac": (dR == 0).float().mean().item(),
+            "train/zero_adv_sample_frac": (advantages == 0).all(1).float().mean().item(),
+            "rollout/completion_calls": dense["calls"]["completion"],
+            "rollout/transformer_calls": sum(dense["calls"].values()),
+        }
+    )
+    for j in range(L):  # the dense reward of each trained step: its size, how often 0, its sign
+        metrics[f"steps/dR_abs/{j}"] = dR[:, j].abs().mean().item()
+        metrics[f"steps/dR_zero/{j}"] = (dR[:, j] == 0).float().mean().item()
+        pos, neg = int((dR[:, j] > 0).sum()), int((dR[:, j] < 0).sum())
+        if pos + neg:
+            metrics[f"train/dR_pos_frac/t{args.num_steps - j}"] = pos / (pos + neg)
+    counts = {
+        "trajectories": n,
+        "scored_images": n * dense["scores"].shape[1],  # every latent a trained step needs
+        "nfe/rollout": dense["nfe"]["rollout"],
+        "nfe/completion": dense["nfe"]["completion"],
+    }
+    return Rollout(transitions, emb, prompts, counts, metrics)
+
+
 # ============================ SHARED: the log-prob of a stored step (same in all three scripts) ===
-def step_log_prob(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args):
-    """log pi(x_next | x_t, c) of the micro-batch's stored SDE steps under `model` (E2-E3), with the
-    step Gaussian's mean and std_dev_t: the policy's (with gradient) or, with
-    model=trainable.reference, the KL reference's. As CleanRL's get_action_and_value: one forward
-    per state (`mb.states`), its velocity handed to every transition that starts from that state
+def step_policy(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args):
+    """The Gaussian policy of the micro-batch's stored SDE steps under `model` (E2-E3): log pi(x_next
+    | x_t, c), the step's mean and std_dev_t. With the policy (with gradient), or with
+    model=trainable.reference, the KL reference. As CleanRL's get_action_and_value: one forward per
+    state (`mb.states`), its velocity handed to every transition that starts from that state
     (`mb.rows`; G²RPO's G branches share one), and the stored action scored, not drawn."""
     s, r = mb.states, mb.rows
-    # CFG inside the training forward; --detach-uncond stops the gradient of the unconditional
-    # branch
+    # CFG inside the training forward; --detach-uncond stops the unconditional branch's gradient
     v = backbone.velocity(
         tr["latents"][s],
         tr["sigma"][s],
@@ -887,372 +769,120 @@ def step_log_prob(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    # ---- cheap checks first: bad input costs one line, not a model load
-    train_prompts = read_prompt_file(args.prompts_file, "--prompts-file")
-    eval_prompts = read_prompt_file(args.eval_prompts, "--eval-prompts")
-    prompt_files = {"--prompts-file": train_prompts, "--eval-prompts": eval_prompts}
-    # names, paths, prompts
-    check_rewards(args.reward, args.guard_rewards, args.reward_model_paths, prompt_files)
-    check_resolution(
-        args.model_path, check_model_path(args.model_path), args.resolution, args.resolution
-    )
-    rank, world_size, device = setup_distributed()
-    check_args(args, world_size)
-    is_main = rank == 0
-    seed_everything(args.seed, args.torch_deterministic)
-    # --resume: checkpoint verified, flags compared
-    run_dir, resume_dir = resolve_run_dir(args, __file__, is_main)
-    if is_main:
-        print(
-            "batch arithmetic: "
-            + ", ".join(
-                f"{k}={getattr(args, k)}"
-                for k in (
-                    "world_size",
-                    "groups_per_iteration",
-                    "group_size",
-                    "images_per_iteration",
-                    "images_per_rank",
-                    "rollout_batch_size",
-                    "train_batch_size",
-                    "trained_steps",
-                    "optimizer_steps_per_iteration",
-                )
-            )
-        )
-
-    # ---- the rewards first: a missing weight file costs seconds, not a model load
-    reward_model, guard_model = load_rewards(
-        args.reward, args.guard_rewards, args.reward_model_paths, device
-    )
-
-    # ---- backbone, trained weights (common/policy.py: LoRA or full, and the KL reference),
-    #      optimizer, EMA
-    backbone = load_backbone(
-        args.model_path,
-        device,
-        max_sequence_length=args.max_sequence_length,
-        gradient_checkpointing=args.gradient_checkpointing,
-        precision=args.mixed_precision,
-        shard=args.parallel == "fsdp",
-    )
-    trainable = Trainable(
-        backbone,
-        args.full_finetune,
-        args.lora_rank,
-        args.lora_alpha,
-        LORA_TARGETS[args.lora_target],
-        need_reference=args.beta > 0,
-    )
-    # DDP or FSDP2: common/parallel.py
-    policy = parallelize(trainable, args.parallel, world_size, args.fsdp_offload)
-    params = trainable.params
+    h = setup(args, __file__, check_args)  # checks, run folder, rewards, model, LoRA, DDP (harness)
     optimizer = torch.optim.AdamW(
-        params.values(),
+        h.params.values(),
         lr=args.learning_rate,
         betas=args.adam_betas,
         weight_decay=args.weight_decay,
         eps=1e-8,
     )
-    ema = (
-        EMA(params, args.ema_decay, args.ema_update_interval, args.ema_warmup)
-        if args.ema_decay > 0
-        else None
+    sigmas = h.backbone.schedule(args.num_steps, args.resolution, args.resolution, args.shift)
+    # ALGO LOGIC: psi(t) once, then frozen: Algorithm 1 with the starting model, or from --psi-file
+    # or the resumed checkpoint
+    psi_info, calibration_metrics = calibrate_or_load_psi(
+        args,
+        h.backbone,
+        h.reward_model,
+        h.train_prompts,
+        sigmas,
+        h.resume_dir,
+        h.rank,
+        h.world_size,
+        h.device,
     )
+    psi = torch.tensor(psi_info["psi"], dtype=torch.float32)
+    noise_levels = step_noise_levels(psi, sigmas, args.psi_scale)  # the sampler's a of each step
+    if h.is_main:
+        psi0 = args.noise_level * psi_unit(sigmas, args.psi_scale)
+        save_psi(h.run_dir, psi_info, psi0, args.calibration_average)
+    # the EMA; with --resume, the saved weights, optimizer, RNG, counters; psi(t) in every checkpoint
+    run = h.start(optimizer, side_files={"psi.json": json.dumps(psi_info, indent=1)})
 
-    logger = RunLogger(
-        run_dir,
-        is_main,
-        args.track,
-        asdict(args),
-        args.wandb_project_name,
-        args.wandb_entity,
-        os.path.basename(run_dir),
-    )
-    start_iteration, counts = 0, None  # counts: cumulative over all ranks (common/run.py)
-    if resume_dir:
-        # the weights, the optimizer, the EMA and this rank's RNG, as they were saved
-        start_iteration, counts = restore_checkpoint(
-            resume_dir, rank, params, optimizer, ema, policy
-        )
-        if is_main:
-            truncate_metrics(run_dir, start_iteration)
-
-    sigmas = backbone.schedule(args.num_steps, args.resolution, args.resolution, args.shift)
-
-    # ---- ALGO LOGIC: psi(t) once, then frozen: Algorithm 1 with the starting model, or from
-    #      --psi-file / the checkpoint
-    info, calib_metrics = calibrate_or_load_psi(
-        args, backbone, reward_model, train_prompts, sigmas, resume_dir, rank, world_size, device
-    )
-    psi = torch.tensor(info["psi"], dtype=torch.float32)
-    # the sampler's noise_level of each step
-    noise_levels = step_noise_levels(psi, sigmas, args.psi_scale)
-    if is_main:
-        save_psi(
-            run_dir,
-            info,
-            args.noise_level * psi_unit(sigmas, args.psi_scale),
-            args.calibration_average,
-        )
-
-    def save_weights(folder):
-        # into each checkpoint: the trained weights, and psi(t), so a resume needs nothing else
-        with ema_weights(ema):
-            trainable.save_weights(folder)
-        if is_main:
-            atomic_write(os.path.join(folder, "psi.json"), json.dumps(info, indent=1))
-
-    run = Run(args, run_dir, rank, world_size, device, logger, counts, start_iteration, __file__)
-    for iteration in range(start_iteration, args.num_iterations + 1):
+    for iteration in range(run.start_iteration, args.num_iterations + 1):
         metrics = {"iteration": iteration}
         last = run.is_last(iteration)  # --num-iterations reached, or the CPU budget spent
         if iteration % args.eval_every == 0 or last:
-            metrics.update(
-                run.evaluate(
-                    iteration, last, backbone, reward_model, guard_model, eval_prompts, ema
-                )
-            )
+            metrics.update(run.evaluate(iteration, last))  # held-out accuracy, sample grid
         if last:
             run.log_final(metrics)
             break
 
-        # ================================ ROLLOUT: sample groups and build transitions ============
-        # ALGO LOGIC. Flow-GRPO spreads each group over the ranks: all ranks draw the same prompts
-        # and the same shuffle (a generator seeded by the iteration), and rank r keeps slice r.
-        # Seeding by iteration also makes a resumed run sample exactly what the uninterrupted run
-        # would have. DenseGRPO keeps that: each rank scores its own trajectories at every timestep,
-        # and the per-timestep rewards [N, T+1] are gathered for the groups.
-        with run.timer("rollout"):
-            g = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration)
-            prompt_ids = torch.randint(
-                len(train_prompts), (args.groups_per_iteration,), generator=g
-            )
-            group = torch.arange(args.groups_per_iteration).repeat_interleave(args.group_size)
-            # group id of every image, global order
-            group = group[torch.randperm(len(group), generator=g)]
-            mine = slice(rank * args.images_per_rank, (rank + 1) * args.images_per_rank)
-            my_prompts = [train_prompts[prompt_ids[k]] for k in group[mine]]
-            emb = backbone.encode(my_prompts)
-            gen = torch.Generator(device).manual_seed(
-                args.seed * 1_000_003 + iteration * 1009 + rank
-            )
-            # SDE trajectories with psi(t), T ODE completions each (staircase-batched), T+1 rewards
-            # each (Eq. 8-9): R of latents 0..L (+ the SDE image's)
-            out = dense_rollout(
-                backbone,
-                reward_model,
-                my_prompts,
-                emb,
-                sigmas,
-                noise_levels,
-                args,
-                gen,
-                upto=args.trained_steps,
-            )
-            rollout_counts = {
-                "trajectories": len(my_prompts),  # every needed latent of a trajectory is scored:
-                "scored_images": len(my_prompts) * out["scores"].shape[1],
-                "nfe/rollout": out["nfe"]["rollout"],
-                "nfe/completion": out["nfe"]["completion"],
-            }
-        with run.timer("reward"):
-            # [N, L+2 or T+1, K], global
-            all_scores = all_gather_cat(out["scores"].to(device), world_size).cpu()
-            if not torch.isfinite(all_scores).all():
-                raise SystemExit(
-                    f"error: non-finite reward at iteration {iteration}; stopping before any "
-                    f"update (the last checkpoint-N in {run_dir} is intact: --resume {run_dir})"
-                )
-            mixed = reward_model.mix(all_scores)  # column 0: the ODE image, last: the SDE image
-            L = args.trained_steps
-            dR = dense_step_rewards(mixed[:, : L + 1])  # [N, L], Eq. 7: the trained steps
-            if args.reward_mix == "score":
-                advantages = per_step_advantages(dR, group, args.global_std, args.std_eps)  # Eq. 10
-            else:
-                # normalise each reward's DeltaR within its groups per timestep, then mix the
-                # advantages
-                dR_k = dense_step_rewards(all_scores[:, : L + 1])  # [N, L, K]
-                per_reward = torch.stack(
-                    [
-                        per_step_advantages(dR_k[..., k], group, args.global_std, args.std_eps)
-                        for k in range(all_scores.shape[2])
-                    ],
-                    2,
-                )
-                advantages = advantage_mix(per_reward.flatten(0, 1), reward_model.weights).view(
-                    dR.shape
-                )
-            advantages = advantages.clamp(-args.adv_clip_max, args.adv_clip_max)
-            # a noise-free step is no action (log-prob 0 whatever theta)
-            advantages[:, noise_levels[:L] == 0] = 0
-            sde_reward = mixed[:, -1]  # R of the SDE image, the trajectory's own
-            group_std = torch.stack(
-                [
-                    sde_reward[group == k].std(unbiased=False)
-                    for k in range(args.groups_per_iteration)
-                ]
-            )
-            # Transitions: every trained step of every trajectory, each with its own timestep's
-            # advantage. Samples whose advantages are all 0 have only zero-advantage transitions,
-            # which the training section drops.
-            n_traj = args.images_per_rank
-            step_index, trajectory = (
-                torch.arange(L).repeat_interleave(n_traj),
-                torch.arange(n_traj).repeat(L),
-            )
-            transitions = {  # step-major: row j * n + i is step j of trajectory i
-                "latents": out["latents"][:L].flatten(0, 1),
-                "next_latents": out["latents"][1 : L + 1].flatten(0, 1),
-                "log_prob": out["log_probs"][:L].flatten(),
-                "mean": out["means"][:L].flatten(0, 1),
-                "sigma": sigmas[step_index],
-                "sigma_next": sigmas[step_index + 1],
-                "noise_level": noise_levels[step_index],
-                "advantage": advantages[mine][trajectory, step_index],
-                "prompt_index": trajectory,
-                "step_index": step_index,
-                "trajectory": trajectory,
-            }
-            metrics.update(
-                {
-                    "train/reward_mean": sde_reward.mean().item(),
-                    "train/reward_std": sde_reward.std().item(),
-                    "train/group_std_mean": group_std.mean().item(),
-                    "train/zero_std_frac": (group_std == 0).float().mean().item(),
-                    # R_T: the ODE image, same noise
-                    "train/reward_ode_mean": mixed[:, 0].mean().item(),
-                    "train/dR_abs_mean": dR.abs().mean().item(),
-                    "train/dR_zero_frac": (dR == 0).float().mean().item(),
-                    "train/zero_adv_sample_frac": (advantages[:, :L] == 0)
-                    .all(1)
-                    .float()
-                    .mean()
-                    .item(),
-                    "rollout/completion_nfe": out["nfe"]["completion"],
-                    "rollout/completion_calls": out["calls"]["completion"],
-                    "rollout/transformer_calls": sum(out["calls"].values()),
-                }
-            )
-            for j in range(L):
-                # the dense reward of each trained step: its size, how often it is 0, its sign
-                # balance
-                metrics[f"steps/dR_abs/{j}"] = dR[:, j].abs().mean().item()
-                metrics[f"steps/dR_zero/{j}"] = (dR[:, j] == 0).float().mean().item()
-                pos, neg = int((dR[:, j] > 0).sum()), int((dR[:, j] < 0).sum())
-                if pos + neg:
-                    metrics[f"train/dR_pos_frac/t{args.num_steps - j}"] = pos / (pos + neg)
-            if iteration == start_iteration:
-                metrics.update(calib_metrics)
-        del out
-        # ============================== END OF ROLLOUT (the scripts differ only above) ============
+        ro = rollout(
+            h, args, sigmas, noise_levels, iteration, run.timer
+        )  # sample, score, advantages
+        metrics.update(ro.metrics)
+        if iteration == 0:  # psi(t) and the calibration's cost, in the first row only
+            metrics.update(calibration_metrics)
 
         # ============================ TRAINING on transitions (same in all three scripts) =========
         # ALGO LOGIC: the PPO-clipped GRPO objective (Flow-GRPO §4) on single SDE steps, found as in
-        # CleanRL's update: log-prob of the stored step under the current policy, ratio, clipped
-        # loss, KL. The contract of `transitions` (fields, shapes, order) is checked here and listed
-        # in docs/design.md; the micro-batch plan and the metric sums are plumbing in
-        # common/training.py.
+        # CleanRL's update: the stored step's log-prob under the current policy, the ratio, the
+        # clipped loss and the KL; their mean over the optimizer step's transitions; backward, clip,
+        # step. The contract of `transitions` is checked here and listed in docs/design.md.
         with run.timer("train"):
-            tr = {
-                k: v.to(device)
-                for k, v in check_transitions(transitions, sigmas, len(my_prompts)).items()
-            }
-            keep = (
-                tr["advantage"] != 0
-                if args.drop_zero_advantage
-                else torch.ones_like(tr["advantage"], dtype=bool)
-            )
-            stats = Stats(num_slots=args.num_steps)
-            # share kept, per step
-            stats.add(torch.ones_like(tr["advantage"]), tr["step_index"], kept=keep.float())
+            tr = check_transitions(ro.transitions, sigmas, len(ro.prompts))
+            tr = {k: v.to(h.device) for k, v in tr.items()}
+            keep = tr["advantage"] != 0  # a zero advantage has no policy gradient
+            if not args.drop_zero_advantage:
+                keep = torch.ones_like(keep)
             plan = plan_updates(
                 keep,
                 args.train_batch_size,
                 args.optimizer_steps_per_iteration,
-                world_size,
+                h.world_size,
                 tr.get("state_index"),
                 tr.get("update_block"),
                 epochs=args.num_inner_epochs,
             )
-            # the diagnostic, if asked
-            measured = args.grad_share_every > 0 and iteration % args.grad_share_every == 0
-            grad_share = GradShare(params, args.num_steps, active=measured)
-            for mb in plan:
-                # micro-batches in order; the last one of each optimizer step has mb.sync
+            stats = TrainStats(args, h.params, tr, keep, iteration)  # metrics and diagnostics
+            for mb in plan:  # in order; the last micro-batch of each optimizer step has mb.sync
                 r = mb.rows  # the micro-batch's transitions; every one gets its own loss
-                # only the last micro-batch of an optimizer step syncs gradients
-                set_grad_sync(policy, mb.sync)
-                log_prob, mean, std_dev_t = step_log_prob(
-                    backbone, policy, tr, mb, emb, sigmas, args
+                set_grad_sync(h.policy, mb.sync)  # only the step's last micro-batch all-reduces
+                log_prob, mean, std_dev_t = step_policy(
+                    h.backbone, h.policy, tr, mb, ro.emb, sigmas, args
                 )
                 log_ratio = log_prob - tr["log_prob"][r]  # new over rollout policy, one step
-                if args.ratio_norm != "off":
-                    # GRPO-Guard: re-centred, noise-independent log-ratio (E7)
-                    log_ratio = ratio_norm(
-                        log_ratio,
-                        mean,
-                        tr["mean"][r],
-                        std_dev_t,
-                        tr["sigma"][r],
-                        tr["sigma_next"][r],
-                    )
                 ratio = torch.exp(log_ratio)
+                if args.ratio_norm != "off":  # GRPO-Guard: re-centred, noise-free log-ratio (E7)
+                    ratio = torch.exp(
+                        ratio_norm(
+                            log_ratio,
+                            mean,
+                            tr["mean"][r],
+                            std_dev_t,
+                            tr["sigma"][r],
+                            tr["sigma_next"][r],
+                        )
+                    )
                 adv = tr["advantage"][r]
                 clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
                 policy_loss = torch.maximum(-adv * ratio, -adv * clipped)
-                if args.ratio_norm == "guard":
-                    # and its gradient re-weighting: every step's loss / |dt|
+                if args.ratio_norm == "guard":  # GRPO-Guard's re-weighting: each step's loss / |dt|
                     policy_loss = policy_loss / (tr["sigma"][r] - tr["sigma_next"][r])
-                # KL to the reference policy on the step's Gaussian means (sampler E5); beta = 0: no
-                # reference forward
-                kl = (
-                    gaussian_kl(
-                        mean,
-                        step_log_prob(backbone, trainable.reference, tr, mb, emb, sigmas, args)[1],
-                        std_dev_t,
+                kl = torch.zeros_like(policy_loss)  # beta = 0: no KL, no reference forward
+                if args.beta > 0:  # KL to the reference policy on the step's Gaussian means (E5)
+                    _, ref_mean, _ = step_policy(
+                        h.backbone, h.trainable.reference, tr, mb, ro.emb, sigmas, args
                     )
-                    if args.beta > 0
-                    else torch.zeros_like(policy_loss)
-                )
+                    kl = gaussian_kl(mean, ref_mean, std_dev_t)
+                # the mean over the optimizer step's kept transitions on all ranks (mb.divisor)
                 loss = ((policy_loss + args.beta * kl) * mb.weight).sum() / mb.divisor
-                # --grad-share-every: each trained step's part of this gradient (on the measured
-                # iterations only)
-                grad_share.add(
-                    (policy_loss + args.beta * kl) * mb.weight / mb.divisor, tr["step_index"][r]
-                )
+                stats.add(mb, tr["step_index"][r], ratio, log_ratio, adv, policy_loss, kl)
                 loss.backward()
-                # on-policy: ratio == 1 before any update
-                stats.keep_first(ratio_dev=(ratio.detach() - 1).abs().max())
-                stats.add(
-                    mb.weight,
-                    tr["step_index"][r],
-                    ratio=ratio,
-                    ratio_sq=ratio**2,
-                    kl=kl,
-                    abs_adv=adv.abs(),
-                    clipfrac=((ratio - 1).abs() > args.clip_range).float(),
-                    policy_loss=policy_loss,
-                    approx_kl_k2=0.5 * (log_prob - tr["log_prob"][r]) ** 2,
-                )
-                stats.add_extremes(mb.weight, ratio=ratio)
-                stats.count(
-                    **{
-                        "nfe/train_forward": len(mb.states) * (2 if args.beta > 0 else 1),
-                        "nfe/train_backward": len(mb.states),
-                    }
-                )
-                if mb.sync:
-                    # its gradient is complete: clip, step (a non-finite one stops the run in one
-                    # line)
-                    grad_norm = optimizer_step(
-                        params, optimizer, args.max_grad_norm, ema, iteration, run_dir
+                if mb.sync:  # the optimizer step's gradient is complete: clip, step
+                    grad_norm = torch.nn.utils.clip_grad_norm_(
+                        h.params.values(), args.max_grad_norm
                     )
-                    stats.count(grad_norm=grad_norm, optimizer_steps=1)
+                    stats.step(check_finite_update(grad_norm, iteration, run.dir))
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    if run.ema is not None:
+                        run.ema.update()
         # ============================================ END OF TRAINING =============================
 
-        run.log(metrics, stats, rollout_counts, grad_share)
+        run.log(metrics, stats, ro.counts)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations:
-            run.checkpoint(iteration + 1, params, optimizer, ema, policy, save_weights)
+            run.checkpoint(iteration + 1)
 
-    run.finish(params)
+    run.finish()

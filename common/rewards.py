@@ -780,3 +780,17 @@ def advantage_mix(advantages_per_reward: torch.Tensor, weights: torch.Tensor) ->
             f"expected advantages [N, {len(weights)}], got {tuple(advantages_per_reward.shape)}"
         )
     return advantages_per_reward.float() @ weights.to(advantages_per_reward.device, torch.float32)
+
+
+def group_reward_metrics(rewards: torch.Tensor) -> dict:
+    """The rollout's reward metrics of every script, from rewards [groups, G] (one row per group):
+    their mean and std, the mean within-group std, and the share of groups whose G rewards all
+    agree (no advantage to learn from). In float64, where G equal rewards have std exactly 0."""
+    r = rewards.double()
+    tied = (r.amax(-1) == r.amin(-1)).double()
+    return {
+        "train/reward_mean": r.mean().item(),
+        "train/reward_std": r.std().item(),
+        "train/group_std_mean": r.std(-1, unbiased=False).mean().item(),
+        "train/zero_std_frac": tied.mean().item(),
+    }

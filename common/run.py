@@ -47,7 +47,7 @@ from common.evaluation import Panel, evaluate
 from common.parallel import is_sharded, weights_digest
 from common.plots import before_after, learning_curve, step_heatmap
 from common.policy import ema_weights
-from common.utils import Timer, all_reduce
+from common.utils import Timer, all_reduce, atomic_write
 
 COUNTERS = (
     "trajectories",
@@ -107,6 +107,7 @@ class Run:
         )
         self.is_main, self.logger, self.script = rank == 0, logger, os.path.basename(script)
         self.counts = restored_counts(counts)
+        self.start_iteration = start_iteration
         self.timer = Timer()
         # a resumed run's clocks continue from its checkpoint's, so time/cpu_s and the CPU budget
         # (--cpu-budget-s) count the whole run, not the last process
@@ -136,16 +137,28 @@ class Run:
             all_reduce(torch.tensor([float(over)]), self.world_size, op)
         )
 
-    def evaluate(
+    def bind(
         self,
-        iteration: int,
-        last: bool,
         backbone,
         reward_model,
         guard_model,
-        prompts: list[str],
+        eval_prompts: list[str],
+        params: dict,
+        optimizer,
         ema,
-    ) -> dict:
+        policy,
+        save_weights,
+        side_files: dict[str, str] | None = None,
+    ) -> None:
+        """What evaluation and checkpoints use: the model and rewards, the evaluation prompts, the
+        trained weights, their optimizer, EMA and parallel wrapper, the function that saves the
+        weights, and the script's own files for every checkpoint ({name: text})."""
+        self.backbone, self.reward_model, self.guard_model = backbone, reward_model, guard_model
+        self.eval_prompts, self.params, self.optimizer = eval_prompts, params, optimizer
+        self.ema, self.policy, self.save_weights = ema, policy, save_weights
+        self.side_files = dict(side_files or {})
+
+    def evaluate(self, iteration: int, last: bool) -> dict:
         """Held-out evaluation (common/evaluation.py: ODE samples from fixed seeds) with the EMA
         weights if any; the sample grid and panel are saved as samples/eval_{iteration}.png / .npz.
         Returns the eval/ metrics."""
@@ -156,11 +169,12 @@ class Run:
             else a.eval_seeds_per_prompt
         )
         guidance = a.guidance_scale if a.eval_guidance_scale is None else a.eval_guidance_scale
-        with self.timer("eval"), ema_weights(ema):
+        prompts = self.eval_prompts
+        with self.timer("eval"), ema_weights(self.ema):
             metrics, grid, panel = evaluate(
-                backbone,
-                reward_model,
-                guard_model,
+                self.backbone,
+                self.reward_model,
+                self.guard_model,
                 prompts,
                 a.eval_num_steps,
                 a.shift,
@@ -200,11 +214,12 @@ class Run:
         )
         self._write(metrics)
 
-    def log(self, metrics: dict, stats, rollout_counts: dict, grad_share=None) -> dict:
+    def log(self, metrics: dict, train, rollout_counts: dict) -> dict:
         """One metrics.jsonl row for a training iteration: the training section's Stats reduced over
         the ranks (one all-reduce), this rank's rollout counters added to the run's, seconds per
         phase, peak memory, and the per-step gradient shares and norms when the iteration measured
-        them (steps/grad_share/j, steps/grad_norm/j)."""
+        them (steps/grad_share/j, steps/grad_norm/j). `train`: the section's TrainStats."""
+        stats, grad_share = train.stats, train.grad_share
         stats.count(**rollout_counts)
         red = stats.reduce(self.world_size, self.device)
         self.counts.update({k: v + int(red.get(k, 0)) for k, v in self.counts.items()})
@@ -231,7 +246,7 @@ class Run:
                 **self._clocks(),
             }
         )
-        if grad_share is not None:  # empty unless the iteration measured them
+        if grad_share.active:  # empty unless the iteration measured them
             metrics.update({f"steps/grad_share/{j}": v for j, v in grad_share.shares().items()})
             metrics.update({f"steps/grad_norm/{j}": v for j, v in grad_share.norms().items()})
         if self.device.type == "cuda":
@@ -243,9 +258,7 @@ class Run:
         )
         return metrics
 
-    def checkpoint(
-        self, iteration: int, params: dict, optimizer, ema, policy, save_weights
-    ) -> None:
+    def checkpoint(self, iteration: int) -> None:
         """checkpoint-{iteration} (common/checkpoint.py: atomic, verified, rotated): every rank's
         RNG is gathered so a resume continues each rank's noise stream; rank 0 writes (FSDP: every
         rank writes its shards)."""
@@ -254,9 +267,9 @@ class Run:
             dist.all_gather_object(rngs, rng_state())
         else:
             rngs = [rng_state()]
-        if self.is_main or is_sharded(params):
+        if self.is_main or is_sharded(self.params):
             state = {
-                **trainer_state(params, optimizer, ema, policy),
+                **trainer_state(self.params, self.optimizer, self.ema, self.policy),
                 "iteration": iteration,
                 "counts": self.counts,
                 "clocks": self._clocks(),
@@ -264,15 +277,24 @@ class Run:
                 "args": dataclasses.asdict(self.args),
                 "script": self.script,
             }
-            save_checkpoint(self.dir, state, save_weights, self.args.keep_checkpoints)
+            save_checkpoint(self.dir, state, self._save_files, self.args.keep_checkpoints)
         if self.world_size > 1:
             dist.barrier()
 
-    def finish(self, params: dict) -> None:
+    def _save_files(self, folder: str) -> None:
+        """Into a checkpoint folder: the trained weights, and the script's own files."""
+        self.save_weights(folder)
+        if self.is_main:
+            for name, text in self.side_files.items():
+                atomic_write(os.path.join(folder, name), text)
+
+    def finish(self) -> None:
         """Every rank prints a checksum of its trained weights (they must agree); rank 0 draws the
         run's pictures and prints the held-out metric at the first and last evaluation; then the
         ranks leave together."""
-        print(f"final weights: rank {self.rank} sha256 {weights_digest(params)[:16]}", flush=True)
+        print(
+            f"final weights: rank {self.rank} sha256 {weights_digest(self.params)[:16]}", flush=True
+        )
         if self.is_main:
             history = self.logger.history()
             # learning curve, per-step panels, before/after

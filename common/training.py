@@ -14,8 +14,9 @@ around it, which must behave the same in all three and is tested on its own
   all-reduce.
 - `GradShare`: the diagnostic that splits an iteration's gradient by trained step
   (--grad-share-every).
-- `optimizer_step`: clip, step, zero, update the EMA; a non-finite gradient stops the run in one
-  line.
+- `TrainStats`: the section's metrics and diagnostic in two calls (`add`, `step`).
+- `check_finite_update`: a non-finite gradient stops the run in one line.
+- `Rollout`: what a rollout hands the training section.
 What is trained (LoRA or full weights, the KL reference, the EMA) lives in common/policy.py.
 """
 
@@ -27,8 +28,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-
-from common.policy import EMA
 
 REQUIRED = {  # field -> (dtype kind, shape after the first dim is [N])
     "latents": "float",
@@ -388,34 +387,70 @@ class GradShare:
         return {j: float(g.norm()) for j, g in enumerate(self.grads) if g is not None}
 
 
+class TrainStats:
+    """The training section's metrics and its diagnostic, in two calls: `add` once per micro-batch
+    (before its backward: the diagnostic differentiates its loss) and `step` once per optimizer
+    step. Run.log reduces them over the ranks into the iteration's metrics row."""
+
+    def __init__(self, args, params: dict, tr: dict, keep: torch.Tensor, iteration: int):
+        self.args = args
+        self.stats = Stats(num_slots=args.num_steps)
+        # the share of transitions kept, per step
+        self.stats.add(torch.ones_like(tr["advantage"]), tr["step_index"], kept=keep.float())
+        measured = args.grad_share_every > 0 and iteration % args.grad_share_every == 0
+        self.grad_share = GradShare(params, args.num_steps, active=measured)
+
+    def add(self, mb, step_index, ratio, log_ratio, adv, policy_loss, kl) -> None:
+        """One micro-batch: its ratio, clip fraction, KL, advantages and loss per trained step, its
+        forwards and backwards, and (on a measured iteration) each step's part of its gradient."""
+        a, s = self.args, self.stats
+        self.grad_share.add((policy_loss + a.beta * kl) * mb.weight / mb.divisor, step_index)
+        # on-policy, the ratio is 1 before any update
+        s.keep_first(ratio_dev=(ratio.detach() - 1).abs().max())
+        s.add(
+            mb.weight,
+            step_index,
+            ratio=ratio,
+            ratio_sq=ratio**2,
+            kl=kl,
+            abs_adv=adv.abs(),
+            clipfrac=((ratio - 1).abs() > a.clip_range).float(),
+            policy_loss=policy_loss,
+            approx_kl_k2=0.5 * log_ratio**2,
+        )
+        s.add_extremes(mb.weight, ratio=ratio)
+        n = len(mb.states)  # one forward per state (twice with the KL reference), one backward
+        s.count(**{"nfe/train_forward": n * (2 if a.beta > 0 else 1), "nfe/train_backward": n})
+
+    def step(self, grad_norm: float) -> None:
+        self.stats.count(grad_norm=grad_norm, optimizer_steps=1)
+
+
 # ------------------------------------------------------------------------------- the optimizer step
 class NonFiniteUpdate(SystemExit):
     """A non-finite loss or gradient: the run stops before the update, in one line (a
     SystemExit, no traceback)."""
 
 
-def optimizer_step(
-    params: dict,
-    optimizer,
-    max_grad_norm: float,
-    ema: EMA | None,
-    iteration: int = -1,
-    run_dir: str = "",
-) -> float:
-    """Clip the gradient norm, step, zero the gradients, update the EMA. Returns the norm before
-    clipping.
-
-    A non-finite norm (a NaN or inf loss or gradient) stops the run before the update with one line
-    that says how to go on. Under DDP the gradients are already all-reduced, so every rank sees the
-    same norm and stops together (no extra collective)."""
-    norm = torch.nn.utils.clip_grad_norm_(params.values(), max_grad_norm)
-    if not torch.isfinite(norm):
+def check_finite_update(grad_norm: torch.Tensor, iteration: int, run_dir: str) -> float:
+    """The gradient norm, as a float, if it is finite; else the run stops before the update with
+    one line that says how to go on. Under DDP the gradients are already all-reduced, so every rank
+    sees the same norm and stops together (no extra collective)."""
+    if not torch.isfinite(grad_norm):
         raise NonFiniteUpdate(
             f"error: non-finite loss or gradient at iteration {iteration}; stopping before the "
             f"update (the last checkpoint-N in {run_dir} is intact: --resume {run_dir})"
         )
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if ema is not None:
-        ema.update()
-    return float(norm)
+    return float(grad_norm)
+
+
+# --------------------------------------------------------------------------- the rollout's result
+@dataclass
+class Rollout:
+    """What a rollout hands the training section (and the metrics row): nothing else crosses."""
+
+    transitions: dict  # the contract above, one row per SDE step the policy took
+    emb: object  # this rank's prompts' text embeddings, indexed by transitions["prompt_index"]
+    prompts: list  # this rank's prompts
+    counts: dict  # trajectories, scored_images, nfe/rollout, nfe/completion (this rank's)
+    metrics: dict  # the rollout's train/... metrics of the iteration

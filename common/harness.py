@@ -1,0 +1,335 @@
+"""The harness every script shares: its flags and its set-up, once.
+
+A script reads, top to bottom (CleanRL's shape, with the set-up in one call):
+
+    @dataclass
+    class Args(GRPOArgs):                 # the shared flags, then the algorithm's own
+        noise_level: float = 0.7
+        ...
+    args = tyro.cli(Args)
+    h = setup(args, __file__, check_args)  # checks, distributed, run folder, rewards, model, logger
+    optimizer = torch.optim.AdamW(h.params.values(), lr=args.learning_rate, ...)
+    run = h.start(optimizer)               # the EMA, and a resume's weights, optimizer, RNG, counters
+    for iteration in range(run.start_iteration, args.num_iterations + 1):
+        ...evaluate, roll out, train, log, save: the script's main loop...
+
+`HarnessArgs` holds the flags of everything that is not an algorithm (the experiment and its run
+folder, the model and what of it is trained, the prompts and the reward, the held-out evaluation,
+the EMA). `GRPOArgs` adds the flags of the training section the three GRPO scripts share line for
+line (docs/design.md, the transitions interface). Each script's `Args` extends one of them with its
+own rollout, advantage and optimizer flags. Paper values and results live in docs/ and in the
+checked presets (tests/test_paper_values.py), not in the help.
+
+Fields made with `derived(...)` are not flags: the program fills them in (the batch arithmetic, the
+world size, the checkpoint a run resumed from) and records them in args.json.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+
+from common import toyworld
+from common.backbones import LORA_TARGETS, check_model_path, check_resolution, load_backbone
+from common.checkpoint import resolve_run_dir, restore_checkpoint
+from common.checks import read_prompt_file
+from common.parallel import parallelize
+from common.policy import EMA, Trainable, ema_weights
+from common.rewards import check_rewards, load_rewards
+from common.run import Run
+from common.utils import RunLogger, seed_everything, setup_distributed, truncate_metrics
+
+TOY_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toyworld", "model")
+
+
+def derived(default=0):
+    """A field the program fills in: recorded in args.json, not a flag."""
+    return field(default=default, init=False)
+
+
+@dataclass
+class HarnessArgs:
+    # ---- experiment and run folder
+    exp_name: str = "run"
+    """name of the experiment, part of the default run name"""
+    seed: int = 1
+    """seed of prompts, noise and LoRA init, in [0, 2**32 - 1]"""
+    torch_deterministic: bool = True
+    """set torch.backends.cudnn.deterministic"""
+    track: bool = False
+    """log to Weights & Biases (WANDB_MODE=offline works offline)"""
+    wandb_project_name: str = "flow-rl"
+    """the wandb project"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+    output_dir: str = "runs"
+    """runs are written to {output_dir}/{run_name}/"""
+    run_name: str | None = None
+    """the run folder's name (default: {exp_name}__{seed}__{unix time})"""
+    resume: str | None = None
+    """continue a run folder, or one of its checkpoint-N folders, exactly (docs/design.md)"""
+    resume_override: bool = False
+    """with --resume and changed flags: start a new run folder from the checkpoint's weights"""
+    save_every: int = 10
+    """save checkpoint-{iteration} every N iterations, and at the end"""
+    keep_checkpoints: int = 2
+    """keep the newest K checkpoints (0 = all)"""
+
+    # ---- model: the backbone, how it samples, what of it is trained
+    model_path: str = TOY_MODEL
+    """local diffusers folder of SD3/SD3.5/FLUX.1 (default: the shipped toy-world model)"""
+    resolution: int = 32
+    """height and width in pixels of every sampled image"""
+    max_sequence_length: int | None = None
+    """T5 tokens of the text context (default: 128 for SD3, 512 for FLUX, 1 without T5)"""
+    shift: float | None = None
+    """timestep shift s of the sigma schedule (default: the model's scheduler config)"""
+    guidance_scale: float = 1.0
+    """SD3: classifier-free guidance w (<= 1: none); FLUX.1-dev: its guidance input"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, about 30 % more time"""
+    mixed_precision: Literal["bf16", "fp16"] = "bf16"
+    """dtype of frozen weights and activations on CUDA (CPU: fp32)"""
+    full_finetune: bool = False
+    """train every transformer weight instead of a LoRA"""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """under torchrun: every rank holds the model (ddp), or 1/N of it (fsdp, FSDP2)"""
+    fsdp_offload: bool = False
+    """with --parallel fsdp: shards, gradients and optimizer step in host memory"""
+    lora_rank: int = 16
+    """LoRA rank r (unused with --full-finetune)"""
+    lora_alpha: float = 32.0
+    """LoRA alpha: the update is scaled by alpha / r"""
+    lora_target: Literal["attention", "attention-ff", "all-linear"] = "all-linear"
+    """layers that get a LoRA"""
+
+    # ---- prompts and reward
+    prompts_file: str = str(toyworld.TRAIN_MIX_FILE)
+    """training prompts, one per line"""
+    reward: str = "toyworld"
+    """reward name or weighted mix, e.g. "pickscore:1.0,clipscore:0.5" (common/rewards.py)"""
+    reward_model_paths: str = ""
+    """where reward weights live, e.g. "pickscore=/models/PickScore_v1" """
+    guard_rewards: str = ""
+    """rewards logged at evaluation only, to expose reward hacking, e.g. "aesthetic" """
+
+    # ---- held-out evaluation, EMA and budget
+    eval_prompts: str = str(toyworld.TEST_FILE)
+    """evaluation prompts, one per line, never trained on"""
+    eval_every: int = 10
+    """evaluate every N iterations, and at the start and the end"""
+    eval_num_steps: int = 20
+    """ODE steps at evaluation"""
+    eval_guidance_scale: float | None = None
+    """guidance at evaluation (default: --guidance-scale)"""
+    eval_seeds_per_prompt: int = 2
+    """images per evaluation prompt, each from a fixed seed"""
+    eval_batch_size: int = 64
+    """images per transformer call at evaluation"""
+    final_eval_seeds_per_prompt: int | None = None
+    """images per prompt at the final evaluation (default: --eval-seeds-per-prompt)"""
+    ema_decay: float = 0.0
+    """largest EMA decay of the trained weights, used to evaluate and save (0 = off)"""
+    ema_update_interval: int = 8
+    """blend the EMA every N optimizer steps"""
+    ema_warmup: bool = True
+    """EMA decay min((1 + s) / (10 + s), --ema-decay) at optimizer step s"""
+    cpu_budget_s: float = 0.0
+    """stop after this many process CPU seconds, then evaluate (0 = no budget)"""
+
+    # ---- filled in by the program (not flags)
+    world_size: int = derived()
+    """number of processes (torchrun ranks)"""
+    resumed_from: str | None = derived(None)
+    """the checkpoint folder this run was resumed from"""
+
+
+@dataclass
+class GRPOArgs(HarnessArgs):
+    """The flags of the training section that the three GRPO scripts share line for line."""
+
+    # ---- the GRPO training section
+    sde_type: Literal["sde", "cps"] = "sde"
+    """the stochastic step: Flow-GRPO's SDE, or coefficients-preserving sampling"""
+    clip_range: float = 1e-4
+    """PPO clip epsilon on the ratio"""
+    beta: float = 0.0
+    """weight of the KL to the reference (the model without LoRA); 0 = none"""
+    ratio_norm: Literal["off", "ratio", "guard"] = "off"
+    """GRPO-Guard: normalise the log-ratio (ratio), and re-weight steps by 1/|dt| (guard)"""
+    detach_uncond: bool = False
+    """stop the gradient through CFG's unconditional branch (a different objective)"""
+    drop_zero_advantage: bool = True
+    """skip transitions whose advantage is exactly 0 (no policy gradient)"""
+    max_grad_norm: float = 1.0
+    """clip each optimizer step's gradient to this L2 norm"""
+    train_batch_size: int | None = None
+    """stored states per training forward, per rank (default: --rollout-batch-size)"""
+    optimizer_steps_per_iteration: int = 1
+    """optimizer steps per iteration (each after the first is off-policy)"""
+    num_inner_epochs: int = 1
+    """passes over the iteration's transitions"""
+    grad_share_every: int = 0
+    """diagnostic: every N iterations, log each trained step's share of the gradient"""
+
+
+@dataclass
+class Harness:
+    """What the set-up made: the process's place, the run folder, the data, the model."""
+
+    args: HarnessArgs
+    script: str
+    rank: int
+    world_size: int
+    device: torch.device
+    run_dir: str
+    resume_dir: str | None
+    train_prompts: list[str]
+    eval_prompts: list[str]
+    reward_model: object
+    guard_model: object
+    backbone: object
+    trainable: Trainable
+    policy: torch.nn.Module  # the trained module, wrapped for DDP or FSDP2
+    logger: RunLogger
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def params(self) -> dict:
+        """The trained weights, by name (what the optimizer steps)."""
+        return self.trainable.params
+
+    def start(self, optimizer, side_files: dict[str, str] | None = None) -> Run:
+        """The EMA, then a resume's weights, optimizer, EMA, RNG and counters as saved; the Run
+        that logs, evaluates and saves. `side_files` ({name: text}) go into every checkpoint."""
+        a = self.args
+        ema = (
+            EMA(self.params, a.ema_decay, a.ema_update_interval, a.ema_warmup)
+            if a.ema_decay > 0
+            else None
+        )
+        start_iteration, counts = 0, None
+        if self.resume_dir:
+            start_iteration, counts = restore_checkpoint(
+                self.resume_dir, self.rank, self.params, optimizer, ema, self.policy
+            )
+            if self.is_main:
+                truncate_metrics(self.run_dir, start_iteration)
+
+        def save_weights(folder):
+            with ema_weights(ema):
+                self.trainable.save_weights(folder)
+
+        run = Run(
+            a,
+            self.run_dir,
+            self.rank,
+            self.world_size,
+            self.device,
+            self.logger,
+            counts,
+            start_iteration,
+            self.script,
+        )
+        run.bind(
+            self.backbone,
+            self.reward_model,
+            self.guard_model,
+            self.eval_prompts,
+            self.params,
+            optimizer,
+            ema,
+            self.policy,
+            save_weights,
+            side_files,
+        )
+        return run
+
+
+def setup(args: HarnessArgs, script: str, check_args) -> Harness:
+    """Everything before the optimizer, cheapest first, so bad input costs one line, not a model load:
+    prompt files, reward names, the model folder, the flags (`check_args(args, world_size)`, the
+    script's own), the run folder (or the checkpoint a resume verifies); then the rewards, the
+    backbone, the trained weights (LoRA or full, the KL reference), DDP or FSDP2, the logger."""
+    train_prompts = read_prompt_file(args.prompts_file, "--prompts-file")
+    eval_prompts = read_prompt_file(args.eval_prompts, "--eval-prompts")
+    prompt_files = {"--prompts-file": train_prompts, "--eval-prompts": eval_prompts}
+    check_rewards(args.reward, args.guard_rewards, args.reward_model_paths, prompt_files)
+    kind = check_model_path(args.model_path)
+    check_resolution(args.model_path, kind, args.resolution, args.resolution)
+    rank, world_size, device = setup_distributed()
+    check_args(args, world_size)
+    seed_everything(args.seed, args.torch_deterministic)
+    run_dir, resume_dir = resolve_run_dir(args, script, rank == 0)
+    if rank == 0:
+        print("batch arithmetic: " + batch_arithmetic(args))
+    reward_model, guard_model = load_rewards(
+        args.reward, args.guard_rewards, args.reward_model_paths, device
+    )
+    backbone = load_backbone(
+        args.model_path,
+        device,
+        max_sequence_length=args.max_sequence_length,
+        gradient_checkpointing=args.gradient_checkpointing,
+        precision=args.mixed_precision,
+        shard=args.parallel == "fsdp",
+    )
+    trainable = Trainable(
+        backbone,
+        args.full_finetune,
+        args.lora_rank,
+        args.lora_alpha,
+        LORA_TARGETS[args.lora_target],
+        need_reference=getattr(args, "beta", 0.0) > 0,
+    )
+    policy = parallelize(trainable, args.parallel, world_size, args.fsdp_offload)
+    logger = RunLogger(
+        run_dir,
+        rank == 0,
+        args.track,
+        asdict(args),
+        args.wandb_project_name,
+        args.wandb_entity,
+        os.path.basename(run_dir),
+    )
+    return Harness(
+        args,
+        script,
+        rank,
+        world_size,
+        device,
+        run_dir,
+        resume_dir,
+        train_prompts,
+        eval_prompts,
+        reward_model,
+        guard_model,
+        backbone,
+        trainable,
+        policy,
+        logger,
+    )
+
+
+BATCH_FIELDS = (
+    "world_size",
+    "groups_per_iteration",
+    "group_size",
+    "images_per_iteration",
+    "images_per_rank",
+    "rollout_batch_size",
+    "train_batch_size",
+    "trained_steps",
+    "optimizer_steps_per_iteration",
+)
+
+
+def batch_arithmetic(args) -> str:
+    """'world_size=1, groups_per_iteration=32, ...': the batch's shape, printed at the start."""
+    return ", ".join(f"{k}={getattr(args, k)}" for k in BATCH_FIELDS if hasattr(args, k))
