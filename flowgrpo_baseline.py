@@ -330,8 +330,8 @@ if __name__ == "__main__":
             run.log_final(metrics)
             break
 
-        ro = rollout(h, args, sigmas, iteration, run.timer)  # sample, score, advantages
-        metrics.update(ro.metrics)
+        # sample, score, advantages
+        ro = rollout(h, args, sigmas, iteration, run.timer)
 
         # ============================ TRAINING on transitions (same in all three scripts) =========
         # ALGO LOGIC: the PPO-clipped GRPO objective (Flow-GRPO §4) on single SDE steps, found as in
@@ -339,8 +339,7 @@ if __name__ == "__main__":
         # clipped loss and the KL; their mean over the optimizer step's transitions; backward, clip,
         # step. The contract of `transitions` is checked here and listed in docs/design.md.
         with run.timer("train"):
-            tr = check_transitions(ro.transitions, sigmas, len(ro.prompts))
-            tr = {k: v.to(h.device) for k, v in tr.items()}
+            tr = check_transitions(ro.transitions, sigmas, len(ro.prompts), h.device)
             keep = tr["advantage"] != 0  # a zero advantage has no policy gradient
             if not args.drop_zero_advantage:
                 keep = torch.ones_like(keep)
@@ -395,11 +394,10 @@ if __name__ == "__main__":
                     stats.step(check_finite_update(grad_norm, iteration, run.dir))
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                    if run.ema is not None:
-                        run.ema.update()
+                    run.update_ema()  # the averaged weights that evaluation and saving use
         # ============================================ END OF TRAINING =============================
 
-        run.log(metrics, stats, ro.counts)
+        run.log(metrics, stats, ro)  # one metrics.jsonl row: the rollout's and the training's
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations:
             run.checkpoint(iteration + 1)
 

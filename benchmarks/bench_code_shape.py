@@ -17,6 +17,7 @@ import argparse
 import ast
 import difflib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -56,30 +57,47 @@ def depth_of_statements(node, level=-1, out=None):
     return out
 
 
-def algorithm_lines_of_loop(lines: list[str], first: int, last: int) -> int:
-    """Lines of the loop that are the algorithm: the rollout section and the loss."""
-    count, inside = 0, False
-    for i in range(first - 1, last):
-        text = lines[i]
-        if "# ==" in text and "ROLLOUT" in text and "END OF ROLLOUT" not in text:
-            inside = True
-        if inside:
-            count += 1
-        if "END OF ROLLOUT" in text:
-            inside = False
-    loss_start = next(
-        (
-            i
-            for i in range(first - 1, last)
-            if "log_prob, mean, std_dev_t = " in lines[i]
-            or "_, log_prob, mean, std_dev_t = sde_step_with_logprob(" in lines[i]
-        ),
-        None,
-    )
-    loss_end = next((i for i in range(first - 1, last) if "loss.backward()" in lines[i]), None)
-    if loss_start is not None and loss_end is not None:
-        count += loss_end - loss_start + 1
-    return count
+# A statement is plumbing when it only feeds metrics, counters, timers, diagnostics, checks or the
+# run's bookkeeping (evaluation, logging, saving), or syncs ranks, wherever it stands; the rest is
+# the algorithm. A compound statement (if / for / with) is judged by its header line alone, its body
+# statement by statement.
+PLUMBING = re.compile(
+    r"\brun\.(?!timer\))|\bstats\b|\bmetrics\b|\bcounts\b|\btimer\(|set_grad_sync|check_finite_update"
+    r"|check_transitions|\.to\(h\.device\)|TrainStats|group_reward_metrics|anchor_nfe|\bbreak\b"
+    r"|\blast\b|eval_every|save_every|for iteration in"
+)
+
+
+def statement_kinds(text: str, node: ast.AST) -> dict[int, str]:
+    """line -> 'algorithm' | 'plumbing' for every line of a statement under `node` (blank and
+    comment-only lines are in none)."""
+    lines = text.splitlines()
+    out: dict[int, str] = {}
+
+    def visit(stmt: ast.stmt) -> None:
+        body = [c for f in ("body", "orelse", "finalbody") for c in getattr(stmt, f, []) or []]
+        body = [c for c in body if isinstance(c, ast.stmt)]
+        for h in getattr(stmt, "handlers", []) or []:
+            body += h.body
+        last = body[0].lineno - 1 if body else stmt.end_lineno
+        own = "\n".join(line.split("  #")[0] for line in lines[stmt.lineno - 1 : last])
+        kind = (
+            "algorithm" if isinstance(stmt, ast.Return) or not PLUMBING.search(own) else "plumbing"
+        )
+        for i in range(stmt.lineno, last + 1):
+            if lines[i - 1].strip() and not lines[i - 1].strip().startswith("#"):
+                out[i] = kind
+        for child in body:
+            visit(child)
+
+    visit(node)
+    return out
+
+
+def algorithm_lines_of_loop(text: str, loop: ast.For) -> tuple[int, int]:
+    """(code lines of the main loop, those that are the algorithm), counted strictly."""
+    kinds = statement_kinds(text, loop)
+    return len(kinds), sum(k == "algorithm" for k in kinds.values())
 
 
 def regions(text: str) -> dict[int, str]:
@@ -102,6 +120,12 @@ def regions(text: str) -> dict[int, str]:
                         else stmt.end_lineno
                     )
                     out.update({i: f"flag:{stmt.target.id}" for i in range(stmt.lineno, end + 1)})
+    for node in tree.body:  # plumbing statements of the functions and the main block
+        if isinstance(node, (ast.FunctionDef, ast.If)):
+            kinds = statement_kinds(text, node)
+            out.update(
+                {i: "plumbing" for i, k in kinds.items() if k == "plumbing" and i not in out}
+            )
     return out
 
 
@@ -120,7 +144,7 @@ def diff_share(base: str, other: str) -> tuple[int, int]:
             for i in range(lo, hi):
                 changed += 1
                 kind = region.get(i + 1, "")
-                if kind not in ("docstring", "import") and kind not in shared:
+                if kind not in ("docstring", "import", "plumbing") and kind not in shared:
                     algo += 1
     return changed, algo
 
@@ -143,13 +167,27 @@ def measure(root: str) -> dict:
             for n in ast.walk(tree)
             if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("common")
         )
-        loop_lines = loop.end_lineno - loop.lineno + 1
+        loop_lines, loop_algorithm = algorithm_lines_of_loop(text, loop)
+        args_class = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
+        own_flags = [
+            st
+            for st in args_class.body
+            if isinstance(st, ast.AnnAssign)
+            and not (
+                isinstance(st.value, ast.Call) and getattr(st.value.func, "id", "") == "derived"
+            )
+        ]
+        rollout = next(
+            (n.lineno for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "rollout"),
+            None,
+        )
         out[s] = {
             "lines": len(lines),
             "over_100": sum(len(line) > 100 for line in lines) / len(lines),
+            "own_flags": len(own_flags),
+            "rollout_line": rollout,
             "loop_lines": loop_lines,
-            "loop_algorithm": algorithm_lines_of_loop(lines, loop.lineno, loop.end_lineno)
-            / loop_lines,
+            "loop_algorithm": loop_algorithm / loop_lines,
             "deepest_training_statement": deepest,
             "own_names_imported": own,
         }
@@ -163,9 +201,11 @@ def table(result: dict) -> str:
     rows = [
         ("lines (formatted)", lambda m: str(m["lines"])),
         ("lines > 100 characters", lambda m: f"{100 * m['over_100']:.1f} %"),
-        ("main loop, lines", lambda m: str(m["loop_lines"])),
+        ("flags declared in the script", lambda m: str(m["own_flags"])),
+        ("first line of the rollout", lambda m: str(m["rollout_line"])),
+        ("main loop, code lines", lambda m: str(m["loop_lines"])),
         (
-            "share of the main loop that is the algorithm",
+            "share of the main loop that is the algorithm (strict)",
             lambda m: f"{100 * m['loop_algorithm']:.0f} %",
         ),
         (
@@ -178,7 +218,7 @@ def table(result: dict) -> str:
             lambda m: str(m.get("diff_changed", "—")),
         ),
         (
-            "share of the diff that is the algorithm",
+            "share of the diff that is the algorithm (strict)",
             lambda m: f"{100 * m['diff_algorithm']:.0f} %" if "diff_algorithm" in m else "—",
         ),
     ]

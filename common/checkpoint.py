@@ -56,9 +56,6 @@ STATE_FILE = "trainer_state.pt"
 SHARDED_DIR = "trainer_state.dcp"  # --parallel fsdp: the sharded part of the trainer state
 PREFIX = "checkpoint-"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
-# Run-level files a resume reads from its run folder (densegrpo's calibrated psi(t));
-# --resume-override copies them into the new run folder.
-RUN_FILES = ("psi.json",)
 
 # Flags that may differ between a run and its resume: how long, how often to evaluate/log/save,
 # where outputs go, what the run is called, and tracking. Each changes neither the samples nor the
@@ -601,8 +598,6 @@ LOCK_FILE = ".lock"  # {run_dir}/.lock: flock-ed by the one process that writes 
 RUN_OUTPUTS = (
     "args.json",
     "metrics.jsonl",
-    "psi.json",
-    "psi.png",
     "samples",
     "wandb",
     "checkpoint-*",
@@ -740,9 +735,6 @@ def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, 
             )
         check_writable(run_dir)
         hold_run_folder(run_dir)
-        for name in RUN_FILES:
-            if os.path.isfile(os.path.join(source_run, name)):
-                shutil.copy2(os.path.join(source_run, name), os.path.join(run_dir, name))
         what = _describe(changes) if changes else "no flag changed"
         print(
             f"resuming {ckpt} (iteration {marker['iteration']}) as a NEW run in {run_dir} "

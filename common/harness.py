@@ -205,9 +205,15 @@ class Harness:
         """The trained weights, by name (what the optimizer steps)."""
         return self.trainable.params
 
-    def start(self, optimizer, side_files: dict[str, str] | None = None) -> Run:
+    def start(
+        self,
+        optimizer,
+        side_files: dict[str, str] | None = None,
+        first_row: dict | None = None,
+    ) -> Run:
         """The EMA, then a resume's weights, optimizer, EMA, RNG and counters as saved; the Run
-        that logs, evaluates and saves. `side_files` ({name: text}) go into every checkpoint."""
+        that logs, evaluates and saves. `side_files` ({name: text}) go into every checkpoint;
+        `first_row` (metrics) into iteration 0's row (a resumed run has it already)."""
         a = self.args
         ema = (
             EMA(self.params, a.ema_decay, a.ema_update_interval, a.ema_warmup)
@@ -249,6 +255,7 @@ class Harness:
             save_weights,
             side_files,
         )
+        run.first_row = dict(first_row or {})
         return run
 
 

@@ -246,6 +246,8 @@ def step_heatmap(
                 cells.setdefault(metric, {})[(int(j), int(h["iteration"]))] = float(v)
     present = [m for m in STEP_METRICS if m in cells] + sorted(set(cells) - set(STEP_METRICS))
     metrics = [m for m in present if varies_over_steps(cells[m])]
+    if not metrics:  # nothing to see: no file (a picture a student opens and finds empty)
+        return []
     flat = []  # the panels not drawn: the same at every step
     for m in present:
         if m not in metrics:
@@ -261,8 +263,6 @@ def step_heatmap(
         fig.supxlabel(
             "the same at every step, not drawn: " + "; ".join(flat), fontsize="small", wrap=True
         )
-    if not metrics:
-        fig.text(0.5, 0.5, f"no '{prefix}*' metric differs between steps", ha="center", va="center")
     its = sorted({i for c in cells.values() for _, i in c})
     titles = []
     for n, metric in enumerate(metrics):

@@ -108,6 +108,7 @@ class Run:
         self.is_main, self.logger, self.script = rank == 0, logger, os.path.basename(script)
         self.counts = restored_counts(counts)
         self.start_iteration = start_iteration
+        self.first_row = {}  # metrics for iteration 0's row only (Harness.start)
         self.timer = Timer()
         # a resumed run's clocks continue from its checkpoint's, so time/cpu_s and the CPU budget
         # (--cpu-budget-s) count the whole run, not the last process
@@ -214,13 +215,22 @@ class Run:
         )
         self._write(metrics)
 
-    def log(self, metrics: dict, train, rollout_counts: dict) -> dict:
+    def update_ema(self) -> None:
+        """After an optimizer step: blend the EMA of the trained weights (nothing without one)."""
+        if self.ema is not None:
+            self.ema.update()
+
+    def log(self, metrics: dict, train, rollout) -> dict:
         """One metrics.jsonl row for a training iteration: the training section's Stats reduced over
         the ranks (one all-reduce), this rank's rollout counters added to the run's, seconds per
         phase, peak memory, and the per-step gradient shares and norms when the iteration measured
-        them (steps/grad_share/j, steps/grad_norm/j). `train`: the section's TrainStats."""
+        them (steps/grad_share/j, steps/grad_norm/j). `train`: the section's TrainStats; `rollout`:
+        the iteration's Rollout (its metrics and this rank's counters)."""
         stats, grad_share = train.stats, train.grad_share
-        stats.count(**rollout_counts)
+        metrics.update(rollout.metrics)
+        if metrics["iteration"] == 0:
+            metrics.update(self.first_row)
+        stats.count(**rollout.counts)
         red = stats.reduce(self.world_size, self.device)
         self.counts.update({k: v + int(red.get(k, 0)) for k, v in self.counts.items()})
         n_opt = int(red.get("optimizer_steps", 0))
@@ -311,14 +321,16 @@ class Run:
 
 def run_pictures(run_dir: str, history: list[dict], title: str) -> list[str]:
     """The end-of-run pictures, from what the run wrote: learning_curve.png (metrics),
-    steps_heatmap.png (when `steps/...` metrics were logged) and before_after.png (the first and the
+    steps_heatmap.png (when a `steps/...` metric differs between steps) and before_after.png (the first and the
     last evaluation's panel, samples/eval_*.npz, so a resumed run still compares with its starting
     model). -> the paths written."""
     written = [os.path.join(run_dir, "learning_curve.png")]
     learning_curve(history, written[0], title)
-    if any(k.startswith("steps/") for h in history for k in h):
-        written.append(os.path.join(run_dir, "steps_heatmap.png"))
-        step_heatmap(history, "steps/", written[-1], f"{title}: per-step diagnostics")
+    heatmap = os.path.join(run_dir, "steps_heatmap.png")
+    # drawn only when some steps/* metric differs between the steps (on-policy with one advantage
+    # per trajectory and no KL, none does: the default Flow-GRPO and G²RPO runs write none)
+    if step_heatmap(history, "steps/", heatmap, f"{title}: per-step diagnostics"):
+        written.append(heatmap)
     panels = sorted(glob.glob(os.path.join(run_dir, "samples", "eval_*.npz")))
     if len(panels) >= 2:
         written.append(os.path.join(run_dir, "before_after.png"))

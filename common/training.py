@@ -51,7 +51,7 @@ OPTIONAL = {
 
 
 # ------------------------------------------------------------------------------------- the contract
-def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int) -> dict:
+def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int, device=None) -> dict:
     """Assert what the training section relies on, at the hand-over from rollout to training
     (docs/design.md).
 
@@ -66,7 +66,7 @@ def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int) -> dict:
     - state_index (optional; transitions that start from one shared state, G²RPO's branches): rows
       of one state have the same latents, sigma, sigma_next, noise_level and prompt, so one forward
       serves them all.
-    Returns the dict unchanged, so it reads `tr = check_transitions(transitions, ...)`.
+    Returns the dict, moved to `device` when one is given.
     """
     missing = sorted(set(REQUIRED) - set(tr))
     unknown = sorted(set(tr) - set(REQUIRED) - set(OPTIONAL))
@@ -117,7 +117,7 @@ def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int) -> dict:
             assert torch.equal(tr[k], tr[k][rep.to(tr[k].device)]), (
                 f"rows of one state differ in '{k}'"
             )
-    return tr
+    return tr if device is None else {k: v.to(device) for k, v in tr.items()}
 
 
 # ----------------------------------------------------------------------------- the micro-batch plan

@@ -489,7 +489,6 @@ def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(
         "train/reward_std",
         "train/reward_ode_mean",
         "train/dR_abs_mean",
-        "rollout/completion_nfe",
         "rollout/completion_calls",
         "time/calibration_s",
         "psi/t3",
@@ -498,10 +497,8 @@ def test_smoke_one_iteration_calibrates_saves_psi_and_ratio_is_one(
         assert key in first, key
     T, n = 3, 4
     # the first steps reuse the SDE's v
-    assert first["rollout/completion_nfe"] == n * (T * (T + 1) // 2 - T)
-    assert (
-        first["nfe/rollout"] == n * T and first["nfe/completion"] == first["rollout/completion_nfe"]
-    )
+    assert first["nfe/completion"] == n * (T * (T + 1) // 2 - T)  # the first iteration's
+    assert first["nfe/rollout"] == n * T
     # trajectories: prompts x G; scored: the L + 1 latents whose completions the L = 2 trained steps need, and the SDE
     # image (--timestep-fraction 0.99 of T = 3 trains 2 steps)
     assert first["trajectories"] == n and first["scored_images"] == n * (2 + 1 + 1)

@@ -90,12 +90,28 @@ def test_mgai_of_equal_rewards_is_exactly_zero():
 
 
 # ---------------------------------------------------------------------------------------------- NFE
+def rollout_nfe(num_steps: int, branch_steps, group_size: int, granularities) -> int:
+    """Closed-form velocity evaluations of one group's rollout (per prompt; a CFG pair counts as
+    one, as the baseline):
+
+        NFE = (max M + 1) + G * sum_{k in M} sum_{λ in Λ} ceil((T - k - 1) / λ)
+
+    The anchor evaluates v at its states 0..max M; the branch step at k reuses the anchor's v at k
+    (so the shared state costs no extra call: the official code spends G calls there); each
+    completion costs its schedule's steps. Paper setting (T=16, M=0..7, G=12, Λ={1,2,3}):
+    8 + 12 * 173 = 2084 (the official code: 16 + 12 * 181 = 2188). Training adds |M| forwards and
+    |M| backwards per prompt, one per shared state x_k, in both (docs/g2rpo.md).
+    """
+    comp = sum(math.ceil((num_steps - k - 1) / lam) for k in branch_steps for lam in granularities)
+    return max(branch_steps) + 1 + group_size * comp
+
+
 def test_closed_form_nfe_paper_setting():
     # per member and k-sum of completion calls as tabulated from the official code (148 - 8 SDE steps, etc.)
-    assert g2rpo.rollout_nfe(16, range(8), 12, (1,)) == 8 + 12 * 92
-    assert g2rpo.rollout_nfe(16, range(8), 12, (1, 2)) == 8 + 12 * 140
-    assert g2rpo.rollout_nfe(16, range(8), 12, (1, 3)) == 8 + 12 * 125
-    assert g2rpo.rollout_nfe(16, range(8), 12, (1, 2, 3)) == 2084
+    assert rollout_nfe(16, range(8), 12, (1,)) == 8 + 12 * 92
+    assert rollout_nfe(16, range(8), 12, (1, 2)) == 8 + 12 * 140
+    assert rollout_nfe(16, range(8), 12, (1, 3)) == 8 + 12 * 125
+    assert rollout_nfe(16, range(8), 12, (1, 2, 3)) == 2084
 
 
 @pytest.mark.parametrize(
@@ -128,7 +144,7 @@ def test_counted_nfe_equals_closed_form(T, M, G, lams, official):
         batch=7,
         official=official,
     )
-    assert sum(calls) == out["nfe"] == P * g2rpo.rollout_nfe(T, M, G, lams)
+    assert sum(calls) == out["nfe"] == P * rollout_nfe(T, M, G, lams)
     assert max(calls) <= 7  # --rollout-batch-size caps every call
     assert out["final"].shape == (P, len(M), len(lams), G, 5)
 
@@ -275,7 +291,7 @@ def _flags(model, tmp_path, name="run", *extra):
     ]
 
 
-TINY_NFE = g2rpo.rollout_nfe(4, (0, 2), 3, (1, 2))  # per prompt, for _flags
+TINY_NFE = rollout_nfe(4, (0, 2), 3, (1, 2))  # per prompt, for _flags
 
 
 CPS = ["--sde-type", "cps", "--noise-level", "0.8"]
@@ -355,9 +371,7 @@ def test_noise_zero_run_has_zero_advantages(tiny_sd3, tmp_path):
         and first["grad_norm"] == 0.0
     )
     # the G identical branches of a group were run once: G = 1 in the closed form
-    assert first["nfe/rollout"] + first["nfe/completion"] == 2 * g2rpo.rollout_nfe(
-        4, (0, 2), 1, (1, 2)
-    )
+    assert first["nfe/rollout"] + first["nfe/completion"] == 2 * rollout_nfe(4, (0, 2), 1, (1, 2))
 
 
 def tyro_args(flags):

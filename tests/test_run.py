@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common.run as run_module  # noqa: E402
 from common.checkpoint import list_checkpoints, load_checkpoint  # noqa: E402
 from common.run import COUNTERS, Run, restored_counts, summary_line, training_nfe  # noqa: E402
-from common.training import Stats  # noqa: E402
+from common.training import GradShare, Stats  # noqa: E402
 from common.utils import RunLogger  # noqa: E402
 
 
@@ -43,6 +43,11 @@ def make_run(tmp_path, counts=None, **kw):
     return Run(args, str(tmp_path), 0, 1, torch.device("cpu"), logger, counts, 0, "script.py")
 
 
+def trained(stats):
+    """A training section's TrainStats, as Run.log reads it: its Stats and an idle diagnostic."""
+    return SimpleNamespace(stats=stats, grad_share=GradShare({}, 1, active=False))
+
+
 def rows(tmp_path):
     with open(tmp_path / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
@@ -68,7 +73,8 @@ def test_a_resumed_run_continues_its_clocks_and_its_cpu_budget(tmp_path):
     assert "time/cpu_s" not in run.counts  # a clock, not a counter: not summed into the rows
     run.args = make_dataclass("Args", [("keep_checkpoints", int, 2)])()
     w = torch.nn.Parameter(torch.ones(2))
-    run.checkpoint(3, {"w": w}, torch.optim.AdamW([w]), None, None, lambda folder: None)
+    run.bind(None, None, None, [], {"w": w}, torch.optim.AdamW([w]), None, None, lambda f: None)
+    run.checkpoint(3)
     ((_, folder),) = list_checkpoints(str(tmp_path))
     assert load_checkpoint(folder)["clocks"]["time/cpu_s"] >= 100.0
 
@@ -96,9 +102,8 @@ def test_a_training_row_holds_the_counters_the_reduced_stats_and_the_phase_times
     stats.count(grad_norm=5.0, optimizer_steps=1)
     with run.timer("rollout"):
         pass
-    m = run.log(
-        {"iteration": 0}, stats, {"trajectories": 4, "scored_images": 44, "nfe/rollout": 12}
-    )
+    counts = {"trajectories": 4, "scored_images": 44, "nfe/rollout": 12}
+    m = run.log({"iteration": 0}, trained(stats), SimpleNamespace(metrics={}, counts=counts))
     assert m["trajectories"] == 12 and m["scored_images"] == 124 and m["nfe/rollout"] == 42
     assert m["nfe"] == training_nfe(run.counts) == 42
     assert m["ratio/mean"] == pytest.approx(1.0) and m["ratio/max"] == pytest.approx(1.2)
@@ -119,7 +124,9 @@ def test_a_training_row_holds_the_counters_the_reduced_stats_and_the_phase_times
 
 def test_an_iteration_that_trained_nothing_logs_a_ratio_of_one(tmp_path):
     run = make_run(tmp_path)
-    m = run.log({"iteration": 0}, Stats(num_slots=2), {"trajectories": 4, "scored_images": 4})
+    rollout = SimpleNamespace(metrics={"train/reward_mean": 0.5}, counts={"trajectories": 4})
+    m = run.log({"iteration": 0}, trained(Stats(num_slots=2)), rollout)
+    assert m["train/reward_mean"] == 0.5 and m["trajectories"] == 4
     assert m["ratio/mean"] == m["ratio/min"] == m["ratio/max"] == 1.0 and m["grad_norm"] == 0.0
     assert m["ratio/first_minibatch_max_dev"] == 0.0 and m["train/optimizer_steps"] == 0
 
@@ -147,12 +154,16 @@ def test_a_checkpoint_holds_the_counters_the_rng_the_args_and_the_script(tmp_pat
     def save_weights(folder):
         torch.save({"w": w.detach()}, os.path.join(folder, "weights.pt"))
 
-    run.checkpoint(4, {"w": w}, optimizer, None, None, save_weights)
+    side = {"psi.json": '{"psi": [0.5]}'}  # a script's own file, handed to every checkpoint
+    run.bind(None, None, None, [], {"w": w}, optimizer, None, None, save_weights, side)
+    run.checkpoint(4)
     ((it, folder),) = list_checkpoints(str(tmp_path))
     state = load_checkpoint(folder)
     assert it == 4 and state["iteration"] == 4 and state["counts"]["trajectories"] == 5
     assert state["script"] == "script.py" and state["args"]["seed"] == 7 and len(state["rng"]) == 1
     assert os.path.exists(os.path.join(folder, "weights.pt"))
+    with open(os.path.join(folder, "psi.json")) as f:
+        assert f.read() == side["psi.json"]
 
 
 def test_the_evaluation_uses_the_final_seeds_at_the_end_counts_its_nfe_and_saves_its_pictures(
@@ -175,11 +186,12 @@ def test_the_evaluation_uses_the_final_seeds_at_the_end_counts_its_nfe_and_saves
     monkeypatch.setattr(run_module, "evaluate", fake_evaluate)
     run = make_run(tmp_path, final_eval_seeds_per_prompt=8)
     prompts = ["a", "b", "c"]
-    assert run.evaluate(0, False, None, None, None, prompts, None) == {
+    run.bind(None, None, None, prompts, {}, None, None, None, None)
+    assert run.evaluate(0, False) == {
         "eval/accuracy": 0.5,
         "eval/reward_mean": 0.1,
     }
-    run.evaluate(3, True, None, None, None, prompts, None)
+    run.evaluate(3, True)
     # periodic: 2 seeds per prompt; final: 8; eval guidance = the rollout's
     assert calls == [
         (2, 4.5),
