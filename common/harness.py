@@ -261,8 +261,8 @@ class Harness:
 
 def setup(args: HarnessArgs, script: str, check_args) -> Harness:
     """Everything before the optimizer, cheapest first, so bad input costs one line, not a model load:
-    prompt files, reward names, the model folder, the flags (`check_args(args, world_size)`, the
-    script's own), the run folder (or the checkpoint a resume verifies); then the rewards, the
+    prompt files, reward names, the model folder, the flags (the script's own `check_args`), the run
+    folder (or the checkpoint a resume verifies); then the rewards, the
     backbone, the trained weights (LoRA or full, the KL reference), DDP or FSDP2, the logger."""
     train_prompts = read_prompt_file(args.prompts_file, "--prompts-file")
     eval_prompts = read_prompt_file(args.eval_prompts, "--eval-prompts")
