@@ -274,11 +274,12 @@ def sample_trajectories(
     policy's log-probs [T, n] and the velocities v(latents[k], sigma_k) [T, n, ...] (kept: each is
     also the first Euler step of the completion from latents[k]) and the steps' means [T, n, ...]
     (the rollout policy's, for --ratio-norm)."""
-    lat, lps, vels, mus = [], [], [], []
+    fields = ("latents", "log_prob", "velocity", "mean")
+    batches = []  # per rollout batch: the four fields, each stacked over the steps
     for b in range(0, n, batch_size):
         m = min(batch_size, n - b)
         x = backbone.initial_noise(m, resolution, resolution, generator=gen)
-        xs, lp, vs, ms = [x], [], [], []
+        chain = {"latents": [x], "log_prob": [], "velocity": [], "mean": []}
         for j in range(len(sigmas) - 1):
             v = backbone.velocity(x, sigmas[j], emb[b : b + m], guidance_scale)
             x, log_prob, mean, _ = sde_step_with_logprob(
@@ -291,15 +292,10 @@ def sample_trajectories(
                 sigma_max=sigmas[1],
                 sde_type=sde_type,
             )
-            xs.append(x)
-            lp.append(log_prob)
-            vs.append(v)
-            ms.append(mean)
-        lat.append(torch.stack(xs))
-        lps.append(torch.stack(lp))
-        vels.append(torch.stack(vs))
-        mus.append(torch.stack(ms))
-    return torch.cat(lat, 1), torch.cat(lps, 1), torch.cat(vels, 1), torch.cat(mus, 1)
+            for name, value in zip(fields, (x, log_prob, v, mean)):
+                chain[name].append(value)
+        batches.append({name: torch.stack(chain[name]) for name in fields})
+    return tuple(torch.cat([c[name] for c in batches], 1) for name in fields)
 
 
 def completion_grid(num_steps: int, k: int, n: int | None) -> list[int]:
@@ -331,12 +327,12 @@ def dense_rollout(
     x_hat_{0,0} = x_0 needs no completion. Index k is the paper's timestep t = T - k, so R[:, 0]
     (the paper's R_T) is the reward of the plain ODE sample from the trajectory's initial noise.
     `upto` L: only the first L steps are trained, so only latents 0..L (and the SDE image, the last
-    column) are scored: scores [n, >= L+2, K]. Returns latents, log_probs, scores [n, T+1, K]
+    column) are scored: scores [n, >= L+2, R]. Returns latents, log_prob, mean, scores [n, T+1, R]
     (upto None), and the NFE and sequential transformer calls of sampling and of the completions:
     nfe / calls = {"rollout": .., "completion": ..} (a CFG pair is one). Completion NFE per
     trajectory: sum_k (len(grid_k) - 1) - T (first steps reused)."""
     n, T = len(prompts), len(sigmas) - 1
-    latents, log_probs, vels, means = sample_trajectories(
+    latents, log_prob, velocity, mean = sample_trajectories(
         backbone,
         emb,
         sigmas,
@@ -360,21 +356,21 @@ def dense_rollout(
     while last < T and same[last]:
         last += 1
     need = [*range(min(last + 1, T)), T]
-    run = [k for k in need[:-1] if not same[k]]
+    completed = [k for k in need[:-1] if not same[k]]  # the latents whose completion runs
     # job m = r * n + i
-    paths = [sigmas[grids[k]].to(latents.device) for k in run for _ in range(n)]
-    prompt_of = torch.arange(n).repeat(len(run))
+    paths = [sigmas[grids[k]].to(latents.device) for k in completed for _ in range(n)]
+    prompt_of = torch.arange(n).repeat(len(completed))
     # Staircase-batched Euler ODE (common/sampler.py); the first step of each reuses the SDE step's
     # v(x_k, sigma_k).
     clean, nfe, calls = ode_along_paths(
         lambda x, sig, rows: backbone.velocity(x, sig, emb[prompt_of[rows]], args.guidance_scale),
-        latents[run].flatten(0, 1),
+        latents[completed].flatten(0, 1),
         paths,
         args.completion_batch_size,
-        first_velocity=vels[run].flatten(0, 1),
+        first_velocity=velocity[completed].flatten(0, 1),
     )
     # last: the SDE image (index T)
-    clean = torch.cat([clean.view(len(run), *latents.shape[1:]), latents[T:]])
+    clean = torch.cat([clean.view(len(completed), *latents.shape[1:]), latents[T:]])
     images = torch.cat(
         [
             backbone.decode(c, args.resolution, args.resolution)
@@ -382,15 +378,16 @@ def dense_rollout(
         ]
     )
     # k-major
-    scores = reward_model(images, list(prompts) * (len(run) + 1)).view(len(run) + 1, n, -1)
-    row = {T: len(run)}  # row of scores holding R_k
+    scores = reward_model(images, list(prompts) * (len(completed) + 1))
+    scores = scores.view(len(completed) + 1, n, -1)
+    row = {T: len(completed)}  # row of scores holding R_k
     for k in reversed(need[:-1]):
-        row[k] = row[k + 1] if same[k] else run.index(k)
+        row[k] = row[k + 1] if same[k] else completed.index(k)
     return {
         "latents": latents,
-        "log_probs": log_probs,
-        "means": means,
-        "scores": scores[[row[k] for k in need]].transpose(0, 1),  # [n, len(need), K]
+        "log_prob": log_prob,
+        "mean": mean,
+        "scores": scores[[row[k] for k in need]].transpose(0, 1),  # [n, len(need), R]
         "nfe": {"rollout": n * T, "completion": nfe},
         "calls": {"rollout": T * math.ceil(n / args.rollout_batch_size), "completion": calls},
     }
@@ -665,7 +662,7 @@ def rollout(
             upto=args.trained_steps,
         )
     with timer("reward"):
-        all_scores = all_gather_cat(dense["scores"].to(h.device), h.world_size).cpu()  # [N, L+2, K]
+        all_scores = all_gather_cat(dense["scores"].to(h.device), h.world_size).cpu()  # [N, L+2, R]
         if not torch.isfinite(all_scores).all():
             raise SystemExit(
                 f"error: non-finite reward at iteration {iteration}; stopping before any update"
@@ -676,7 +673,7 @@ def rollout(
         if args.reward_mix == "score":
             advantages = per_step_advantages(dR, group, args.global_std, args.std_eps)  # Eq. 10
         else:  # normalise each reward's DeltaR per timestep within its groups, then mix
-            dR_k = dense_step_rewards(all_scores[:, : L + 1])  # [N, L, K]
+            dR_k = dense_step_rewards(all_scores[:, : L + 1])  # [N, L, R]
             per_reward = torch.stack(
                 [
                     per_step_advantages(dR_k[..., k], group, args.global_std, args.std_eps)
@@ -695,8 +692,8 @@ def rollout(
         transitions = {
             "latents": dense["latents"][:L].flatten(0, 1),
             "next_latents": dense["latents"][1 : L + 1].flatten(0, 1),
-            "log_prob": dense["log_probs"][:L].flatten(),
-            "mean": dense["means"][:L].flatten(0, 1),
+            "log_prob": dense["log_prob"][:L].flatten(),
+            "mean": dense["mean"][:L].flatten(0, 1),
             "sigma": sigmas[step_index],
             "sigma_next": sigmas[step_index + 1],
             "noise_level": noise_levels[step_index],

@@ -222,7 +222,7 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
                 steps.append([torch.stack(f) for f in zip(*chain)])  # each [trained steps, B, ...]
                 images.append(h.backbone.decode(x, args.resolution, args.resolution))
     with timer("reward"):
-        scores = h.reward_model(torch.cat(images), prompts)  # [n, K]: one column per reward
+        scores = h.reward_model(torch.cat(images), prompts)  # [n, R]: one column per reward
         all_scores = all_gather_cat(scores.to(h.device), h.world_size).cpu()  # rank-major = global
         if not torch.isfinite(all_scores).all():
             raise SystemExit(
@@ -244,10 +244,10 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
         advantages = advantages.clamp(-args.adv_clip_max, args.adv_clip_max)
         # Transitions, step-major: row j * n + i is step j of trajectory i (check_transitions
         # verifies the order)
-        T, n = args.trained_steps, args.images_per_rank
+        L, n = args.trained_steps, args.images_per_rank
         step_index, trajectory = (
-            torch.arange(w0, w0 + T).repeat_interleave(n),
-            torch.arange(n).repeat(T),
+            torch.arange(w0, w0 + L).repeat_interleave(n),
+            torch.arange(n).repeat(L),
         )
         latents, next_latents, log_probs, means = (
             torch.cat(f, 1).flatten(0, 1) for f in zip(*steps)
@@ -259,7 +259,7 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
             "mean": means,
             "sigma": sigmas[step_index],
             "sigma_next": sigmas[step_index + 1],
-            "noise_level": torch.full((T * n,), args.noise_level),
+            "noise_level": torch.full((L * n,), args.noise_level),
             "advantage": advantages[mine][trajectory],
             "prompt_index": trajectory,
             "step_index": step_index,

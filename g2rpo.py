@@ -201,11 +201,11 @@ def singular_stochastic_rollout(
       latents [K, P, ...]        the shared state before each branch step (the transitions' latents)
       next_latents [K, P, G, ...] and log_prob [K, P, G]: the SDE steps, the only ones that carry
                                  the loss
-      final [P, K, L, G, ...]    the clean latents to decode and score (K = |M|, L = |Λ|)
+      final [P, K, J, G, ...]    the clean latents to decode and score (K = |M|, J = |Λ|)
       nfe                        velocity evaluations counted while running (P * rollout_nfe(...);
                                  G = 1 at noise 0)
     """
-    P, K, L, G, T = len(x_T), len(branch_steps), len(granularities), group_size, len(sigmas) - 1
+    P, K, J, G, T = len(x_T), len(branch_steps), len(granularities), group_size, len(sigmas) - 1
     # At noise_level 0 the G branches are one deterministic computation: run it once and copy it.
     # Batched kernels do not promise equal outputs for equal rows (a row's result can depend on its
     # place in the batch), and a z-score would blow such 1e-7 differences up into O(1) advantages.
@@ -215,7 +215,7 @@ def singular_stochastic_rollout(
     latents, next_latents, log_prob, means = [], [], [], []
     for k in branch_steps:  # every k branches from the same anchor (not from another k's branch)
         x, v = states[k].repeat_interleave(n, 0), vels[k].repeat_interleave(n, 0)
-        y, lp, mu, _ = sde_step_with_logprob(
+        x_next, log_prob_k, mean_k, _ = sde_step_with_logprob(
             v,
             x,
             sigmas[k],
@@ -226,34 +226,34 @@ def singular_stochastic_rollout(
             sde_type=sde_type,
         )
         latents.append(states[k])
-        next_latents.append(y.view(P, n, *y.shape[1:]))
-        log_prob.append(lp.view(P, n))
-        means.append(mu.view(P, n, *mu.shape[1:]))
+        next_latents.append(x_next.view(P, n, *x_next.shape[1:]))
+        log_prob.append(log_prob_k.view(P, n))
+        means.append(mean_k.view(P, n, *mean_k.shape[1:]))
     next_latents = torch.stack(next_latents)  # [K, P, n, ...]
     # One completion job per (prompt, k, λ, member), in that order (prompt outermost, so a
     # rank-major gather of the rewards lists prompts in global order).
-    start = next_latents.transpose(0, 1).unsqueeze(2).expand(P, K, L, n, *next_latents.shape[3:])
+    start = next_latents.transpose(0, 1).unsqueeze(2).expand(P, K, J, n, *next_latents.shape[3:])
     paths = [
         sigmas[completion_schedule(k, lam, T, official)]
         for k in branch_steps
         for lam in granularities
     ]
     paths = [p for _ in range(P) for p in paths for _ in range(n)]
-    prompt_index = torch.arange(P).repeat_interleave(K * L * n)
+    prompt_index = torch.arange(P).repeat_interleave(K * J * n)
     # Euler ODE (E1) of every row along its own path, staircase-batched (common/sampler.py)
     final, nfe_ode, _ = ode_along_paths(
         lambda x, s, rows: velocity(x, s, prompt_index[rows]),
-        start.reshape(P * K * L * n, *start.shape[4:]),
+        start.reshape(P * K * J * n, *start.shape[4:]),
         paths,
         batch,
     )
-    final = final.view(P, K, L, n, *final.shape[1:])
+    final = final.view(P, K, J, n, *final.shape[1:])
     return {
         "latents": torch.stack(latents),
         "next_latents": next_latents.expand(K, P, G, *next_latents.shape[3:]),
         "log_prob": torch.stack(log_prob).expand(K, P, G),
         "mean": torch.stack(means).expand(K, P, G, *next_latents.shape[3:]),
-        "final": final.expand(P, K, L, G, *final.shape[4:]),
+        "final": final.expand(P, K, J, G, *final.shape[4:]),
         "nfe": nfe + nfe_ode,
     }
 
@@ -261,7 +261,7 @@ def singular_stochastic_rollout(
 # ALGO LOGIC: MGAI (paper Eqs. 10-12), the advantage of each branch step from its rewards at every
 # granularity.
 def mgai_advantages(rewards: torch.Tensor, weights: torch.Tensor, eps: float) -> torch.Tensor:
-    """rewards [..., K, L, G, R] (branch step, granularity, member, reward model) -> advantages
+    """rewards [..., K, J, G, R] (branch step, granularity, member, reward model) -> advantages
     [..., K, G].
 
     A_k^i = sum_m w_m sum_λ (r - mean_G r) / (std_G r + eps), std unbiased (torch's default,

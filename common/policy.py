@@ -79,10 +79,6 @@ class Trainable:
             finally:
                 self.backbone.transformer.enable_adapters()
 
-    def reference_velocity(self, x, sigma, emb, guidance_scale: float) -> torch.Tensor:
-        """v of the KL reference policy."""
-        return self.backbone.velocity(x, sigma, emb, guidance_scale, model=self.reference)
-
     def save_weights(self, folder: str) -> None:
         """Weights for users: a LoRA that a stock pipeline loads with `load_lora_weights(folder)`,
         or (full fine-tuning) a transformer folder that `from_pretrained` loads. FSDP: every rank

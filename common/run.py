@@ -43,6 +43,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from common.checkpoint import release_run_folder, rng_state, save_checkpoint, trainer_state
+from common.checks import ConfigError
 from common.evaluation import Panel, evaluate
 from common.parallel import is_sharded, weights_digest
 from common.plots import before_after, learning_curve, step_heatmap
@@ -72,12 +73,16 @@ def training_nfe(counts: dict) -> int:
 
 
 def restored_counts(saved: dict | None) -> dict:
-    """The counters of a checkpoint, completed: a checkpoint written before the split into
-    `trajectories` and `scored_images` has one `images` counter, which counted the scored images."""
-    counts = dict.fromkeys(COUNTERS, 0)
+    """The counters of a checkpoint, completed with zeros. A checkpoint written before 2026-12-03
+    has one `images` counter instead of `trajectories` and `scored_images`: refused in one line."""
     saved = dict(saved or {})
-    if "images" in saved and "scored_images" not in saved:
-        saved["scored_images"] = saved.pop("images")
+    if "images" in saved:
+        raise ConfigError(
+            "this checkpoint was written before 2026-12-03 (one 'images' counter, not "
+            "'trajectories' and 'scored_images'), which this code no longer resumes: start a new "
+            "run, or resume it with a checkout of that time"
+        )
+    counts = dict.fromkeys(COUNTERS, 0)
     counts.update({k: v for k, v in saved.items() if k in counts})
     return counts
 

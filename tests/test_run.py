@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common.run as run_module  # noqa: E402
 from common.checkpoint import list_checkpoints, load_checkpoint  # noqa: E402
+from common.checks import ConfigError  # noqa: E402
 from common.run import COUNTERS, Run, restored_counts, summary_line, training_nfe  # noqa: E402
 from common.training import GradShare, Stats  # noqa: E402
 from common.utils import RunLogger  # noqa: E402
@@ -207,12 +208,10 @@ def test_the_evaluation_uses_the_final_seeds_at_the_end_counts_its_nfe_and_saves
     assert run.last_eval == "0.500@3" and run.pictures is not None
 
 
-def test_an_old_checkpoints_images_counter_is_its_scored_images():
-    assert restored_counts({"images": 704, "nfe/rollout": 10}) == {
-        **dict.fromkeys(COUNTERS, 0),
-        "scored_images": 704,
-        "nfe/rollout": 10,
-    }
+def test_an_old_checkpoints_counters_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match="before 2026-12-03"):
+        restored_counts({"images": 704, "nfe/rollout": 10})
+    assert restored_counts({"trajectories": 3})["trajectories"] == 3
     assert restored_counts(None) == dict.fromkeys(COUNTERS, 0)
 
 
