@@ -146,6 +146,10 @@ class HarnessArgs:
     resumed_from: str | None = derived(None)
     """the checkpoint folder this run was resumed from"""
 
+    def wants_reference(self) -> bool:
+        """Whether the loss needs the reference model (the backbone without its LoRA)."""
+        return False
+
 
 @dataclass
 class GRPOArgs(HarnessArgs):
@@ -174,6 +178,9 @@ class GRPOArgs(HarnessArgs):
     """passes over the iteration's transitions"""
     grad_share_every: int = 0
     """diagnostic: every N iterations, log each trained step's share of the gradient"""
+
+    def wants_reference(self) -> bool:
+        return self.beta > 0  # the KL term's reference forward
 
 
 @dataclass
@@ -293,7 +300,7 @@ def setup(args: HarnessArgs, script: str, check_args) -> Harness:
         args.lora_rank,
         args.lora_alpha,
         LORA_TARGETS[args.lora_target],
-        need_reference=getattr(args, "beta", 0.0) > 0,
+        need_reference=args.wants_reference(),
     )
     policy = parallelize(trainable, args.parallel, world_size, args.fsdp_offload)
     logger = RunLogger(
