@@ -37,6 +37,7 @@ from common.sampler import gaussian_kl, ode_along_paths, ratio_norm, sde_step_wi
 from common.training import (
     Rollout,
     TrainStats,
+    check_finite_rewards,
     check_finite_update,
     check_transitions,
     plan_updates,
@@ -200,8 +201,9 @@ def check_args(args: Args, world_size: int) -> None:
     for name, rule in calibration.items():
         check_flag(args, name, rule)
     if args.psi_file is not None and not os.path.isfile(args.psi_file):
+        what = "is a folder" if os.path.isdir(args.psi_file) else "does not exist"
         raise ConfigError(
-            f"--psi-file '{args.psi_file}' does not exist: pass the psi.json of an earlier run"
+            f"--psi-file '{args.psi_file}' {what}: pass the psi.json of an earlier run"
         )
     if args.psi_file is not None:
         # its contents, before the model load
@@ -663,10 +665,7 @@ def rollout(
         )
     with timer("reward"):
         all_scores = all_gather_cat(dense["scores"].to(h.device), h.world_size).cpu()  # [N, L+2, R]
-        if not torch.isfinite(all_scores).all():
-            raise SystemExit(
-                f"error: non-finite reward at iteration {iteration}; stopping before any update"
-            )
+        check_finite_rewards(all_scores, iteration, h.run_dir)
         mixed = h.reward_model.mix(all_scores)  # column 0: the ODE image, last: the SDE image
         L = args.trained_steps
         dR = dense_step_rewards(mixed[:, : L + 1])  # [N, L], Eq. 7: the trained steps
@@ -818,7 +817,9 @@ if __name__ == "__main__":
         # clipped loss and the KL; their mean over the optimizer step's transitions; backward, clip,
         # step. The contract of `transitions` is checked here and listed in docs/design.md.
         with run.timer("train"):
-            tr = check_transitions(ro.transitions, sigmas, len(ro.prompts), h.device)
+            tr = check_transitions(
+                ro.transitions, sigmas, len(ro.prompts), h.device, iteration, run.dir
+            )
             keep = tr["advantage"] != 0  # a zero advantage has no policy gradient
             if not args.drop_zero_advantage:
                 keep = torch.ones_like(keep)
@@ -873,7 +874,7 @@ if __name__ == "__main__":
                     stats.step(check_finite_update(grad_norm, iteration, run.dir))
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                    run.update_ema()  # the averaged weights that evaluation and saving use
+                    run.after_optimizer_step(iteration)  # every weight finite; the EMA blended
         # ============================================ END OF TRAINING =============================
 
         run.log(metrics, stats, ro)  # one metrics.jsonl row: the rollout's and the training's

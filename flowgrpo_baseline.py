@@ -28,6 +28,7 @@ from common.sampler import gaussian_kl, ratio_norm, sde_step_with_logprob
 from common.training import (
     Rollout,
     TrainStats,
+    check_finite_rewards,
     check_finite_update,
     check_transitions,
     plan_updates,
@@ -224,10 +225,7 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
     with timer("reward"):
         scores = h.reward_model(torch.cat(images), prompts)  # [n, R]: one column per reward
         all_scores = all_gather_cat(scores.to(h.device), h.world_size).cpu()  # rank-major = global
-        if not torch.isfinite(all_scores).all():
-            raise SystemExit(
-                f"error: non-finite reward at iteration {iteration}; stopping before any update"
-            )
+        check_finite_rewards(all_scores, iteration, h.run_dir)
         if args.reward_mix == "score":
             advantages = group_advantages(
                 h.reward_model.mix(all_scores), group, args.global_std, args.std_eps
@@ -339,7 +337,9 @@ if __name__ == "__main__":
         # clipped loss and the KL; their mean over the optimizer step's transitions; backward, clip,
         # step. The contract of `transitions` is checked here and listed in docs/design.md.
         with run.timer("train"):
-            tr = check_transitions(ro.transitions, sigmas, len(ro.prompts), h.device)
+            tr = check_transitions(
+                ro.transitions, sigmas, len(ro.prompts), h.device, iteration, run.dir
+            )
             keep = tr["advantage"] != 0  # a zero advantage has no policy gradient
             if not args.drop_zero_advantage:
                 keep = torch.ones_like(keep)
@@ -394,7 +394,7 @@ if __name__ == "__main__":
                     stats.step(check_finite_update(grad_norm, iteration, run.dir))
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                    run.update_ema()  # the averaged weights that evaluation and saving use
+                    run.after_optimizer_step(iteration)  # every weight finite; the EMA blended
         # ============================================ END OF TRAINING =============================
 
         run.log(metrics, stats, ro)  # one metrics.jsonl row: the rollout's and the training's

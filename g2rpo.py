@@ -31,6 +31,7 @@ from common.sampler import gaussian_kl, ode_along_paths, ode_step, ratio_norm, s
 from common.training import (
     Rollout,
     TrainStats,
+    check_finite_rewards,
     check_finite_update,
     check_transitions,
     plan_updates,
@@ -323,10 +324,7 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
             ]
         )
         all_scores = all_gather_cat(scores.to(h.device), h.world_size).cpu()  # global prompt order
-        if not torch.isfinite(all_scores).all():
-            raise SystemExit(
-                f"error: non-finite reward at iteration {iteration}; stopping before any update"
-            )
+        check_finite_rewards(all_scores, iteration, h.run_dir)
         table = all_scores.view(
             args.groups_per_iteration, len(M), len(Lam), G, -1
         )  # [p, k, λ, i, R]
@@ -444,7 +442,9 @@ if __name__ == "__main__":
         # clipped loss and the KL; their mean over the optimizer step's transitions; backward, clip,
         # step. The contract of `transitions` is checked here and listed in docs/design.md.
         with run.timer("train"):
-            tr = check_transitions(ro.transitions, sigmas, len(ro.prompts), h.device)
+            tr = check_transitions(
+                ro.transitions, sigmas, len(ro.prompts), h.device, iteration, run.dir
+            )
             keep = tr["advantage"] != 0  # a zero advantage has no policy gradient
             if not args.drop_zero_advantage:
                 keep = torch.ones_like(keep)
@@ -499,7 +499,7 @@ if __name__ == "__main__":
                     stats.step(check_finite_update(grad_norm, iteration, run.dir))
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                    run.update_ema()  # the averaged weights that evaluation and saving use
+                    run.after_optimizer_step(iteration)  # every weight finite; the EMA blended
         # ============================================ END OF TRAINING =============================
 
         run.log(metrics, stats, ro)  # one metrics.jsonl row: the rollout's and the training's

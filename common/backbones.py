@@ -122,10 +122,8 @@ def check_model_path(path: str) -> str:
 def check_resolution(path: str, kind: str, height: int, width: int) -> None:
     """Fail fast (from the config files alone) when the image size does not fit the VAE and the
     patching."""
-    with open(os.path.join(path, "vae", "config.json")) as f:
-        vae_factor = 2 ** (len(json.load(f)["block_out_channels"]) - 1)
-    with open(os.path.join(path, "transformer", "config.json")) as f:
-        transformer = json.load(f)
+    vae_factor = 2 ** (len(read_config(path, "vae").get("block_out_channels", [0] * 4)) - 1)
+    transformer = read_config(path, "transformer")
     # FLUX packs 2x2 latents
     patch = transformer.get("patch_size", 1) * (2 if kind == "flux" else 1)
     unit = vae_factor * patch
@@ -141,6 +139,52 @@ def check_resolution(path: str, kind: str, height: int, width: int) -> None:
             f"resolution {height}x{width} is larger than this model's position embedding covers "
             f"({grid} patches of {unit} pixels: at most {grid * unit}x{grid * unit}); pick a "
             f"resolution up to {grid * unit}"
+        )
+
+
+def read_config(path: str, component: str) -> dict:
+    """{component}/config.json of a model folder, or one line saying it is unreadable."""
+    file = os.path.join(path, component, "config.json")
+    try:
+        with open(file) as f:
+            config = json.load(f)
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+        return config
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"--model-path '{path}': {component}/config.json is unreadable ({e.__class__.__name__}: "
+            f"{e}); fetch the folder again ({HUB_HINT})"
+        ) from None
+
+
+def check_model_flags(path: str, kind: str, args) -> None:
+    """The flags bounded by the model, from its config files, before the load: the resolution
+    (check_resolution), the T5 context length and the LoRA rank."""
+    check_resolution(path, kind, args.resolution, args.resolution)
+    index = read_model_index(path)
+    has_t5 = kind == "flux" or (index.get("text_encoder_3") or [None])[0] is not None
+    longest = 512  # T5's positions in SD3 and FLUX
+    if has_t5:
+        tok = os.path.join(path, "tokenizer_3" if kind == "sd3" else "tokenizer_2")
+        try:
+            with open(os.path.join(tok, "tokenizer_config.json")) as f:
+                longest = min(longest, int(json.load(f).get("model_max_length", longest)))
+        except (OSError, ValueError, TypeError):
+            pass
+    msl = args.max_sequence_length
+    if msl is not None and msl > longest:
+        raise ConfigError(
+            f"--max-sequence-length {msl}: this model's text context holds at most {longest} T5 "
+            f"tokens{'' if has_t5 else ' (it has no T5 encoder: 1 token of zeros is its default)'}; "
+            "pass a smaller value or leave it unset"
+        )
+    config = read_config(path, "transformer")
+    width = config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0)
+    if not args.full_finetune and width and args.lora_rank > width:
+        raise ConfigError(
+            f"--lora-rank {args.lora_rank}: the transformer's layers are {width} wide, and a LoRA's "
+            f"rank cannot exceed them; pass at most {width} (or --full-finetune)"
         )
 
 
@@ -333,9 +377,8 @@ class Backbone:
         if grid and grid[0] * grid[1] == seq_len:
             return grid
         side = int(round(seq_len**0.5))
-        assert side * side == seq_len, (
-            "non-square FLUX latents: call backbone.set_image_size(height, width)"
-        )
+        if side * side != seq_len:
+            raise ValueError("non-square FLUX latents: call backbone.set_image_size(height, width)")
         return side, side
 
 

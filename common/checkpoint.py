@@ -471,6 +471,65 @@ def find_resume_checkpoint(path: str, log=print) -> str:
     )
 
 
+def resume_source(path: str, log=print) -> tuple[str | None, dict, dict]:
+    """What --resume PATH continues: (its verified checkpoint, or None for a run folder that died
+    before its first checkpoint, which restarts in place; the run's flags; their path fingerprints).
+    A run folder without a checkpoint is known by its args.json."""
+    p = os.path.abspath(path.rstrip("/") or "/")
+    args_file = os.path.join(p, "args.json")
+    if (
+        os.path.isdir(p)
+        and not _CKPT_RE.match(os.path.basename(p))
+        and not list_checkpoints(p, interrupted=True)
+        and os.path.isfile(args_file)
+    ):
+        try:
+            with open(args_file) as f:
+                return None, dict(json.load(f)), {}
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"--resume '{path}' holds no checkpoint and its args.json cannot be read ({e}): "
+                "start a new run without --resume"
+            ) from None
+    ckpt = find_resume_checkpoint(path, log)
+    marker = read_marker(ckpt)
+    return ckpt, marker.get("args", {}), marker.get("path_fingerprints") or {}
+
+
+# Flags a resume never takes from the run: the resume itself, and where a NEW run folder goes
+# (--resume-override); the program's derived fields are recomputed.
+NOT_ADOPTED = {"resume", "resume_override", "run_name", "output_dir"}
+
+
+def adopt_run_flags(args, saved: dict, fingerprints: dict, given: set[str]) -> list[str]:
+    """A resume continues the run as it was: every flag not given on the command line takes the
+    run's own value (a path flag keeps this checkout's value when both name the same content, as in
+    a second clone). Returns the flags given that differ from the run's."""
+    given_and_changed = []
+    for f in dataclasses.fields(args):
+        if not f.init or f.name in NOT_ADOPTED or f.name not in saved:
+            continue
+        value, now = saved[f.name], getattr(args, f.name)
+        if isinstance(value, list) and "tuple" in str(f.type):
+            value = tuple(value)
+        if f.name in given:
+            if _json({"v": value}) != _json({"v": now}):
+                given_and_changed.append(f.name)
+            continue
+        if f.name in PATH_FLAGS and same_path_meaning(value, now, fingerprints.get(f.name)):
+            continue
+        setattr(args, f.name, value)
+    return given_and_changed
+
+
+def continue_hint(run_dir: str) -> str:
+    """How to go on after a stop, naming only what exists: the last complete checkpoint, or none."""
+    done = [c for _, c in list_checkpoints(run_dir) if verify_checkpoint(c, quick=True) is None]
+    if done:
+        return f"the last complete checkpoint is {done[-1]}: continue with --resume {run_dir}"
+    return f"no checkpoint was saved yet: restart it in place with --resume {run_dir}"
+
+
 def _json(d: dict) -> dict:
     return json.loads(json.dumps(d, default=str))  # tuples -> lists, as the marker stores them
 
@@ -652,7 +711,9 @@ def run_outputs(run_dir: str) -> list[str]:
     return sorted(n for n in names if any(fnmatch.fnmatch(n, p) for p in RUN_OUTPUTS))
 
 
-def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, str | None]:
+def resolve_run_dir(
+    args, script_file: str, is_main: bool = True, source=None, given: frozenset = frozenset()
+) -> tuple[str, str | None]:
     """(run folder, checkpoint folder to resume or None), checked before any model is loaded.
 
     Without --resume: {output_dir}/{run_name}, created and probed for writing; a folder that already
@@ -678,11 +739,29 @@ def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, 
                     "or pass another --run-name; nothing in it was changed"
                 )
         return run_dir, None
-    ckpt = find_resume_checkpoint(args.resume, log=print if is_main else (lambda *_: None))
+    log = print if is_main else (lambda *_: None)
+    ckpt, saved, fingerprints = source or resume_source(args.resume, log)
+    source_folder = os.path.dirname(ckpt) if ckpt else os.path.abspath(args.resume.rstrip("/"))
+    if (
+        "run_name" in given
+        and not args.resume_override
+        and args.run_name != os.path.basename(source_folder)
+    ):
+        raise ConfigError(
+            f"--run-name {args.run_name} names a new run folder, which only --resume-override "
+            f"starts: drop --run-name to continue {source_folder} in place"
+        )
+    changes = changed_flags(saved, dataclasses.asdict(args), fingerprints)
+    if ckpt is None:
+        return _restart_in_place(args, changes, is_main)
     marker = read_marker(ckpt)
-    changes = changed_flags(
-        marker.get("args", {}), dataclasses.asdict(args), marker.get("path_fingerprints")
-    )
+    if "world_size" in {c[0] for c in changes}:
+        raise ConfigError(
+            f"--resume {ckpt} was trained by {saved.get('world_size')} process(es), this is "
+            f"{args.world_size}: resume it under `torchrun --nproc_per_node "
+            f"{saved.get('world_size')}` (or python alone for 1), or add --resume-override to start "
+            "a new run folder from its weights"
+        )
     script, saved_script = os.path.basename(script_file), marker.get("script")
     if saved_script and saved_script != script:
         raise ConfigError(
@@ -700,7 +779,7 @@ def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, 
     if changes and not args.resume_override:
         raise ConfigError(
             f"--resume {ckpt} was trained with other experiment-defining flags: "
-            f"{_describe(changes)}; pass the checkpoint's values to continue that run, or add "
+            f"{_describe(changes)}; drop them to continue that run with its own values, or add "
             "--resume-override to start a new run folder from its weights"
         )
     # (a new folder loses nothing). At the checkpoint's own iteration a run may still owe its final
@@ -718,6 +797,7 @@ def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, 
     if not args.resume_override:
         if is_main:
             hold_run_folder(source_run)
+            _note_deletions(args, saved, source_run)
         return source_run, ckpt
     run_dir = os.path.join(
         args.output_dir, _same_on_all_ranks(args.run_name or default_run_name(args))
@@ -741,6 +821,51 @@ def resolve_run_dir(args, script_file: str, is_main: bool = True) -> tuple[str, 
             f"({what}); {source_run} is left as it is"
         )
     return run_dir, ckpt
+
+
+def _restart_in_place(args, changes, is_main: bool) -> tuple[str, None]:
+    """--resume of a run folder that died before its first checkpoint: the run starts again in its
+    own folder from iteration 0 with its own flags. It samples what it sampled before (the seeds
+    are the run's), so the rows it rewrites are the ones it had."""
+    run_dir = os.path.abspath(args.resume.rstrip("/"))
+    if args.resume_override:
+        raise ConfigError(
+            f"--resume-override {run_dir}: the run has no checkpoint to start a new run from; drop "
+            "--resume-override to restart it in place, or start a new run without --resume"
+        )
+    if changes:
+        raise ConfigError(
+            f"--resume {run_dir} (no checkpoint yet) restarts the run with its own flags, and "
+            f"{_describe(changes)} would change them: drop them, or start a new run without --resume"
+        )
+    if is_main:
+        check_writable(run_dir)
+        hold_run_folder(run_dir)
+        restarted = [n for n in run_outputs(run_dir) if n not in ("args.json", "wandb")]
+        for name in restarted:
+            path = os.path.join(run_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+        print(
+            f"{run_dir} holds no checkpoint: restarting the run in place from iteration 0 with its "
+            f"own flags (args.json){'; replaced ' + ', '.join(restarted) if restarted else ''}"
+        )
+    return run_dir, None
+
+
+def _note_deletions(args, saved: dict, run_dir: str) -> None:
+    """One line when a --keep-checkpoints given to this resume will delete checkpoints the run kept."""
+    keep = args.keep_checkpoints
+    kept = saved.get("keep_checkpoints", keep)
+    have = [c for _, c in list_checkpoints(run_dir)]
+    if keep and keep != kept and len(have) >= keep:
+        print(
+            f"note: --keep-checkpoints {keep} (the run kept {kept or 'all'}): "
+            f"{', '.join(os.path.basename(c) for c in have[: len(have) - keep + 1])} will be "
+            "deleted as new checkpoints complete"
+        )
 
 
 # ---------------------------------------------------------------------------------------- load

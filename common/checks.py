@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 
 class ConfigError(SystemExit):
-    """Bad user input: printed as one line (no traceback) and the process exits with status 2."""
+    """Bad user input: printed as one line (no traceback) and the process exits with status 1."""
 
     def __init__(self, message: str):
         super().__init__(f"error: {message}")
@@ -75,6 +76,7 @@ def _int(lo: int, why: str = "", optional: bool = False) -> Rule:
 
 # The shared table: flag (Args field) -> rule. A field a script does not have is skipped.
 RANGES: dict[str, Rule] = {
+    "seed": Rule(0, 2**32 - 1, integer=True, why="numpy's seeds are 32-bit"),
     # sampler
     "noise_level": Rule(
         0, why="a scales the SDE's standard deviation; 0 = the deterministic ODE, no exploration"
@@ -196,6 +198,18 @@ def check_sde_type(args, trains_last_step: bool, which: str) -> None:
             f"--sde-type cps with {which}: the last step is trained, but it lands on sigma = 0, "
             "where the CPS std sigma_next sin(a pi / 2) is 0 (no action to learn, and the KL "
             "divides by 0); train fewer steps"
+        )
+
+
+def check_run_name(args) -> None:
+    """--run-name is one plain folder name inside --output-dir (not '.', '..', a path or empty)."""
+    name = args.run_name
+    if name is not None and (
+        name in ("", ".", "..") or os.sep in name or (os.altsep or os.sep) in name
+    ):
+        raise ConfigError(
+            f"--run-name {name!r}: give one plain folder name (no '/', not '.' or '..'); the run "
+            "folder is {output_dir}/{run_name}, so use --output-dir for where it goes"
         )
 
 

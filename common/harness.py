@@ -27,15 +27,21 @@ world size, the checkpoint a run resumed from) and records them in args.json.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
 
 from common import toyworld
-from common.backbones import LORA_TARGETS, check_model_path, check_resolution, load_backbone
-from common.checkpoint import resolve_run_dir, restore_checkpoint
-from common.checks import read_prompt_file
+from common.backbones import LORA_TARGETS, check_model_flags, check_model_path, load_backbone
+from common.checkpoint import (
+    adopt_run_flags,
+    resolve_run_dir,
+    restore_checkpoint,
+    resume_source,
+)
+from common.checks import check_run_name, read_prompt_file
 from common.parallel import parallelize
 from common.policy import EMA, Trainable, ema_weights
 from common.rewards import check_rewards, load_rewards
@@ -263,24 +269,44 @@ class Harness:
             side_files,
         )
         run.first_row = dict(first_row or {})
+        run.stop_on_signals()
         return run
 
 
-def setup(args: HarnessArgs, script: str, check_args) -> Harness:
+def given_flags(argv: list[str]) -> set[str]:
+    """The fields named on the command line: --learning-rate 1e-3 -> learning_rate, --no-track ->
+    track."""
+    names = set()
+    for token in argv:
+        if token.startswith("--") and len(token) > 2:
+            name = token[2:].split("=", 1)[0].replace("-", "_")
+            names.add(name[3:] if name.startswith("no_") else name)
+    return names
+
+
+def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = None) -> Harness:
     """Everything before the optimizer, cheapest first, so bad input costs one line, not a model load:
     prompt files, reward names, the model folder, the flags (the script's own `check_args`), the run
     folder (or the checkpoint a resume verifies); then the rewards, the
-    backbone, the trained weights (LoRA or full, the KL reference), DDP or FSDP2, the logger."""
+    backbone, the trained weights (LoRA or full, the KL reference), DDP or FSDP2, the logger. A
+    resume first takes the run's own value of every flag not on the command line (`argv`, default
+    sys.argv)."""
+    check_run_name(args)
+    given = given_flags(sys.argv[1:] if argv is None else argv)
+    source = None
+    if args.resume:  # the checkpoint (or a run folder without one) and the run's flags
+        log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *_: None)
+        source = resume_source(args.resume, log)
+        adopt_run_flags(args, source[1], source[2], given)
     train_prompts = read_prompt_file(args.prompts_file, "--prompts-file")
     eval_prompts = read_prompt_file(args.eval_prompts, "--eval-prompts")
     prompt_files = {"--prompts-file": train_prompts, "--eval-prompts": eval_prompts}
     check_rewards(args.reward, args.guard_rewards, args.reward_model_paths, prompt_files)
-    kind = check_model_path(args.model_path)
-    check_resolution(args.model_path, kind, args.resolution, args.resolution)
+    check_model_flags(args.model_path, check_model_path(args.model_path), args)
     rank, world_size, device = setup_distributed()
     check_args(args, world_size)
     seed_everything(args.seed, args.torch_deterministic)
-    run_dir, resume_dir = resolve_run_dir(args, script, rank == 0)
+    run_dir, resume_dir = resolve_run_dir(args, script, rank == 0, source, frozenset(given))
     if rank == 0:
         print("batch arithmetic: " + batch_arithmetic(args))
     reward_model, guard_model = load_rewards(

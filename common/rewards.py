@@ -149,6 +149,11 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
                 f"bad weight '{weight}' for reward '{name}' in {spec!r}: expected a finite float32 "
                 "number (|w| < 3.4e38), e.g. 'pickscore:1.0'"
             )
+        if w == 0:  # trains nothing: a silent no-op
+            raise ValueError(
+                f"weight 0 for reward '{name}' in {spec!r} trains nothing on it: drop it, or log it "
+                "at evaluation with --guard-rewards"
+            )
         out.append((name, w))
     return out
 

@@ -36,18 +36,27 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import signal
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from common.checkpoint import release_run_folder, rng_state, save_checkpoint, trainer_state
+from common.checkpoint import (
+    continue_hint,
+    release_run_folder,
+    rng_state,
+    save_checkpoint,
+    trainer_state,
+)
 from common.checks import ConfigError
 from common.evaluation import Panel, evaluate
 from common.parallel import is_sharded, weights_digest
 from common.plots import before_after, learning_curve, step_heatmap
 from common.policy import ema_weights
+from common.training import stop_nonfinite
 from common.utils import Timer, all_reduce, atomic_write
 
 COUNTERS = (
@@ -112,7 +121,7 @@ class Run:
         )
         self.is_main, self.logger, self.script = rank == 0, logger, os.path.basename(script)
         self.counts = restored_counts(counts)
-        self.start_iteration = start_iteration
+        self.start_iteration = self.iteration = start_iteration
         self.first_row = {}  # metrics for iteration 0's row only (Harness.start)
         self.timer = Timer()
         # a resumed run's clocks continue from its checkpoint's, so time/cpu_s and the CPU budget
@@ -122,7 +131,8 @@ class Run:
         self.cpu_start = time.process_time() - saved.get("time/cpu_s", 0.0)
         self.pictures = None  # this iteration's evaluation grid and panel, for wandb
         self.last_eval = ""
-        self.bar = tqdm(
+        self.bar = tqdm(  # on stdout: stderr carries nothing but a stop's one line
+            file=sys.stdout,
             disable=not self.is_main,
             initial=start_iteration,
             total=args.num_iterations + 1,
@@ -137,6 +147,7 @@ class Run:
     def is_last(self, iteration: int) -> bool:
         """True at --num-iterations, or once the CPU budget is spent on any rank (all ranks agree:
         one all-reduce)."""
+        self.iteration = iteration  # where a stop by signal says the run stands
         over = self.args.cpu_budget_s > 0 and self.cpu_seconds() > self.args.cpu_budget_s
         op = dist.ReduceOp.MAX if self.world_size > 1 else None
         return iteration == self.args.num_iterations or bool(
@@ -220,8 +231,16 @@ class Run:
         )
         self._write(metrics)
 
-    def update_ema(self) -> None:
-        """After an optimizer step: blend the EMA of the trained weights (nothing without one)."""
+    def after_optimizer_step(self, iteration: int) -> None:
+        """After an optimizer step: every trained weight must be finite (a finite gradient times a
+        huge learning rate can overflow), else the run stops in one line before anything is saved;
+        then the EMA is blended (nothing without one)."""
+        local = [getattr(p, "to_local", lambda p=p: p)() for p in self.params.values()]  # shards
+        finite = torch.tensor([float(all(bool(torch.isfinite(p).all()) for p in local))])
+        if is_sharded(self.params) and self.world_size > 1:  # each rank holds a shard
+            finite = all_reduce(finite.to(self.device), self.world_size, dist.ReduceOp.MIN).cpu()
+        if not finite.item():
+            raise stop_nonfinite("trained weight after the optimizer step", iteration, self.dir)
         if self.ema is not None:
             self.ema.update()
 
@@ -296,6 +315,23 @@ class Run:
         if self.world_size > 1:
             dist.barrier()
 
+    def stop_on_signals(self) -> None:
+        """SIGINT (Ctrl-C) and SIGTERM stop the run with one line: the iteration reached, the last
+        complete checkpoint and the command that continues. A write in progress is abandoned whole
+        (every write goes to a temporary name first); `finish` puts the old handlers back."""
+
+        def stop(signum, frame):
+            if self.is_main:
+                print(
+                    f"stopped by {signal.Signals(signum).name} at iteration {self.iteration}; "
+                    f"{continue_hint(self.dir)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            raise SystemExit(128 + signum)
+
+        self._handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+
     def _save_files(self, folder: str) -> None:
         """Into a checkpoint folder: the trained weights, and the script's own files."""
         self.save_weights(folder)
@@ -318,6 +354,8 @@ class Run:
         self.bar.close()
         self.logger.close()
         release_run_folder(self.dir)
+        for sig, handler in getattr(self, "_handlers", {}).items():
+            signal.signal(sig, handler)
         if self.world_size > 1:
             # leave together: tearing gloo down while a peer still runs can abort that peer
             dist.barrier()

@@ -122,6 +122,41 @@ def x0_prediction(velocity, sample, sigma) -> torch.Tensor:
     return x - _per_sample(sigma, x) * velocity.float()
 
 
+def dpm2_step(velocity, sample, sigmas, j: int, prev_x0=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step j of a deterministic second-order multistep solver: DPM-Solver++(2M) on the predicted
+    clean sample, the released DiffusionNFT code's rollout sampler (`solver="dpm2"` in
+    flow_grpo/diffusers_patch/solver.py, "modified from MixGRPO"; Lu et al. 2022, arXiv 2211.01095).
+
+    Rectified flow as a diffusion: alpha = 1 - sigma, and the half log-SNR
+    lambda(sigma) = log((1 - sigma) / sigma). From sigma = sigmas[j] to sigma' = sigmas[j + 1],
+    h = lambda(sigma') - lambda(sigma), h0 = lambda(sigma) - lambda(sigmas[j - 1]):
+      (E8) x' = (sigma' / sigma) x - alpha' (e^-h - 1) (D0 + D1 / 2),
+           D0 = x0_hat_j,  D1 = (h / h0) (x0_hat_j - x0_hat_{j-1}),  x0_hat from (E4)
+    (a linear multistep in lambda: D1 / h is the slope of x0_hat, taken from the previous step).
+    The first-order step (D1 = 0) is the Euler step (E1) in exact arithmetic and is taken as
+    `ode_step`: at the first step (no previous x0_hat), at the last (sigma' = 0: it lands on
+    x0_hat) and wherever the previous sigma is 1 (lambda = -inf there, so h0 = inf and D1 = 0: what
+    the released code gets from log 0). On a schedule that starts at sigma = 1 (SD3, FLUX) the
+    steps 0, 1 and T - 1 are Euler steps and 2 .. T - 2 second order; T <= 3 is the Euler ODE.
+    The coefficients are float64, as the released code's; x in float32.
+
+    sigmas: the schedule [T + 1] (decreasing to 0); velocity: v at (sample, sigmas[j]); prev_x0:
+    step j - 1's x0_hat (None at j = 0). Returns (x_next, x0_hat of this step), float32: pass the
+    second back as prev_x0 at step j + 1.
+    """
+    x = sample.float()
+    x0_hat = x0_prediction(velocity, x, float(sigmas[j]))
+    s, s_next = float(sigmas[j]), float(sigmas[j + 1])
+    s_prev = float(sigmas[j - 1]) if j > 0 else 1.0
+    if prev_x0 is None or j == 0 or s_next == 0 or s_prev >= 1:
+        return ode_step(velocity, x, s, s_next), x0_hat
+    lam, lam_next, lam_prev = (math.log((1 - q) / q) for q in (s, s_next, s_prev))
+    h, h0 = lam_next - lam, lam - lam_prev
+    d1 = (h / h0) * (x0_hat - prev_x0.float())
+    coef = (1 - s_next) * (math.exp(-h) - 1.0)
+    return (s_next / s) * x - coef * (x0_hat + 0.5 * d1), x0_hat
+
+
 def sde_step(
     velocity,
     sample,

@@ -201,9 +201,8 @@ def build_sd3(
 
     torch.manual_seed(seed)
     joint = t5_dim if t5_dim is not None else 2 * clip_dim
-    assert joint >= 2 * clip_dim, (
-        "SD3 pads the two CLIP states to the T5 width: t5_dim >= 2 * clip_dim"
-    )
+    if joint < 2 * clip_dim:
+        raise ValueError("SD3 pads the two CLIP states to the T5 width: t5_dim >= 2 * clip_dim")
     tok, tok2 = make_clip_tokenizer(words, max_len), make_clip_tokenizer(words, max_len)
     te = CLIPTextModelWithProjection(
         clip_text_config(len(tok), clip_dim, clip_layers, max_len=max_len)

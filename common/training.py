@@ -51,9 +51,27 @@ OPTIONAL = {
 
 
 # ------------------------------------------------------------------------------------- the contract
-def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int, device=None) -> dict:
-    """Assert what the training section relies on, at the hand-over from rollout to training
-    (docs/design.md).
+class TransitionsError(ValueError):
+    """A rollout broke the transitions contract (a bug in the rollout, e.g. of a new variant)."""
+
+
+def require(condition, message: str) -> None:
+    """The contract's checks raise, whatever `python -O` does to asserts."""
+    if not condition:
+        raise TransitionsError(message)
+
+
+def check_transitions(
+    tr: dict,
+    sigmas: torch.Tensor,
+    n_prompts: int,
+    device=None,
+    iteration: int = -1,
+    run_dir: str = "",
+) -> dict:
+    """Check what the training section relies on, at the hand-over from rollout to training
+    (docs/design.md): a broken contract raises TransitionsError, non-finite values stop the run in
+    one line (NonFiniteUpdate).
 
     Every field is [N, ...] with one row per transition (one SDE step the policy took). Besides the
     types:
@@ -66,47 +84,44 @@ def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int, device=Non
     - state_index (optional; transitions that start from one shared state, G²RPO's branches): rows
       of one state have the same latents, sigma, sigma_next, noise_level and prompt, so one forward
       serves them all.
-    Returns the dict, moved to `device` when one is given.
+    Returns the dict, moved to `device` when one is given. `iteration` and `run_dir` are for the
+    message.
     """
     missing = sorted(set(REQUIRED) - set(tr))
     unknown = sorted(set(tr) - set(REQUIRED) - set(OPTIONAL))
-    assert not missing and not unknown, (
-        f"transitions: missing fields {missing}, unknown fields {unknown}"
-    )
+    require(not missing and not unknown, f"missing fields {missing}, unknown fields {unknown}")
     n = len(tr["advantage"])
     for k, kind in {**REQUIRED, **OPTIONAL}.items():
         if k not in tr:
             continue
         t = tr[k]
-        assert len(t) == n, f"transitions['{k}'] has {len(t)} rows, expected {n}"
-        assert (t.dtype == torch.long) if kind == "long" else t.dtype == torch.float32, (
-            f"{k}: dtype {t.dtype}"
-        )
+        require(len(t) == n, f"transitions['{k}'] has {len(t)} rows, expected {n}")
+        dtype = torch.long if kind == "long" else torch.float32
+        require(t.dtype == dtype, f"transitions['{k}'] has dtype {t.dtype}, expected {dtype}")
         if k not in ("latents", "next_latents", "mean"):
-            assert t.ndim == 1, f"transitions['{k}'] must be [N], got {tuple(t.shape)}"
-        if kind == "float":
-            assert torch.isfinite(t).all(), f"transitions['{k}'] has non-finite values"
-    assert tr["latents"].shape == tr["next_latents"].shape == tr.get("mean", tr["latents"]).shape, (
-        "latents, next_latents and mean differ in shape"
-    )
+            require(t.ndim == 1, f"transitions['{k}'] must be [N], got {tuple(t.shape)}")
+        if kind == "float" and not torch.isfinite(t).all():  # a NaN rollout: one line
+            raise stop_nonfinite(f"rollout ('{k}')", iteration, run_dir)
+    shapes = tr["latents"].shape, tr["next_latents"].shape, tr.get("mean", tr["latents"]).shape
+    require(len(set(shapes)) == 1, f"latents, next_latents and mean differ in shape: {shapes}")
     j, s = tr["step_index"].cpu(), sigmas.cpu()
-    assert bool(((j >= 0) & (j < len(s) - 1)).all()), "step_index outside the schedule"
-    assert torch.equal(tr["sigma"].cpu(), s[j]) and torch.equal(tr["sigma_next"].cpu(), s[j + 1]), (
-        "sigma / sigma_next are not the schedule's values at step_index (rows out of step order?)"
+    require(bool(((j >= 0) & (j < len(s) - 1)).all()), "step_index outside the schedule")
+    require(
+        torch.equal(tr["sigma"].cpu(), s[j]) and torch.equal(tr["sigma_next"].cpu(), s[j + 1]),
+        "sigma / sigma_next are not the schedule's values at step_index (rows out of step order?)",
     )
     p = tr["prompt_index"].cpu()
-    assert bool(((p >= 0) & (p < n_prompts)).all()), f"prompt_index outside 0..{n_prompts - 1}"
+    require(bool(((p >= 0) & (p < n_prompts)).all()), f"prompt_index outside 0..{n_prompts - 1}")
     if "trajectory" in tr:
         traj = tr["trajectory"].cpu()
         key = {(int(a), int(b)): i for i, (a, b) in enumerate(zip(traj, j))}
         for (a, b), i in key.items():
             nxt = key.get((a, b + 1))
             if nxt is not None:
-                assert p[i] == p[nxt], (
-                    f"trajectory {a} changes prompt between steps {b} and {b + 1}"
-                )
-                assert torch.equal(tr["next_latents"][i], tr["latents"][nxt]), (
-                    f"trajectory {a}: next_latents of step {b} is not latents of step {b + 1}"
+                require(p[i] == p[nxt], f"trajectory {a} changes prompt between steps {b}, {b + 1}")
+                require(
+                    torch.equal(tr["next_latents"][i], tr["latents"][nxt]),
+                    f"trajectory {a}: next_latents of step {b} is not latents of step {b + 1}",
                 )
     if "state_index" in tr:
         st = tr["state_index"].cpu()
@@ -114,8 +129,9 @@ def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int, device=Non
         first[st.flip(0)] = torch.arange(n - 1, -1, -1)  # the first row of every state
         rep = first[st]
         for k in ("latents", "sigma", "sigma_next", "noise_level", "prompt_index"):
-            assert torch.equal(tr[k], tr[k][rep.to(tr[k].device)]), (
-                f"rows of one state differ in '{k}'"
+            require(
+                torch.equal(tr[k], tr[k][rep.to(tr[k].device)]),
+                f"rows of one state differ in '{k}'",
             )
     return tr if device is None else {k: v.to(device) for k, v in tr.items()}
 
@@ -432,16 +448,31 @@ class NonFiniteUpdate(SystemExit):
     SystemExit, no traceback)."""
 
 
+def stop_nonfinite(what: str, iteration: int, run_dir: str) -> NonFiniteUpdate:
+    """The one line a non-finite number stops the run with, naming what exists to go on from."""
+    from common.checkpoint import continue_hint
+
+    hint = continue_hint(run_dir) if run_dir else "nothing was saved"
+    return NonFiniteUpdate(
+        f"error: non-finite {what} at iteration {iteration}; stopping before anything non-finite "
+        f"is saved ({hint})"
+    )
+
+
 def check_finite_update(grad_norm: torch.Tensor, iteration: int, run_dir: str) -> float:
     """The gradient norm, as a float, if it is finite; else the run stops before the update with
     one line that says how to go on. Under DDP the gradients are already all-reduced, so every rank
     sees the same norm and stops together (no extra collective)."""
     if not torch.isfinite(grad_norm):
-        raise NonFiniteUpdate(
-            f"error: non-finite loss or gradient at iteration {iteration}; stopping before the "
-            f"update (the last checkpoint-N in {run_dir} is intact: --resume {run_dir})"
-        )
+        raise stop_nonfinite("loss or gradient", iteration, run_dir)
     return float(grad_norm)
+
+
+def check_finite_rewards(scores: torch.Tensor, iteration: int, run_dir: str) -> torch.Tensor:
+    """The iteration's rewards (all ranks' scores), if every one is finite; else one line."""
+    if not torch.isfinite(scores).all():
+        raise stop_nonfinite("reward", iteration, run_dir)
+    return scores
 
 
 # --------------------------------------------------------------------------- the rollout's result

@@ -32,8 +32,9 @@ def collective_timeout() -> datetime.timedelta:
     raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
     try:
         seconds = float(raw)
-        assert seconds > 0
-    except (ValueError, AssertionError):
+        if not seconds > 0:
+            raise ValueError(raw)
+    except ValueError:
         from common.checks import ConfigError
 
         raise ConfigError(

@@ -1,13 +1,21 @@
 """The plumbing of the shared training section (common/training.py): the transitions contract, the micro-batch plan,
 the metric reduction, the EMA schedule, and the count of optimizer steps in a real run."""
 
+import os
+
 import pytest
 import torch
-from helpers import read_metrics, run_main, tiny_flags, write_prompts
+from helpers import ROOT, read_metrics, run_main, tiny_flags, write_prompts
 
 from common.plots import STEP_METRICS
 from common.policy import EMA
-from common.training import Stats, check_transitions, plan_updates
+from common.training import (
+    NonFiniteUpdate,
+    Stats,
+    TransitionsError,
+    check_transitions,
+    plan_updates,
+)
 
 
 # ---------------------------------------------------------------------------------------- EMA
@@ -158,26 +166,58 @@ def test_check_transitions_accepts_a_valid_set_and_catches_order_mistakes():
     check_transitions(tr, sigmas, n_prompts=3)
     # the mistake the old comment invited: per-step values laid out trajectory-major (repeat vs repeat_interleave)
     bad = dict(tr, sigma=sigmas[torch.arange(2).repeat(3)])
-    with pytest.raises(AssertionError, match="step order"):
+    with pytest.raises(TransitionsError, match="step order"):
         check_transitions(bad, sigmas, 3)
     bad = dict(tr, prompt_index=torch.arange(3).repeat_interleave(2))
-    with pytest.raises(AssertionError, match="changes prompt"):
+    with pytest.raises(TransitionsError, match="changes prompt"):
         check_transitions(bad, sigmas, 3)
     bad = dict(tr, latents=tr["latents"].view(2, 3, 4).transpose(0, 1).reshape(6, 4))
-    with pytest.raises(AssertionError, match="next_latents"):
+    with pytest.raises(TransitionsError, match="next_latents"):
         check_transitions(bad, sigmas, 3)
-    with pytest.raises(AssertionError, match="missing fields"):
+    with pytest.raises(TransitionsError, match="missing fields"):
         check_transitions({k: v for k, v in tr.items() if k != "step_index"}, sigmas, 3)
-    with pytest.raises(AssertionError, match="dtype"):
+    with pytest.raises(TransitionsError, match="dtype"):
         check_transitions(dict(tr, advantage=tr["advantage"].double()), sigmas, 3)
     # rows 0 and 1 start from different latents
     bad = dict(tr, state_index=torch.tensor([0, 0, 1, 2, 2, 3]))
-    with pytest.raises(AssertionError, match="rows of one state"):
+    with pytest.raises(TransitionsError, match="rows of one state"):
         check_transitions(bad, sigmas, 3)
     # the rollout means: optional
     check_transitions(dict(tr, mean=torch.randn_like(tr["latents"])), sigmas, 3)
-    with pytest.raises(AssertionError, match="mean differ in shape"):
+    with pytest.raises(TransitionsError, match="mean differ in shape"):
         check_transitions(dict(tr, mean=tr["latents"][:, :2]), sigmas, 3)
+    # a NaN rollout stops the run in one line (a SystemExit), not with a traceback
+    bad = dict(tr, log_prob=torch.full_like(tr["log_prob"], float("nan")))
+    with pytest.raises(NonFiniteUpdate, match="non-finite values; stopping before the update"):
+        check_transitions(bad, sigmas, 3)
+
+
+def test_no_runtime_check_is_an_assert_so_python_O_keeps_them():
+    """`python -O` strips asserts: every check in common/ and the scripts must still fire under it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from common.training import check_transitions, TransitionsError\n"
+        "try:\n    check_transitions({'advantage': torch.zeros(2)}, torch.ones(3), 1)\n"
+        "except TransitionsError as e:\n    print('raised', e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-O", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert "raised missing fields" in out.stdout, out.stdout + out.stderr
+    import ast
+    import glob
+
+    files = glob.glob(os.path.join(ROOT, "common", "**", "*.py"), recursive=True)
+    files += glob.glob(os.path.join(ROOT, "*.py"))
+    asserts = [
+        f"{os.path.relpath(f, ROOT)}:{n.lineno}"
+        for f in files
+        for n in ast.walk(ast.parse(open(f).read()))
+        if isinstance(n, ast.Assert)
+    ]
+    assert not asserts, f"runtime checks written as assert (python -O removes them): {asserts}"
 
 
 # ---------------------------------------------------------------------------------------- in a run

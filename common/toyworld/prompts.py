@@ -210,8 +210,9 @@ def write_prompt_files(directory: str | Path = PROMPT_DIR) -> None:
 
 
 def load_prompts(path: str | Path) -> list[str]:
-    """Read one prompt per line, skipping blank lines."""
-    prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    """Read one prompt per line, skipping blank lines (a UTF-8 byte-order mark is not a prompt)."""
+    text = Path(path).read_text(encoding="utf-8-sig")
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"prompt file {path} is empty: expected one prompt per line")
     return prompts

@@ -1,0 +1,205 @@
+"""What a user's own command can do to a run (issue #46), with real runs, processes and signals: a resume
+keeps the run's own flags and never deletes a finished run's checkpoints; a run that died before its first
+checkpoint restarts in place; a non-finite number stops the run in one line, also under `python -O`; derived
+values are not flags; a signal stops a run with one line that says how to go on; inputs that trained nothing or
+were misdiagnosed get one right line."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import ROOT, read_metrics, run_main, run_script, tiny_flags, write_prompts
+
+from common.checks import ConfigError
+
+SCRIPT = "flowgrpo_baseline.py"
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    return write_prompts(tmp_path / "prompts.txt", ["a red square", "a blue circle"])
+
+
+def checkpoints(run):
+    return sorted(n for n in os.listdir(run) if n.startswith("checkpoint-"))
+
+
+def test_a_bare_resume_keeps_the_runs_flags_and_never_deletes_its_checkpoints(
+    tiny_sd3, tmp_path, prompts_file
+):
+    """A finished 2-iteration run with --save-every 1 --keep-checkpoints 0: `--resume RUN` alone takes the
+    run's own flags (model, prompts, cadence, learning rate...), so it asks for no more iterations and changes
+    nothing; `--num-iterations 3` trains one more, saving every iteration and deleting nothing."""
+    flags = tiny_flags(tiny_sd3, tmp_path, prompts_file)
+    own = ["--save-every", "1", "--keep-checkpoints", "0", "--learning-rate", "1e-2"]
+    run_main(SCRIPT, *flags, *own, "--num-iterations", "2")
+    run = str(tmp_path / "run")
+    args_before = open(os.path.join(run, "args.json")).read()
+    with pytest.raises(
+        ConfigError, match="is at iteration 2 and --num-iterations 2 asks for no more"
+    ):
+        run_main(SCRIPT, "--resume", run)
+    assert checkpoints(run) == ["checkpoint-1", "checkpoint-2"]
+    assert open(os.path.join(run, "args.json")).read() == args_before
+    # the refusal's advice, followed literally
+    run_main(SCRIPT, "--resume", run, "--num-iterations", "3")
+    assert checkpoints(run) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    args = json.load(open(os.path.join(run, "args.json")))
+    assert (
+        args["keep_checkpoints"] == 0 and args["save_every"] == 1 and args["learning_rate"] == 1e-2
+    )
+    assert [r["iteration"] for r in read_metrics(run) if not r.get("final")] == [0, 1, 2]
+    # a flag given that differs from the run's is named, with advice that works when followed
+    with pytest.raises(ConfigError, match="drop them to continue that run with its own values"):
+        run_main(SCRIPT, "--resume", run, "--num-iterations", "4", "--learning-rate", "1e-3")
+    # --resume A --run-name B would train in A and record B
+    with pytest.raises(ConfigError, match="only --resume-override starts"):
+        run_main(SCRIPT, "--resume", run, "--num-iterations", "4", "--run-name", "other")
+
+
+def test_a_run_that_died_before_its_first_checkpoint_restarts_in_place(
+    tiny_sd3, tmp_path, prompts_file
+):
+    """A run folder without a checkpoint (killed, a login error, a full disk in its first iterations) is no dead
+    end: the refusal of a new run there says --resume, and --resume restarts it in place with its own flags,
+    reproducing the rows and weights the uninterrupted run gives."""
+    flags = tiny_flags(tiny_sd3, tmp_path, prompts_file)
+    run_main(SCRIPT, *flags, "--num-iterations", "2", "--learning-rate", "1e-2")
+    run = str(tmp_path / "run")
+    reference = torch.load(
+        os.path.join(run, "checkpoint-2", "trainer_state.pt"), weights_only=False
+    )
+    rows = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(run)]
+    # the state a run killed during its first iterations leaves: args.json, a row, no checkpoint
+    for name in checkpoints(run):
+        subprocess.run(["rm", "-r", os.path.join(run, name)], check=True)
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        first = f.readline()
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        f.write(first)
+    with pytest.raises(ConfigError, match="continue it with --resume"):
+        run_main(SCRIPT, *flags, "--num-iterations", "2", "--learning-rate", "1e-2")
+    run_main(SCRIPT, "--resume", run)
+    again = torch.load(os.path.join(run, "checkpoint-2", "trainer_state.pt"), weights_only=False)
+    assert all(torch.equal(reference["params"][k], again["params"][k]) for k in reference["params"])
+    assert [
+        {k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(run)
+    ] == rows
+
+
+def test_a_huge_learning_rate_stops_in_one_line_under_python_O(tiny_sd3, tmp_path, prompts_file):
+    """`python -O` removes asserts: the non-finite checks are not asserts. An update that overflows the weights
+    stops the run in one line, naming what exists to go on from, and no non-finite weight is saved."""
+    flags = tiny_flags(tiny_sd3, tmp_path, prompts_file)
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2", "WANDB_MODE": "disabled"}
+    cmd = [sys.executable, "-O", os.path.join(ROOT, SCRIPT), *flags, "--num-iterations", "3"]
+    r = subprocess.run(
+        [*cmd, "--learning-rate", "1e30", "--save-every", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "non-finite" in lines[0], r.stderr[-3000:]
+    assert "checkpoint" in lines[0] and "--resume" in lines[0]
+    for name in checkpoints(tmp_path / "run"):
+        state = torch.load(tmp_path / "run" / name / "trainer_state.pt", weights_only=False)
+        assert all(torch.isfinite(v).all() for v in state["params"].values()), name
+
+
+def test_derived_values_are_not_flags_and_the_run_name_is_one_folder(
+    tiny_sd3, tmp_path, prompts_file
+):
+    r = run_script(SCRIPT, "--world-size", "2", check=False, timeout=120)
+    assert r.returncode != 0 and "--world-size" in r.stderr
+    flags = tiny_flags(tiny_sd3, tmp_path, prompts_file)
+    for name in (".", "..", "/tmp/elsewhere", "a/b", ""):
+        with pytest.raises(ConfigError, match="give one plain folder name"):
+            run_main(SCRIPT, *flags, "--run-name", name)
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_signal_stops_the_run_with_one_line_that_says_how_to_go_on(
+    tiny_sd3, tmp_path, prompts_file
+):
+    flags = tiny_flags(tiny_sd3, tmp_path, prompts_file)
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2", "WANDB_MODE": "disabled"}
+    p = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, SCRIPT), *flags, "--num-iterations", "1000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    run = tmp_path / "run"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (run / "checkpoint-10").exists():
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-3000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("stopped by")]
+    assert line.startswith("stopped by SIGTERM at iteration ") and f"--resume {run}" in line
+    assert "checkpoint-10" in line or "checkpoint-20" in line
+
+
+def test_inputs_that_trained_nothing_or_were_misdiagnosed_get_the_right_line(tmp_path):
+    from common.checks import read_prompt_file
+    from common.rewards import parse_reward_spec
+
+    with pytest.raises(ValueError, match="trains nothing"):
+        parse_reward_spec("toyworld:0")
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes("\ufeffa red square\n".encode())
+    assert read_prompt_file(str(bom), "--prompts-file") == ["a red square"]
+    r = run_script(
+        "densegrpo.py",
+        "--psi-file",
+        str(tmp_path),
+        "--num-iterations",
+        "0",
+        check=False,
+        timeout=120,
+    )
+    assert "is a folder" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_flags_bounded_by_the_model_are_refused_before_it_loads(
+    tiny_sd3, tmp_path, prompts_file, monkeypatch
+):
+    import shutil
+
+    import common.harness as harness
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the bad input was refused")
+
+    monkeypatch.setattr(harness, "load_backbone", no_load)
+    flags = tiny_flags(tiny_sd3, tmp_path, prompts_file)
+    for bad, match in (
+        (["--seed", "-1"], "--seed -1"),
+        (["--seed", str(2**32)], "--seed 4294967296"),
+        (["--max-sequence-length", "100000"], "holds at most"),
+        (["--lora-rank", "1000000"], "rank cannot exceed"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            run_main(SCRIPT, *flags, *bad)
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_sd3, broken)
+    for component in ("transformer", "vae"):
+        shutil.copy(os.path.join(tiny_sd3, component, "config.json"), broken / component)
+        (broken / component / "config.json").write_text("{not json")
+        i = flags.index("--model-path")
+        with pytest.raises(ConfigError, match=f"{component}/config.json is unreadable"):
+            run_main(SCRIPT, *flags[:i], "--model-path", str(broken), *flags[i + 2 :])
+        shutil.copy(os.path.join(tiny_sd3, component, "config.json"), broken / component)
+    assert not os.path.exists(tmp_path / "run")
