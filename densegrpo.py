@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import tyro
 
+from common.checkpoint import writing
 from common.checks import ConfigError, Rule, check_flag, check_ranges, check_sde_type
 from common.harness import GRPOArgs, Harness, derived, setup
 from common.parallel import check_parallel, set_grad_sync
@@ -791,7 +792,8 @@ if __name__ == "__main__":
     noise_levels = step_noise_levels(psi, sigmas, args.psi_scale)  # the sampler's a of each step
     if h.is_main:
         psi0 = args.noise_level * psi_unit(sigmas, args.psi_scale)
-        save_psi(h.run_dir, psi_info, psi0, args.calibration_average)
+        with writing(h.run_dir):  # psi.json and psi.png, atomic; a full disk: one line
+            save_psi(h.run_dir, psi_info, psi0, args.calibration_average)
     # the EMA; with --resume, the saved weights, optimizer, RNG, counters; psi(t) in every checkpoint
     run = h.start(
         optimizer,

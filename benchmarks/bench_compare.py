@@ -45,6 +45,7 @@ SCRIPTS = {
     "flowgrpo_baseline": "flowgrpo_baseline.py",
     "g2rpo": "g2rpo.py",
     "densegrpo": "densegrpo.py",
+    "diffusionnft": "diffusionnft.py",
     "yardstick": "benchmarks/yardstick_raft.py",
 }
 ALGOS = tuple(SCRIPTS)

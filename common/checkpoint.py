@@ -35,6 +35,7 @@ the checkpoint's weights and records where it came from (args.json: `resumed_fro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import gc
@@ -193,12 +194,13 @@ def _tidy(run_dir: str) -> None:
             _remove(path)
 
 
-def trainer_state(params: dict, optimizer, ema, model=None) -> dict:
+def trainer_state(params: dict, optimizer, ema, model=None, extras: dict | None = None) -> dict:
     """The trained weights, the optimizer and the EMA as a checkpoint stores them (the caller adds
     iteration, counts, RNG, args). DDP: whole CPU copies, which rank 0 writes into trainer_state.pt.
     FSDP (`params` are DTensors; `model` the sharded transformer): under "sharded", this rank's
     shards, named by parameter (get_state_dict, so that the optimizer state is keyed by name, not by
-    position), which every rank writes into trainer_state.dcp/."""
+    position), which every rank writes into trainer_state.dcp/. `extras` ({name: an EMA-like
+    object}): a script's own copies of the weights (DiffusionNFT's old policy), stored as the EMA."""
     from common.parallel import is_sharded
 
     if not is_sharded(params):
@@ -206,6 +208,7 @@ def trainer_state(params: dict, optimizer, ema, model=None) -> dict:
             "params": {k: p.detach().cpu() for k, p in params.items()},
             "optimizer": optimizer.state_dict(),
             "ema": ema.state_dict() if ema is not None else None,
+            "extras": {k: x.state_dict() for k, x in (extras or {}).items()},
         }
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -217,8 +220,10 @@ def trainer_state(params: dict, optimizer, ema, model=None) -> dict:
             "model": model_sd,
             "optimizer": optim_sd,
             "ema": dict(ema.shadow) if ema is not None else {},
+            "extras": {k: dict(x.shadow) for k, x in (extras or {}).items()},
         },
         "ema": {"steps": ema.steps} if ema is not None else None,
+        "extras": {k: {"steps": x.steps} for k, x in (extras or {}).items()},
     }
 
 
@@ -353,6 +358,27 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
                 # older than the K kept ones, complete or not (an incomplete one is of no use)
                 _remove(c)
     return final
+
+
+@contextlib.contextmanager
+def writing(run_dir: str):
+    """Around a run's writes (metrics rows, pictures, args.json, side files): a write that fails
+    (a full disk, no permission) stops the run in the one line a checkpoint's failure gives,
+    naming what exists to go on from. Each write is atomic (common/utils.py), so nothing partial is
+    left behind."""
+    try:
+        yield
+    except Exception as e:
+        full = _out_of_space(e, run_dir)
+        if not (isinstance(e, OSError) or full):
+            raise
+        path = re.sub(r"\.tmp\d+(?=\.\w+$|$)", "", str(getattr(e, "filename", None) or run_dir))
+        why = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [""])[0][:160]
+        failed = f"{e.__class__.__name__}: {why}{'; the disk is full' if full else ''}"
+        raise SystemExit(
+            f"error: could not write {path} ({failed}); {continue_hint(run_dir)} once there is "
+            "space (or the folder's permissions are fixed)"
+        ) from None
 
 
 def _out_of_space(e: BaseException, folder: str) -> bool:
@@ -881,7 +907,7 @@ def load_checkpoint(folder: str) -> dict:
 
 
 def restore_checkpoint(
-    folder: str, rank: int, params: dict, optimizer, ema, model=None
+    folder: str, rank: int, params: dict, optimizer, ema, model=None, extras: dict | None = None
 ) -> tuple[int, dict]:
     """Load a checkpoint (verified by resolve_run_dir) into params / optimizer / EMA
     (common.training.EMA) / this rank's RNG, in place. Returns (iteration, the run's cumulative
@@ -902,10 +928,19 @@ def restore_checkpoint(
             f"{now}; their trainer states are laid out differently: resume it with --parallel "
             f"{saved_as}"
         )
+    extras = extras or {}
+    missing = sorted(set(extras) - set(state.get("extras") or {}))
+    if missing:
+        raise ConfigError(
+            f"--resume {folder} holds no {', '.join(missing)} (a checkpoint of another script or "
+            "an older one): resume it with the script that wrote it, or start a new run"
+        )
     if now == "fsdp":
-        _restore_sharded(folder, state, params, optimizer, ema, model)
+        _restore_sharded(folder, state, params, optimizer, ema, model, extras)
     else:
         _restore_whole(folder, state, params, optimizer, ema)
+        for k, x in extras.items():
+            x.load_state_dict(state["extras"][k])
     rngs = state["rng"]
     # fewer ranks saved: only with --resume-override
     set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
@@ -934,7 +969,9 @@ def _restore_whole(folder: str, state: dict, params: dict, optimizer, ema) -> No
                 ema.shadow[n].copy_(saved[n])
 
 
-def _restore_sharded(folder: str, state: dict, params: dict, optimizer, ema, model) -> None:
+def _restore_sharded(
+    folder: str, state: dict, params: dict, optimizer, ema, model, extras: dict
+) -> None:
     """dcp.load fills the given shards in place (loading each rank's part of every saved tensor),
     and set_state_dict hands the optimizer state back by parameter name."""
     import torch.distributed.checkpoint as dcp
@@ -947,7 +984,12 @@ def _restore_sharded(folder: str, state: dict, params: dict, optimizer, ema, mod
     options = StateDictOptions(ignore_frozen_params=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     had_ema = ema is not None and state.get("ema") is not None
-    box = {"model": model_sd, "optimizer": optim_sd, "ema": dict(ema.shadow) if had_ema else {}}
+    box = {
+        "model": model_sd,
+        "optimizer": optim_sd,
+        "ema": dict(ema.shadow) if had_ema else {},
+        "extras": {k: dict(x.shadow) for k, x in extras.items()},
+    }
     try:
         dcp.load(box, checkpoint_id=os.path.join(folder, SHARDED_DIR))
     except Exception as e:  # noqa: BLE001 - a missing key or shape is the same fault for the user
@@ -963,6 +1005,8 @@ def _restore_sharded(folder: str, state: dict, params: dict, optimizer, ema, mod
         optim_state_dict=box["optimizer"],
         options=StateDictOptions(ignore_frozen_params=True, strict=False),
     )
+    for k, x in extras.items():  # dcp.load filled their shadows in place
+        x.steps = state["extras"][k]["steps"]
     if ema is not None:
         if had_ema:
             ema.steps = state["ema"]["steps"]

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from common import toyworld
 from common.backbones import sample_ode
 from common.plots import accuracy_line, captioned_grid
+from common.utils import atomic_file
 
 
 @dataclass
@@ -78,20 +79,23 @@ class Panel:
         first panel."""
         import json
 
-        np.savez_compressed(
-            path,
-            images=self.images,
-            meta=json.dumps(
-                dict(
-                    prompts=self.prompts,
-                    seeds=self.seeds,
-                    rewards=self.rewards,
-                    verdicts=self.verdicts,
-                    metrics=self.metrics,
-                    iteration=self.iteration,
-                )
-            ),
-        )
+        def write(tmp):
+            np.savez_compressed(
+                tmp,
+                images=self.images,
+                meta=json.dumps(
+                    dict(
+                        prompts=self.prompts,
+                        seeds=self.seeds,
+                        rewards=self.rewards,
+                        verdicts=self.verdicts,
+                        metrics=self.metrics,
+                        iteration=self.iteration,
+                    )
+                ),
+            )
+
+        atomic_file(path, write)
 
     @classmethod
     def load(cls, path: str) -> "Panel":

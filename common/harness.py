@@ -40,6 +40,7 @@ from common.checkpoint import (
     resolve_run_dir,
     restore_checkpoint,
     resume_source,
+    writing,
 )
 from common.checks import check_run_name, read_prompt_file
 from common.parallel import parallelize
@@ -146,6 +147,14 @@ class HarnessArgs:
     cpu_budget_s: float = 0.0
     """stop after this many process CPU seconds, then evaluate (0 = no budget)"""
 
+    # ---- the optimizer step (the optimizer itself is built in each script)
+    max_grad_norm: float = 1.0
+    """clip each optimizer step's gradient to this L2 norm"""
+    train_batch_size: int | None = None
+    """rows (stored states) per training forward, per rank (default: --rollout-batch-size)"""
+    optimizer_steps_per_iteration: int = 1
+    """optimizer steps per iteration (each after the first is off-policy)"""
+
     # ---- filled in by the program (not flags)
     world_size: int = derived()
     """number of processes (torchrun ranks)"""
@@ -174,12 +183,6 @@ class GRPOArgs(HarnessArgs):
     """stop the gradient through CFG's unconditional branch (a different objective)"""
     drop_zero_advantage: bool = True
     """skip transitions whose advantage is exactly 0 (no policy gradient)"""
-    max_grad_norm: float = 1.0
-    """clip each optimizer step's gradient to this L2 norm"""
-    train_batch_size: int | None = None
-    """stored states per training forward, per rank (default: --rollout-batch-size)"""
-    optimizer_steps_per_iteration: int = 1
-    """optimizer steps per iteration (each after the first is off-policy)"""
     num_inner_epochs: int = 1
     """passes over the iteration's transitions"""
     grad_share_every: int = 0
@@ -223,10 +226,12 @@ class Harness:
         optimizer,
         side_files: dict[str, str] | None = None,
         first_row: dict | None = None,
+        extra_state: dict | None = None,
     ) -> Run:
         """The EMA, then a resume's weights, optimizer, EMA, RNG and counters as saved; the Run
         that logs, evaluates and saves. `side_files` ({name: text}) go into every checkpoint;
-        `first_row` (metrics) into iteration 0's row (a resumed run has it already)."""
+        `first_row` (metrics) into iteration 0's row (a resumed run has it already); `extra_state`
+        ({name: EMA-like}, e.g. DiffusionNFT's old policy) is saved and restored with the weights."""
         a = self.args
         ema = (
             EMA(self.params, a.ema_decay, a.ema_update_interval, a.ema_warmup)
@@ -236,7 +241,7 @@ class Harness:
         start_iteration, counts = 0, None
         if self.resume_dir:
             start_iteration, counts = restore_checkpoint(
-                self.resume_dir, self.rank, self.params, optimizer, ema, self.policy
+                self.resume_dir, self.rank, self.params, optimizer, ema, self.policy, extra_state
             )
             if self.is_main:
                 truncate_metrics(self.run_dir, start_iteration)
@@ -267,6 +272,7 @@ class Harness:
             self.policy,
             save_weights,
             side_files,
+            extra_state,
         )
         run.first_row = dict(first_row or {})
         run.stop_on_signals()
@@ -329,15 +335,16 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
         need_reference=args.wants_reference(),
     )
     policy = parallelize(trainable, args.parallel, world_size, args.fsdp_offload)
-    logger = RunLogger(
-        run_dir,
-        rank == 0,
-        args.track,
-        asdict(args),
-        args.wandb_project_name,
-        args.wandb_entity,
-        os.path.basename(run_dir),
-    )
+    with writing(run_dir):  # args.json, atomic; a full disk: one line
+        logger = RunLogger(
+            run_dir,
+            rank == 0,
+            args.track,
+            asdict(args),
+            args.wandb_project_name,
+            args.wandb_entity,
+            os.path.basename(run_dir),
+        )
     return Harness(
         args,
         script,

@@ -15,6 +15,8 @@ from functools import lru_cache
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from common.utils import atomic_file
+
 DPI = 100
 GREEN, RED, NEUTRAL, BACKGROUND = (0, 170, 60), (215, 25, 30), (150, 150, 150), (255, 255, 255)
 # Per-step metrics as logged (steps/<metric>/<step>), in step_heatmap's panel order: first where the
@@ -81,7 +83,7 @@ def line_plot(
     ax.grid(alpha=0.3)
     if series:
         ax.legend(fontsize="small")
-    fig.savefig(path)
+    atomic_file(path, fig.savefig)
 
 
 def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) -> None:
@@ -191,7 +193,7 @@ def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) 
             ncols=min(3, len(handles)),
         )
     ax.set_title(title)
-    fig.savefig(path)
+    atomic_file(path, fig.savefig)
 
 
 def running_window(n: int) -> int:
@@ -297,7 +299,7 @@ def step_heatmap(
         )
         bar = fig.colorbar(im, ax=ax)
         bar.formatter.set_useOffset(False)  # ratios as 0.9999, not as -0.0001 under a "+1"
-    fig.savefig(path)
+    atomic_file(path, fig.savefig)
     return titles
 
 
@@ -488,5 +490,5 @@ def before_after(before, after, path: str, title: str = "", ncol: int = 2) -> Im
             d.text(
                 (x0, y0 + side + 2 * frame + pad // 2 + m * line_h), line, font=fnt, fill=(0, 0, 0)
             )
-    out.save(path)
+    atomic_file(path, out.save)
     return out

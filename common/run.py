@@ -50,6 +50,7 @@ from common.checkpoint import (
     rng_state,
     save_checkpoint,
     trainer_state,
+    writing,
 )
 from common.checks import ConfigError
 from common.evaluation import Panel, evaluate
@@ -57,7 +58,7 @@ from common.parallel import is_sharded, weights_digest
 from common.plots import before_after, learning_curve, step_heatmap
 from common.policy import ema_weights
 from common.training import stop_nonfinite
-from common.utils import Timer, all_reduce, atomic_write
+from common.utils import Timer, all_reduce, atomic_file, atomic_write
 
 COUNTERS = (
     "trajectories",
@@ -166,6 +167,7 @@ class Run:
         policy,
         save_weights,
         side_files: dict[str, str] | None = None,
+        extras: dict | None = None,
     ) -> None:
         """What evaluation and checkpoints use: the model and rewards, the evaluation prompts, the
         trained weights, their optimizer, EMA and parallel wrapper, the function that saves the
@@ -173,7 +175,7 @@ class Run:
         self.backbone, self.reward_model, self.guard_model = backbone, reward_model, guard_model
         self.eval_prompts, self.params, self.optimizer = eval_prompts, params, optimizer
         self.ema, self.policy, self.save_weights = ema, policy, save_weights
-        self.side_files = dict(side_files or {})
+        self.side_files, self.extras = dict(side_files or {}), dict(extras or {})
 
     def evaluate(self, iteration: int, last: bool) -> dict:
         """Held-out evaluation (common/evaluation.py: ODE samples from fixed seeds) with the EMA
@@ -210,17 +212,20 @@ class Run:
         )
         self.pictures = {"eval/samples": grid, "eval/panel": panel.captioned()}
         if self.is_main:
-            os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
-            grid.save(os.path.join(self.dir, "samples", f"eval_{iteration:05d}.png"))
-            # for before_after.png
-            panel.save(os.path.join(self.dir, "samples", f"eval_{iteration:05d}.npz"))
+            with writing(self.dir):  # atomic; a full disk: one line
+                os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
+                grid_path = os.path.join(self.dir, "samples", f"eval_{iteration:05d}.png")
+                atomic_file(grid_path, grid.save)
+                # for before_after.png
+                panel.save(os.path.join(self.dir, "samples", f"eval_{iteration:05d}.npz"))
         return metrics
 
     def _clocks(self) -> dict:
         return {"time/elapsed_s": time.time() - self.wall_start, "time/cpu_s": self.cpu_seconds()}
 
     def _write(self, metrics: dict) -> None:
-        self.logger.log(metrics, self.pictures)
+        with writing(self.dir):  # the row whole or not at all; a full disk: one line
+            self.logger.log(metrics, self.pictures)
         self.pictures = None
         self.timer.times.clear()
 
@@ -259,22 +264,27 @@ class Run:
         self.counts.update({k: v + int(red.get(k, 0)) for k, v in self.counts.items()})
         n_opt = int(red.get("optimizer_steps", 0))
         metrics.update({**self.counts, "nfe": training_nfe(self.counts)})
-        for k in ("mean", "min", "max"):  # nothing trained: a ratio of 1
+        ratio = getattr(train, "ratio_metrics", True)  # a ratio to log (no: DiffusionNFT)
+        for k in ("mean", "min", "max") if ratio else ():  # nothing trained: a ratio of 1
             metrics[f"ratio/{k}"] = red.get("ratio" if k == "mean" else f"ratio/{k}", 1.0)
-        metrics.update(
-            {k: red.get(k, 0.0) for k in ("clipfrac", "approx_kl_k2", "kl", "policy_loss")}
+        names = (
+            ("clipfrac", "approx_kl_k2", "kl", "policy_loss") if ratio else ("kl", "policy_loss")
         )
+        metrics.update({k: red.get(k, 0.0) for k in names})
+        # a script's own training metrics, reduced with the rest, as train/<name>
+        metrics.update({f"train/{k}": red.get(k, 0.0) for k in getattr(train, "own_names", ())})
         for name in PER_STEP:
             metrics.update(
                 {f"steps/{name}/{j}": v for j, v in red.get(f"{name}/per_step", {}).items()}
             )
         for j, m in red.get("ratio/per_step", {}).items():  # std from the mean of squares
             metrics[f"steps/ratio_std/{j}"] = max(red["ratio_sq/per_step"][j] - m**2, 0.0) ** 0.5
+        if ratio:
+            metrics["ratio/first_minibatch_max_dev"] = stats.first.get("ratio_dev", 0.0)
+            metrics["train/kept_transitions"] = int(red.get("ratio/weight", 0))
         metrics.update(
             {
-                "ratio/first_minibatch_max_dev": stats.first.get("ratio_dev", 0.0),
                 "train/optimizer_steps": n_opt,
-                "train/kept_transitions": int(red.get("ratio/weight", 0)),
                 "grad_norm": red["grad_norm"] / n_opt if n_opt else 0.0,
                 **{f"time/{k}_s": self.timer.times.get(k, 0.0) for k in PHASES},
                 **self._clocks(),
@@ -303,7 +313,7 @@ class Run:
             rngs = [rng_state()]
         if self.is_main or is_sharded(self.params):
             state = {
-                **trainer_state(self.params, self.optimizer, self.ema, self.policy),
+                **trainer_state(self.params, self.optimizer, self.ema, self.policy, self.extras),
                 "iteration": iteration,
                 "counts": self.counts,
                 "clocks": self._clocks(),
@@ -349,7 +359,8 @@ class Run:
         if self.is_main:
             history = self.logger.history()
             # learning curve, per-step panels, before/after
-            run_pictures(self.dir, history, self.args.exp_name)
+            with writing(self.dir):
+                run_pictures(self.dir, history, self.args.exp_name)
             print(f"{summary_line(history)}; run folder: {self.dir}")
         self.bar.close()
         self.logger.close()

@@ -157,8 +157,7 @@ class RunLogger:
     def log(self, metrics: dict, images: dict | None = None) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        append_line(self.path, json.dumps(metrics) + "\n")
         if self.wandb is not None:
             import wandb
 
@@ -180,21 +179,50 @@ class RunLogger:
             self.wandb.finish()
 
 
-def atomic_write(path: str, text: str) -> None:
-    """Replace the file at `path` by `text` so that a kill or a full disk at any instant leaves
-    either the old file or the new one, whole: write a temporary file beside it, flush it to the
-    disk, then rename it over the old one (one atomic rename on POSIX). A failure removes the
-    temporary file and raises."""
-    tmp = f"{path}.tmp.{os.getpid()}"
+def atomic_file(path: str, write) -> None:
+    """Write the file at `path` so that a kill or a full disk at any instant leaves either the old
+    file or the new one, whole: `write(tmp)` fills a temporary file beside it (same extension, so
+    savers that read it see the right format), which is flushed to the disk and renamed over the
+    old one (one atomic rename on POSIX). A failure removes the temporary file and raises."""
+    root, ext = os.path.splitext(path)
+    tmp = f"{root}.tmp{os.getpid()}{ext}"
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, OSError) and not e.filename:  # name the file a write's error does not
+            raise OSError(e.errno, e.strerror, path) from e
+        raise
+
+
+def atomic_write(path: str, text: str) -> None:
+    """A text file, written whole or not at all (`atomic_file`)."""
+
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+
+    atomic_file(path, write)
+
+
+def append_line(path: str, line: str) -> None:
+    """Append one line whole or not at all: a failed write (a full disk) cuts the file back to its
+    old length, so no half row is ever left."""
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    try:
+        with open(path, "a") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:
+        if os.path.exists(path):
+            os.truncate(path, size)
+        if isinstance(e, OSError) and not e.filename:
+            raise OSError(e.errno, e.strerror, path) from e
         raise
 
 

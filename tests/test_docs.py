@@ -38,7 +38,7 @@ REF = re.compile(
 )
 # anything that looks like a line reference: a `file.py:N` label or a `#LN` link target
 LOOSE = re.compile(r"[\w./-]*[\w-]\.py:\d+|\]\([^)\s]*#L\d+\)")
-ALGO_DOCS = ["docs/flowgrpo.md", "docs/g2rpo.md", "docs/densegrpo.md"]
+ALGO_DOCS = ["docs/flowgrpo.md", "docs/g2rpo.md", "docs/densegrpo.md", "docs/diffusionnft.md"]
 MIN_REFS = 10
 KEY_LEN = (10, 60)
 MAIN = "main"  # the scope name of the `if __name__ == "__main__":` block

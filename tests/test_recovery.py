@@ -203,3 +203,64 @@ def test_flags_bounded_by_the_model_are_refused_before_it_loads(
             run_main(SCRIPT, *flags[:i], "--model-path", str(broken), *flags[i + 2 :])
         shutil.copy(os.path.join(tiny_sd3, component, "config.json"), broken / component)
     assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MiB tmpfs, mounted for the test (root: CI is); skipped where it cannot be mounted."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or r.returncode}): needs root")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(disk: str, leave: int) -> None:
+    """Fill the disk but for about `leave` bytes."""
+    import shutil
+
+    with open(os.path.join(disk, "ballast"), "wb") as f:
+        f.write(b"\0" * max(shutil.disk_usage(disk).free - leave, 0))
+
+
+def test_every_write_on_a_full_disk_is_one_line_and_leaves_no_partial_file(small_disk):
+    """The metrics row, a picture, args.json, a side file: each goes whole or not at all, and the failure is
+    the checkpoint's one line, naming what exists to go on from."""
+    from common.checkpoint import writing
+    from common.plots import learning_curve
+    from common.utils import RunLogger, append_line, atomic_write
+
+    run = os.path.join(small_disk, "run")
+    os.makedirs(run)
+    logger = RunLogger(run, True, False, {"seed": 1}, "p", None, "n")  # args.json fits
+    logger.log({"iteration": 0, "train/reward_mean": 0.5})
+    rows = open(os.path.join(run, "metrics.jsonl")).read()
+    fill(small_disk, 0)
+    with pytest.raises(SystemExit) as e, writing(run):
+        append_line(os.path.join(run, "metrics.jsonl"), json.dumps({"x": "y" * 100_000}) + "\n")
+    msg = str(e.value.code)
+    assert msg.startswith(f"error: could not write {run}/metrics.jsonl (") and "\n" not in msg
+    assert "the disk is full" in msg and f"restart it in place with --resume {run}" in msg, msg
+    assert open(os.path.join(run, "metrics.jsonl")).read() == rows  # no half row
+    for write in (
+        lambda: atomic_write(os.path.join(run, "psi.json"), "x" * 200_000),
+        lambda: learning_curve(
+            [{"iteration": i, "eval/accuracy": 0.5} for i in range(3)],
+            os.path.join(run, "learning_curve.png"),
+            "t",
+        ),
+        lambda: atomic_write(os.path.join(run, "args.json"), "x" * 200_000),
+    ):
+        with pytest.raises(SystemExit, match="could not write .*the disk is full"), writing(run):
+            write()
+    assert sorted(os.listdir(run)) == [
+        "args.json",
+        "metrics.jsonl",
+    ]  # nothing partial, no temp file
+    assert json.load(open(os.path.join(run, "args.json"))) == {"seed": 1}
