@@ -33,7 +33,7 @@ from common.checks import ConfigError, Rule, check_flag, check_ranges, check_sde
 from common.harness import GRPOArgs, Harness, derived, setup
 from common.parallel import check_parallel, set_grad_sync
 from common.plots import line_plot
-from common.rewards import advantage_mix, group_reward_metrics
+from common.rewards import advantage_mix, group_advantages, group_reward_metrics
 from common.sampler import gaussian_kl, ode_along_paths, ratio_norm, sde_step_with_logprob
 from common.training import (
     Rollout,
@@ -218,30 +218,6 @@ def check_args(args: Args, world_size: int) -> None:
             f"--calibration-trajectories {args.calibration_trajectories} cannot be split evenly "
             f"over {world_size} ranks; make it a multiple of {world_size}"
         )
-
-
-# ALGO LOGIC: group-relative advantages (GRPO), Flow-GRPO's PerPromptStatTracker in a few lines.
-def group_advantages(
-    rewards: torch.Tensor, group: torch.Tensor, global_std: bool, eps: float
-) -> torch.Tensor:
-    """A_i = (r_i - mean of i's group) / std, std over all rewards (global_std) or over i's group.
-
-    In float64, as the official stat tracker (numpy): in float32 the mean of a group tied at 0.3 or
-    2/3 is rounded, and its members get advantages of 1e-7 to 3e-4 instead of 0. A tied group
-    (max == min) gets exactly 0, so --drop-zero-advantage drops it. Returns float32."""
-    r, n = rewards.double(), int(group.max()) + 1
-    size = torch.bincount(group, minlength=n).double()
-    mean = torch.zeros(n, dtype=torch.float64).index_add_(0, group, r) / size
-    if global_std:
-        std = r.std(unbiased=False).expand(n)  # population std, as np.std in Flow-GRPO
-    else:
-        std = (
-            torch.zeros(n, dtype=torch.float64).index_add_(0, group, (r - mean[group]) ** 2) / size
-        ).sqrt()
-    lo = torch.full((n,), float("inf"), dtype=torch.float64).scatter_reduce(0, group, r, "amin")
-    hi = torch.full((n,), -float("inf"), dtype=torch.float64).scatter_reduce(0, group, r, "amax")
-    adv = torch.where((hi == lo)[group], 0.0, (r - mean[group]) / (std[group] + eps))
-    return adv.float()
 
 
 # ALGO LOGIC: psi(t), the noise level of each step (Eq. 11). On the multiplier scale psi is the
@@ -819,9 +795,7 @@ if __name__ == "__main__":
         # clipped loss and the KL; their mean over the optimizer step's transitions; backward, clip,
         # step. The contract of `transitions` is checked here and listed in docs/design.md.
         with run.timer("train"):
-            tr = check_transitions(
-                ro.transitions, sigmas, len(ro.prompts), h.device, iteration, run.dir
-            )
+            tr = check_transitions(ro.transitions, sigmas, len(ro.prompts), h.device, run.dir)
             keep = tr["advantage"] != 0  # a zero advantage has no policy gradient
             if not args.drop_zero_advantage:
                 keep = torch.ones_like(keep)

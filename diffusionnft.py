@@ -45,7 +45,7 @@ from common.checks import ConfigError, Rule, check_flag, check_ranges
 from common.harness import Harness, HarnessArgs, derived, setup
 from common.parallel import check_parallel, set_grad_sync
 from common.policy import EMA
-from common.rewards import group_reward_metrics
+from common.rewards import group_advantages, group_reward_metrics
 from common.sampler import dpm2_step, ode_step
 from common.training import (
     GradShare,
@@ -151,30 +151,6 @@ def check_args(args: Args, world_size: int) -> None:
             f"trains {rows} (image, timestep) rows per iteration, too few for that many steps; "
             f"use at most {rows}"
         )
-
-
-# ALGO LOGIC: group-relative advantages, as flowgrpo_baseline.py's (the released PerPromptStatTracker)
-def group_advantages(
-    rewards: torch.Tensor, group: torch.Tensor, global_std: bool, eps: float
-) -> torch.Tensor:
-    """A_i = (r_i - mean of i's group) / std, std over all rewards (global_std) or over i's group.
-
-    In float64, as the official stat tracker (numpy): in float32 the mean of a group tied at 0.3 or
-    2/3 is rounded, and its members get advantages of 1e-7 to 3e-4 instead of 0. A tied group
-    (max == min) gets exactly 0 (r = 1/2). Returns float32."""
-    r, n = rewards.double(), int(group.max()) + 1
-    size = torch.bincount(group, minlength=n).double()
-    mean = torch.zeros(n, dtype=torch.float64).index_add_(0, group, r) / size
-    if global_std:
-        std = r.std(unbiased=False).expand(n)  # population std, as np.std in Flow-GRPO
-    else:
-        std = (
-            torch.zeros(n, dtype=torch.float64).index_add_(0, group, (r - mean[group]) ** 2) / size
-        ).sqrt()
-    lo = torch.full((n,), float("inf"), dtype=torch.float64).scatter_reduce(0, group, r, "amin")
-    hi = torch.full((n,), -float("inf"), dtype=torch.float64).scatter_reduce(0, group, r, "amax")
-    adv = torch.where((hi == lo)[group], 0.0, (r - mean[group]) / (std[group] + eps))
-    return adv.float()
 
 
 def optimality_weight(advantages: torch.Tensor, adv_clip_max: float) -> torch.Tensor:

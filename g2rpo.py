@@ -442,9 +442,7 @@ if __name__ == "__main__":
         # clipped loss and the KL; their mean over the optimizer step's transitions; backward, clip,
         # step. The contract of `transitions` is checked here and listed in docs/design.md.
         with run.timer("train"):
-            tr = check_transitions(
-                ro.transitions, sigmas, len(ro.prompts), h.device, iteration, run.dir
-            )
+            tr = check_transitions(ro.transitions, sigmas, len(ro.prompts), h.device, run.dir)
             keep = tr["advantage"] != 0  # a zero advantage has no policy gradient
             if not args.drop_zero_advantage:
                 keep = torch.ones_like(keep)

@@ -22,7 +22,8 @@ import shutil
 import subprocess
 import tempfile
 
-SCRIPTS = ("flowgrpo_baseline.py", "g2rpo.py", "densegrpo.py")
+SCRIPTS = ("flowgrpo_baseline.py", "g2rpo.py", "densegrpo.py", "diffusionnft.py")
+GRPO = SCRIPTS[:3]  # the scripts that share the training section: their diffs are compared
 
 
 def formatted(root: str) -> dict[str, str]:
@@ -158,7 +159,7 @@ def measure(root: str) -> dict:
         loop = main_loop(tree)
         depth = depth_of_statements(tree)
         train_first = next(
-            i for i, line in enumerate(lines, 1) if "TRAINING on transitions" in line
+            i for i, line in enumerate(lines, 1) if "# =" in line and "TRAINING on" in line
         )
         train_last = next(i for i, line in enumerate(lines, 1) if "END OF TRAINING" in line)
         deepest = max(d for line, d in depth.items() if train_first <= line <= train_last)
@@ -191,8 +192,8 @@ def measure(root: str) -> dict:
             "deepest_training_statement": deepest,
             "own_names_imported": own,
         }
-    for s in SCRIPTS[1:]:
-        changed, algo = diff_share(texts[SCRIPTS[0]], texts[s])
+    for s in GRPO[1:]:
+        changed, algo = diff_share(texts[GRPO[0]], texts[s])
         out[s]["diff_changed"], out[s]["diff_algorithm"] = changed, algo / changed
     return out
 

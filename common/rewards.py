@@ -799,3 +799,27 @@ def group_reward_metrics(rewards: torch.Tensor) -> dict:
         "train/group_std_mean": r.std(-1, unbiased=False).mean().item(),
         "train/zero_std_frac": tied.mean().item(),
     }
+
+
+def group_advantages(
+    rewards: torch.Tensor, group: torch.Tensor, global_std: bool, eps: float
+) -> torch.Tensor:
+    """A_i = (r_i - mean of i's group) / std, std over all rewards (global_std) or over i's group.
+
+    In float64, as the official stat tracker (numpy): in float32 the mean of a group tied at 0.3 or
+    2/3 is rounded, and its members get advantages of 1e-7 to 3e-4 instead of 0. A tied group
+    (max == min) gets exactly 0 (GRPO: --drop-zero-advantage drops it; NFT: r = 1/2). Flow-GRPO's
+    PerPromptStatTracker in a few lines, shared by every script. Returns float32."""
+    r, n = rewards.double(), int(group.max()) + 1
+    size = torch.bincount(group, minlength=n).double()
+    mean = torch.zeros(n, dtype=torch.float64).index_add_(0, group, r) / size
+    if global_std:
+        std = r.std(unbiased=False).expand(n)  # population std, as np.std in Flow-GRPO
+    else:
+        std = (
+            torch.zeros(n, dtype=torch.float64).index_add_(0, group, (r - mean[group]) ** 2) / size
+        ).sqrt()
+    lo = torch.full((n,), float("inf"), dtype=torch.float64).scatter_reduce(0, group, r, "amin")
+    hi = torch.full((n,), -float("inf"), dtype=torch.float64).scatter_reduce(0, group, r, "amax")
+    adv = torch.where((hi == lo)[group], 0.0, (r - mean[group]) / (std[group] + eps))
+    return adv.float()

@@ -66,7 +66,6 @@ def check_transitions(
     sigmas: torch.Tensor,
     n_prompts: int,
     device=None,
-    iteration: int = -1,
     run_dir: str = "",
 ) -> dict:
     """Check what the training section relies on, at the hand-over from rollout to training
@@ -84,8 +83,7 @@ def check_transitions(
     - state_index (optional; transitions that start from one shared state, G²RPO's branches): rows
       of one state have the same latents, sigma, sigma_next, noise_level and prompt, so one forward
       serves them all.
-    Returns the dict, moved to `device` when one is given. `iteration` and `run_dir` are for the
-    message.
+    Returns the dict, moved to `device` when one is given. `run_dir` is for the message.
     """
     missing = sorted(set(REQUIRED) - set(tr))
     unknown = sorted(set(tr) - set(REQUIRED) - set(OPTIONAL))
@@ -101,7 +99,7 @@ def check_transitions(
         if k not in ("latents", "next_latents", "mean"):
             require(t.ndim == 1, f"transitions['{k}'] must be [N], got {tuple(t.shape)}")
         if kind == "float" and not torch.isfinite(t).all():  # a NaN rollout: one line
-            raise stop_nonfinite(f"rollout ('{k}')", iteration, run_dir)
+            raise stop_nonfinite(f"rollout ('{k}')", None, run_dir)
     shapes = tr["latents"].shape, tr["next_latents"].shape, tr.get("mean", tr["latents"]).shape
     require(len(set(shapes)) == 1, f"latents, next_latents and mean differ in shape: {shapes}")
     j, s = tr["step_index"].cpu(), sigmas.cpu()
@@ -448,14 +446,14 @@ class NonFiniteUpdate(SystemExit):
     SystemExit, no traceback)."""
 
 
-def stop_nonfinite(what: str, iteration: int, run_dir: str) -> NonFiniteUpdate:
+def stop_nonfinite(what: str, iteration: int | None, run_dir: str) -> NonFiniteUpdate:
     """The one line a non-finite number stops the run with, naming what exists to go on from."""
     from common.checkpoint import continue_hint
 
     hint = continue_hint(run_dir) if run_dir else "nothing was saved"
     return NonFiniteUpdate(
-        f"error: non-finite {what} at iteration {iteration}; stopping before anything non-finite "
-        f"is saved ({hint})"
+        f"error: non-finite {what}{'' if iteration is None else f' at iteration {iteration}'}; "
+        f"stopping before anything non-finite is saved ({hint})"
     )
 
 

@@ -72,8 +72,10 @@ def main(runs_file: str, smooth_reward: bool) -> None:
     with open(runs_file) as f:
         runs = json.load(f)
     rank, world_size, device = common.utils.setup_distributed()
+    import common.harness  # the set-up calls setup_distributed by the name it imported
+
     keep = [
-        mock.patch.object(common.utils, "setup_distributed", lambda: (rank, world_size, device)),
+        mock.patch.object(common.harness, "setup_distributed", lambda: (rank, world_size, device)),
         mock.patch.object(dist, "destroy_process_group", lambda *a, **k: None),
     ]
     for i, (script, *flags) in enumerate(runs):
@@ -98,9 +100,9 @@ def main(runs_file: str, smooth_reward: bool) -> None:
             + json.dumps(
                 {
                     "run": i,
-                    "rank": g["rank"],
+                    "rank": g["h"].rank,
                     "digest": digest,
-                    "param_bytes": local_bytes(g["backbone"].transformer.parameters()),
+                    "param_bytes": local_bytes(g["h"].backbone.transformer.parameters()),
                     "optimizer_bytes": local_bytes(state),
                 }
             )

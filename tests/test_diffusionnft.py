@@ -20,6 +20,7 @@ from helpers import (
 
 import diffusionnft as nft
 from common.checks import ConfigError
+from common.rewards import group_advantages
 from common.sampler import sigma_schedule
 
 SCRIPT = "diffusionnft.py"
@@ -257,7 +258,7 @@ def learn(loss_form, flip=False, lr=0.05, iterations=10, seed=0):
     for iteration in range(iterations):
         with old.swapped():
             x0 = sample(torch.randn(64, 2, generator=g))
-        adv = nft.group_advantages(x0[:, 0], group, True, 1e-4)
+        adv = group_advantages(x0[:, 0], group, True, 1e-4)
         r = nft.optimality_weight(adv, args.adv_clip_max)
         r = 1 - r if flip else r
         step_index = torch.rand(64, 10, generator=g).argsort(1)[:, :5].flatten()

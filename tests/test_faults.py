@@ -454,9 +454,9 @@ def test_resume_under_changed_flags_is_one_line_naming_them(
         )
     else:
         assert msg == (
-            f"error: --resume {c2} was trained with other experiment-defining flags: {shown}; pass the "
-            "checkpoint's values to continue that run, or add --resume-override to start a new run "
-            "folder from its weights"
+            f"error: --resume {c2} was trained with other experiment-defining flags: {shown}; drop "
+            "them to continue that run with its own values, or add --resume-override to start a new "
+            "run folder from its weights"
         )
     assert len(read_metrics(run)) == 3  # the run's metrics (iterations 0, 1, 2) are untouched
 
@@ -561,7 +561,10 @@ def test_non_finite_reward_stops_before_the_update_and_keeps_the_checkpoint(
     )
     run, flags = copy_run(base_run, tmp_path)
     msg = script_error(*flags, "--num-iterations", "4", "--resume", run)
-    assert msg.startswith("error: non-finite reward at iteration 2; stopping before any update")
+    assert msg == (
+        "error: non-finite reward at iteration 2; stopping before anything non-finite is saved (the "
+        f"last complete checkpoint is {run}/checkpoint-2: continue with --resume {run})"
+    )
     assert [i for i, _ in ck.list_checkpoints(run)] == [1, 2] and ck.verify_checkpoint(
         ck.checkpoint_dir(run, 2)
     ) is None
@@ -586,7 +589,8 @@ def test_non_finite_loss_stops_before_the_update(base_run, tmp_path, monkeypatch
     run, flags = copy_run(base_run, tmp_path)
     msg = script_error(*flags, "--num-iterations", "4", "--resume", run)
     assert msg.startswith(
-        "error: non-finite loss or gradient at iteration 2; stopping before the update"
+        "error: non-finite loss or gradient at iteration 2; stopping before anything non-finite is "
+        f"saved (the last complete checkpoint is {run}/checkpoint-2"
     )
     assert [i for i, _ in ck.list_checkpoints(run)] == [1, 2] and ck.verify_checkpoint(
         ck.checkpoint_dir(run, 2)
