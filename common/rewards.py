@@ -183,7 +183,9 @@ def check_rewards(
     from common.checks import ConfigError
 
     try:
-        names = [n for s in (spec, guard_spec) if s for n, _ in parse_reward_spec(s)]
+        # --reward is required (an empty one trains on nothing); --guard-rewards may be empty
+        specs = [spec, guard_spec] if guard_spec else [spec]
+        names = [n for s in specs for n, _ in parse_reward_spec(s)]
         parse_model_paths(model_paths)
         for name in (n for n in names if n in OPTIONAL):
             _require(name)

@@ -169,6 +169,10 @@ def test_inputs_that_trained_nothing_or_were_misdiagnosed_get_the_right_line(tmp
 
     with pytest.raises(ValueError, match="trains nothing"):
         parse_reward_spec("toyworld:0")
+    from common.rewards import check_rewards
+
+    with pytest.raises(ConfigError, match="empty reward spec"):  # refused before any folder exists
+        check_rewards("", "", "", {})
     bom = tmp_path / "bom.txt"
     bom.write_bytes("\ufeffa red square\n".encode())
     assert read_prompt_file(str(bom), "--prompts-file") == ["a red square"]

@@ -1,0 +1,117 @@
+"""Benchmark (not a test): a sweep of bad inputs over the four scripts, in one process, counting the clean ones.
+
+    python benchmarks/sweep_bad_input.py            # every case of every script; one line per case, then a count
+
+A case is clean when the script stops with one line that starts with "error:" (or tyro's usage error for a flag
+that does not parse), no traceback, before any model is loaded, and writes nothing into its output folder. The
+model load is replaced by a function that raises, so a case that reaches it is counted as late.
+"""
+
+import contextlib
+import io
+import os
+import runpy
+import sys
+import tempfile
+from unittest import mock
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+SCRIPTS = ("flowgrpo_baseline.py", "g2rpo.py", "densegrpo.py", "diffusionnft.py")
+
+
+def cases(tmp: str) -> list[tuple[str, list[str]]]:
+    empty = os.path.join(tmp, "empty.txt")
+    open(empty, "w").close()
+    a_file = os.path.join(tmp, "a_file")
+    open(a_file, "w").write("x")
+    common = [
+        ("negative iterations", ["--num-iterations", "-1"]),
+        ("nan learning rate", ["--learning-rate", "nan"]),
+        ("negative seed", ["--seed", "-5"]),
+        ("seed past 32 bits", ["--seed", str(2**32)]),
+        ("run name with a path", ["--run-name", "../x"]),
+        ("run name '.'", ["--run-name", "."]),
+        ("resume of nothing", ["--resume", os.path.join(tmp, "nothing")]),
+        ("resume of a file", ["--resume", a_file]),
+        ("reward weight 0", ["--reward", "toyworld:0"]),
+        ("empty reward", ["--reward", ""]),
+        ("unknown reward", ["--reward", "nonsense"]),
+        ("T5 length past the model", ["--max-sequence-length", "100000"]),
+        ("LoRA rank 0", ["--lora-rank", "0"]),
+        ("LoRA rank past the layers", ["--lora-rank", "100000"]),
+        ("missing prompt file", ["--prompts-file", os.path.join(tmp, "none.txt")]),
+        ("empty evaluation prompts", ["--eval-prompts", empty]),
+        ("model path not a model", ["--model-path", tmp]),
+        ("resolution not a multiple", ["--resolution", "33"]),
+        ("negative guidance", ["--guidance-scale", "-1"]),
+        ("zero group size", ["--group-size", "1"]),
+        ("inf max grad norm", ["--max-grad-norm", "-inf"]),
+        ("a derived value as a flag", ["--world-size", "2"]),
+        ("unknown flag", ["--learning-rat", "1e-3"]),
+    ]
+    own = {
+        "diffusionnft.py": [
+            ("beta 0", ["--nft-beta", "0"]),
+            ("negative KL weight", ["--kl-weight", "-1"]),
+            ("no trained timestep", ["--timestep-fraction", "0.01"]),
+            ("unknown decay schedule", ["--old-decay-schedule", "bogus"]),
+        ],
+        "densegrpo.py": [
+            ("psi file a folder", ["--psi-file", tmp]),
+            ("zero completion steps", ["--completion-steps", "0"]),
+        ],
+        "g2rpo.py": [
+            ("branch step listed twice", ["--branch-steps", "0", "0"]),
+            ("granularity 0", ["--granularities", "0"]),
+        ],
+        "flowgrpo_baseline.py": [
+            ("window without size", ["--sde-window-range", "0", "3"]),
+            ("clip range 1", ["--clip-range", "1"]),
+        ],
+    }
+    return [(s, name, flags) for s in SCRIPTS for name, flags in common + own[s]]
+
+
+def run_case(script: str, flags: list[str], out: str) -> tuple[bool, str]:
+    """(clean?, the first line it printed on stderr or its exit message)."""
+    import common.harness
+
+    def no_load(*a, **k):
+        raise RuntimeError("the model was loaded before the bad input was refused")
+
+    err = io.StringIO()
+    argv = [script, "--output-dir", out, *flags]
+    with (
+        mock.patch.object(sys, "argv", argv),
+        mock.patch.object(common.harness, "load_backbone", no_load),
+        contextlib.redirect_stderr(err),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
+        try:
+            runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+            return False, "ran to the end"
+        except SystemExit as e:
+            msg = e.code if isinstance(e.code, str) else err.getvalue().strip().splitlines()[-1:]
+            msg = msg if isinstance(msg, str) else (msg[0] if msg else f"exit {e.code}")
+        except Exception as e:  # noqa: BLE001 - a traceback is what the sweep counts
+            return False, f"{e.__class__.__name__}: {e}"
+    written = os.listdir(out) if os.path.isdir(out) else []
+    one_line = "\n" not in msg.strip() and "Traceback" not in err.getvalue()
+    usage = ("Unrecognized", "Invalid choice")  # tyro's one box for a flag that does not parse
+    parsed = msg.startswith("error:") or any(u in err.getvalue() for u in usage)
+    return one_line and parsed and not written, msg.strip()[:150]
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        results = []
+        for k, (script, name, flags) in enumerate(cases(tmp)):
+            clean, msg = run_case(script, flags, os.path.join(tmp, f"out{k}"))
+            results.append(clean)
+            print(f"{'clean' if clean else 'NOT CLEAN'}  {script}  {name}: {msg}", flush=True)
+        print(f"{sum(results)} of {len(results)} cases clean")
+
+
+if __name__ == "__main__":
+    main()
