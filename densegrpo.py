@@ -30,7 +30,7 @@ import tyro
 
 from common.checkpoint import writing
 from common.checks import ConfigError, Rule, check_flag, check_ranges, check_sde_type
-from common.harness import GRPOArgs, Harness, derived, setup
+from common.harness import GRPOArgs, Harness, derived, setup, split_batch
 from common.parallel import check_parallel, set_grad_sync
 from common.plots import line_plot
 from common.rewards import advantage_mix, group_advantages, group_reward_metrics
@@ -117,25 +117,11 @@ def check_args(args: Args, world_size: int) -> None:
     to change."""
     check_ranges(args)  # common/checks.py: the numeric flags the scripts share
     check_parallel(args, world_size)  # common/parallel.py: --parallel fsdp needs torchrun
-    args.world_size = world_size
-    args.images_per_iteration = args.groups_per_iteration * args.group_size
-    args.train_batch_size = args.train_batch_size or args.rollout_batch_size
+    split_batch(args, world_size)  # common/harness.py: world size, images per rank
     args.trained_steps = int(args.num_steps * args.timestep_fraction)
     # (A_i - mean) / (std + eps) is 0 / 0 for a group of equal rewards without eps (the shared table
     # allows 0 for G²RPO)
     check_flag(args, "std_eps", Rule(0, lo_open=True, why="a group of equal rewards has std 0"))
-    if args.images_per_iteration % world_size:
-        raise ConfigError(
-            f"groups_per_iteration * group_size = {args.images_per_iteration} images cannot be "
-            f"split evenly over {world_size} ranks; make it a multiple of {world_size}"
-        )
-    args.images_per_rank = args.images_per_iteration // world_size
-    if args.images_per_rank % args.rollout_batch_size:
-        raise ConfigError(
-            f"each rank samples {args.images_per_rank} images, not a multiple of "
-            f"--rollout-batch-size {args.rollout_batch_size}; pick a divisor of "
-            f"{args.images_per_rank}"
-        )
     if not 1 <= args.trained_steps <= args.num_steps:
         raise ConfigError(
             f"--timestep-fraction {args.timestep_fraction} trains {args.trained_steps} of "

@@ -42,7 +42,7 @@ import torch
 import tyro
 
 from common.checks import ConfigError, Rule, check_flag, check_ranges
-from common.harness import Harness, HarnessArgs, derived, setup
+from common.harness import Harness, HarnessArgs, derived, setup, split_batch
 from common.parallel import check_parallel, set_grad_sync
 from common.policy import EMA
 from common.rewards import group_advantages, group_reward_metrics
@@ -116,9 +116,7 @@ def check_args(args: Args, world_size: int) -> None:
     to change."""
     check_ranges(args)  # common/checks.py: the numeric flags the scripts share
     check_parallel(args, world_size)  # common/parallel.py: --parallel fsdp needs torchrun
-    args.world_size = world_size
-    args.images_per_iteration = args.groups_per_iteration * args.group_size
-    args.train_batch_size = args.train_batch_size or args.rollout_batch_size
+    split_batch(args, world_size)  # common/harness.py: world size, images per rank
     check_flag(args, "std_eps", Rule(0, lo_open=True, why="a group of equal rewards has std 0"))
     check_flag(
         args,
@@ -126,18 +124,6 @@ def check_args(args: Args, world_size: int) -> None:
         Rule(0, lo_open=True, why="beta = 0 makes v+ = v- = v_old: no gradient (x0 form: / 0)"),
     )
     check_flag(args, "kl_weight", Rule(0, why="weight of the velocity KL; 0 = none"))
-    if args.images_per_iteration % world_size:
-        raise ConfigError(
-            f"groups_per_iteration * group_size = {args.images_per_iteration} images cannot be "
-            f"split evenly over {world_size} ranks; make it a multiple of {world_size}"
-        )
-    args.images_per_rank = args.images_per_iteration // world_size
-    if args.images_per_rank % args.rollout_batch_size:
-        raise ConfigError(
-            f"each rank samples {args.images_per_rank} images, not a multiple of "
-            f"--rollout-batch-size {args.rollout_batch_size}; pick a divisor of "
-            f"{args.images_per_rank}"
-        )
     args.trained_steps = int(args.num_steps * args.timestep_fraction)
     if args.trained_steps < 1:
         raise ConfigError(

@@ -42,7 +42,7 @@ from common.checkpoint import (
     resume_source,
     writing,
 )
-from common.checks import check_run_name, read_prompt_file
+from common.checks import ConfigError, check_run_name, read_prompt_file
 from common.parallel import parallelize
 from common.policy import EMA, Trainable, ema_weights
 from common.rewards import check_rewards, load_rewards
@@ -362,6 +362,27 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
         policy,
         logger,
     )
+
+
+def split_batch(args, world_size: int) -> None:
+    """The batch arithmetic of a script whose groups spread over the ranks, in one place: the world
+    size, the images per iteration (prompts x G) and per rank, and --train-batch-size's default;
+    one line when the images do not split over the ranks or the rollout batches."""
+    args.world_size = world_size
+    args.images_per_iteration = args.groups_per_iteration * args.group_size
+    args.train_batch_size = args.train_batch_size or args.rollout_batch_size
+    if args.images_per_iteration % world_size:
+        raise ConfigError(
+            f"groups_per_iteration * group_size = {args.images_per_iteration} images cannot be "
+            f"split evenly over {world_size} ranks; make it a multiple of {world_size}"
+        )
+    args.images_per_rank = args.images_per_iteration // world_size
+    if args.images_per_rank % args.rollout_batch_size:
+        raise ConfigError(
+            f"each rank samples {args.images_per_rank} images, not a multiple of "
+            f"--rollout-batch-size {args.rollout_batch_size}; pick a divisor of "
+            f"{args.images_per_rank}"
+        )
 
 
 BATCH_FIELDS = (

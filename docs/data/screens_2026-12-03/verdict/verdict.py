@@ -26,7 +26,9 @@ def from_folder(
 ) -> dict:
     """Every finished seed of `pattern` in `folder` (the harness's reading: benchmarks/bench_compare.py), its gain
     against the start run of `start_folder` (default: `folder`). Runs continued with --resume from the same run in
-    `resumed_from` add its CPU seconds: before 2026-12-03 (237750a) a resumed process restarted time/cpu_s at 0."""
+    `resumed_from` add its CPU seconds: before 2026-12-03 (237750a) a resumed process restarted time/cpu_s at 0.
+    -> {"start": the start run's accuracy, "runs": [{..., "points": every evaluation (bench_compare.eval_points;
+    a resumed run's cpu_s as logged)}]}"""
     start_run = next(iter(glob.glob(os.path.join(start_folder or folder, "*__start"))), None)
     if start_run is None:
         return {"runs": []}
@@ -41,6 +43,7 @@ def from_folder(
             {
                 "seed": int(d.rsplit("__", 1)[1]),
                 "gain": f["acc"] - start,
+                "points": s["points"],
                 "iterations": f["iteration"],
                 "trajectories": f["trajectories"],
                 "cpu": f["cpu_s"]
@@ -51,7 +54,7 @@ def from_folder(
                 ),
             }
         )
-    return {"runs": runs}
+    return {"start": start, "runs": runs}
 
 
 def flow_default() -> dict:
