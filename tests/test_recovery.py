@@ -58,9 +58,11 @@ def test_a_bare_resume_keeps_the_runs_flags_and_never_deletes_its_checkpoints(
     # a flag given that differs from the run's is named, with advice that works when followed
     with pytest.raises(ConfigError, match="drop them to continue that run with its own values"):
         run_main(SCRIPT, "--resume", run, "--num-iterations", "4", "--learning-rate", "1e-3")
+    run_main(SCRIPT, "--resume", run, "--num-iterations", "4")  # that advice, followed
+    assert checkpoints(run)[-1] == "checkpoint-4"
     # --resume A --run-name B would train in A and record B
     with pytest.raises(ConfigError, match="only --resume-override starts"):
-        run_main(SCRIPT, "--resume", run, "--num-iterations", "4", "--run-name", "other")
+        run_main(SCRIPT, "--resume", run, "--num-iterations", "5", "--run-name", "other")
 
 
 def test_a_run_that_died_before_its_first_checkpoint_restarts_in_place(
