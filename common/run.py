@@ -1,27 +1,28 @@
 """The main loop's bookkeeping: every block of an iteration that is not the algorithm, as one named
 call.
 
-The three scripts' loops read, top to bottom (nanoGPT's shape: evaluate, step, log, save):
+Every script's loop reads, top to bottom (nanoGPT's shape: evaluate, step, log, save); the Run comes
+from `Harness.start` (common/harness.py), which binds it to the model, the optimizer and the EMA:
 
-    run = Run(args, run_dir, rank, world_size, device, logger, counts, start_iteration, script)
-    for iteration in range(start_iteration, args.num_iterations + 1):
-        last = run.is_last(iteration)                   # the iteration count or the CPU budget is
-                                                        # spent
+    run = h.start(optimizer)
+    for iteration in range(run.start_iteration, args.num_iterations + 1):
+        metrics = {"iteration": iteration}
+        last = run.is_last(iteration)               # the iteration count or the CPU budget is spent
         if iteration % args.eval_every == 0 or last:
-            metrics.update(run.evaluate(...))           # held-out accuracy, the sample grid saved
+            metrics.update(run.evaluate(iteration, last))   # held-out accuracy, the grid saved
         if last:
             run.log_final(metrics)
             break
-        ...rollout, rewards, advantages, training: the algorithm, inline in the script...
-        run.log(metrics, stats, rollout_counts)         # one metrics.jsonl row (and wandb), the
-                                                        # progress bar
+        ro = rollout(...)                           # the algorithm, in the script
+        ...training section: the algorithm, in the script; run.after_optimizer_step(iteration)...
+        run.log(metrics, stats, ro)                 # one metrics.jsonl row (and wandb), the bar
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations:
-            run.checkpoint(iteration + 1, ...)          # every rank's RNG gathered, rank 0 writes
-    run.finish(params)                                  # weights digest, pictures, the one-line
-                                                        # summary
+            run.checkpoint(iteration + 1)           # every rank's RNG gathered, rank 0 writes
+    run.finish()                                    # weights digest, pictures, the summary
 
-Nothing here changes what a run samples or learns; it is identical in the three scripts and tested
-on its own (tests/test_run.py). Counters, cumulative over all ranks (metrics.jsonl and the
+Nothing here changes what a run samples or learns; it is the same in every script and tested on its
+own (tests/test_run.py). Every file it writes is written atomically, and a write that fails (a full
+disk) is one line (`common/checkpoint.py::writing`); SIGINT and SIGTERM stop a run with one line. Counters, cumulative over all ranks (metrics.jsonl and the
 checkpoint):
 - `trajectories`: images the policy sampled to the end (prompts x G per iteration, in every script);
 - `scored_images`: every image a reward model scored for training, completions included (Flow-GRPO:

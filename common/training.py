@@ -1,9 +1,9 @@
-"""Bookkeeping of the shared training section: the transitions contract, the micro-batch plan,
-metrics and the optimizer step.
+"""Bookkeeping of the training sections: the transitions contract, the micro-batch plan, metrics,
+and the checks around the optimizer step.
 
-The three scripts keep the algorithm of their training section inline (velocity with gradient,
-log-prob of the stored action, ratio, clipped loss, KL, backward). What is here is the plumbing
-around it, which must behave the same in all three and is tested on its own
+Every script keeps the algorithm of its training section inline (velocity with gradient, log-prob
+of the stored action, ratio, clipped loss, KL, their mean, backward, clip, optimizer step). What is
+here is the plumbing around it, which must behave the same in every script and is tested on its own
 (tests/test_training.py):
 
 - `check_transitions`: the hand-over from rollout to training, checked (fields,
@@ -15,7 +15,8 @@ around it, which must behave the same in all three and is tested on its own
 - `GradShare`: the diagnostic that splits an iteration's gradient by trained step
   (--grad-share-every).
 - `TrainStats`: the section's metrics and diagnostic in two calls (`add`, `step`).
-- `check_finite_update`: a non-finite gradient stops the run in one line.
+- `check_finite_update`, `check_finite_rewards`: a non-finite gradient or reward stops the run in
+  one line that names what exists to go on from (`stop_nonfinite`).
 - `Rollout`: what a rollout hands the training section.
 What is trained (LoRA or full weights, the KL reference, the EMA) lives in common/policy.py.
 """
