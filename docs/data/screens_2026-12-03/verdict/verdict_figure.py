@@ -24,7 +24,7 @@ ALGOS = [
     ("Flow-GRPO", "32 prompts × 8, steps 0–4, 30 it.", "tab:blue",
      [(F30, "2026-12-04 (30 it., beside the test suite)"), (GROUPS["flow15"][1], "2026-12-03 (15 it., in two lanes)")]),
     ("G²RPO", "12 prompts × 8, branches at steps 0–2, 39 it.", "tab:orange",
-     [(GROUPS["g2rpo39"][1], "2026-12-02 on a machine about 1.9× slower per CPU second")]),
+     [(GROUPS["g2rpo39"][1], "2026-12-02 on a slow machine (its 39 iterations logged 873–877 CPU s on a faster one that day)")]),
     ("DenseGRPO", "32 prompts × 8, steps 0–4, n = 2, 30 it.", "tab:green",
      [(GROUPS["dense30"][1], "2026-12-03 (seeds 3, 5 alone; 1, 2, 4 beside the test suite, about 30 % more)")]),
 ]  # fmt: skip
@@ -49,9 +49,8 @@ def mean_curve(runs: list[list[dict]]) -> list[dict]:
 
 
 def draw(path: str) -> None:
-    fig = _figure(
-        1500, 600
-    )  # placed by hand: constrained layout lays an outside legend over the title
+    # placed by hand: constrained layout lays a legend outside the axes over the title
+    fig = _figure(1500, 600)
     fig.subplots_adjust(left=0.055, right=0.99, top=0.84, bottom=0.25, wspace=0.06)
     axes = fig.subplots(1, 3, sharey=True)
     days, notes = [], []
