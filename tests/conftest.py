@@ -5,6 +5,7 @@ SD3.5 / FLUX.1 weights take.
 """
 
 import os
+import subprocess
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -60,3 +61,20 @@ def tiny_flux(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny-flux"))
     build_flux(path, seed=0, guidance_embeds=True)
     return path
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MiB file system (tmpfs), mounted for the test: a save that fills it gets the errors a full disk gives
+    (torch.save: RuntimeError; safetensors: SafetensorError; plain writes: OSError ENOSPC). Needs root (CI is)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or r.returncode}): needs root")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

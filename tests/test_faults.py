@@ -240,23 +240,6 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp_p
     assert sorted(os.listdir(run)) == ["checkpoint-1"]  # the temporary folder is gone too
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 1 MiB file system (tmpfs), mounted for the test: a save that fills it gets the errors a full disk gives
-    (torch.save: RuntimeError; safetensors: SafetensorError; plain writes: OSError ENOSPC). Needs root (CI is)."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or r.returncode}): needs root")
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 @pytest.mark.parametrize("fills", ["torch.save", "safetensors"])
 def test_a_real_full_disk_during_a_save_is_one_line_and_loses_nothing(small_disk, fills):
     """checkpoint-1 (400 kB) fits the 1 MiB disk; checkpoint-2 (800 kB, in the trainer state or in the weights)

@@ -222,22 +222,6 @@ def test_flags_bounded_by_the_model_are_refused_before_it_loads(
     assert not os.path.exists(tmp_path / "run")
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 1 MiB tmpfs, mounted for the test (root: CI is); skipped where it cannot be mounted."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or r.returncode}): needs root")
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def fill(disk: str, leave: int) -> None:
     """Fill the disk but for about `leave` bytes."""
     import shutil
