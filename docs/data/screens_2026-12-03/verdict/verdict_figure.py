@@ -115,8 +115,8 @@ def draw(path: str) -> None:
         "algorithm's seeds evaluated. CPU seconds as logged, each run on its own day and machine: "
         + "; ".join(days)
         + ".\nSo the left panel mixes machines and loads: compare CPU seconds within one day's runs only, never "
-        "across days. Timed side by side, DenseGRPO costs 1.5× Flow-GRPO's CPU per iteration; G²RPO was never timed "
-        "beside them.\n" + " ".join(notes),
+        "across days. Timed side by side (benchmarks/bench_cost.py, 2026-12-04), per iteration G²RPO costs 0.93× "
+        "Flow-GRPO's CPU and DenseGRPO 1.52×.\n" + " ".join(notes),
         va="bottom",
         wrap=True,
     )
