@@ -59,7 +59,6 @@ class Args(GRPOArgs):
     groups_per_iteration: int = 32
     """prompts per iteration, over all ranks"""
     rollout_batch_size: int = 16
-    """latents per transformer call while sampling and decoding, per rank"""
     timestep_fraction: float = 0.5
     """train the first int(num_steps * fraction) steps"""
     completion_steps: int | None = 2
@@ -117,7 +116,7 @@ def check_args(args: Args, world_size: int) -> None:
     to change."""
     check_ranges(args)  # common/checks.py: the numeric flags the scripts share
     check_parallel(args, world_size)  # common/parallel.py: --parallel fsdp needs torchrun
-    split_batch(args, world_size)  # common/harness.py: world size, images per rank
+    split_batch(args, world_size)  # common/harness.py: images per iteration and per rank
     args.trained_steps = int(args.num_steps * args.timestep_fraction)
     # (A_i - mean) / (std + eps) is 0 / 0 for a group of equal rewards without eps (the shared table
     # allows 0 for G²RPO)

@@ -70,8 +70,6 @@ class Args(HarnessArgs):
     """G, images per prompt whose rewards are compared"""
     groups_per_iteration: int = 32
     """prompts per iteration, over all ranks"""
-    rollout_batch_size: int = 64
-    """latents per transformer call while sampling, per rank"""
     # ---- reward and advantage
     global_std: bool = True
     """divide by the std of all the iteration's rewards, not each group's"""
@@ -116,7 +114,7 @@ def check_args(args: Args, world_size: int) -> None:
     to change."""
     check_ranges(args)  # common/checks.py: the numeric flags the scripts share
     check_parallel(args, world_size)  # common/parallel.py: --parallel fsdp needs torchrun
-    split_batch(args, world_size)  # common/harness.py: world size, images per rank
+    split_batch(args, world_size)  # common/harness.py: images per iteration and per rank
     check_flag(args, "std_eps", Rule(0, lo_open=True, why="a group of equal rewards has std 0"))
     check_flag(
         args,

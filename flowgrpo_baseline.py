@@ -48,8 +48,6 @@ class Args(GRPOArgs):
     """G, images per prompt whose rewards are compared"""
     groups_per_iteration: int = 32
     """prompts per iteration, over all ranks"""
-    rollout_batch_size: int = 64
-    """latents per transformer call while sampling, per rank"""
     timestep_fraction: float | None = None
     """train the first int(num_steps * fraction) steps (default 0.5)"""
     sde_window_size: int = 0
@@ -88,7 +86,7 @@ def check_args(args: Args, world_size: int) -> None:
     to change."""
     check_ranges(args)  # common/checks.py: the numeric flags the scripts share
     check_parallel(args, world_size)  # common/parallel.py: --parallel fsdp needs torchrun
-    split_batch(args, world_size)  # common/harness.py: world size, images per rank
+    split_batch(args, world_size)  # common/harness.py: images per iteration and per rank
     # (A_i - mean) / (std + eps) is 0 / 0 for a group of equal rewards without eps (the shared table
     # allows 0 for G²RPO)
     check_flag(args, "std_eps", Rule(0, lo_open=True, why="a group of equal rewards has std 0"))

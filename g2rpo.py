@@ -53,8 +53,6 @@ class Args(GRPOArgs):
     """G, branches per prompt and branch step whose rewards are compared"""
     groups_per_iteration: int = 12
     """prompts per iteration, over all ranks (each prompt's groups stay on one rank)"""
-    rollout_batch_size: int = 64
-    """latents per transformer call while sampling, per rank"""
     branch_steps: tuple[int, ...] = (0, 1, 2)
     """M: the steps k that are branched and trained (0 = the noisiest)"""
     granularities: tuple[int, ...] = (1, 2, 3)
@@ -95,8 +93,6 @@ def check_args(args: Args, world_size: int) -> None:
     to change."""
     check_ranges(args)  # common/checks.py: the numeric flags the scripts share
     check_parallel(args, world_size)  # common/parallel.py: --parallel fsdp needs torchrun
-    args.world_size = world_size
-    args.train_batch_size = args.train_batch_size or args.rollout_batch_size
     for flag, values in (
         ("--branch-steps", args.branch_steps),
         ("--granularities", args.granularities),

@@ -527,25 +527,21 @@ def resume_source(path: str, log=print) -> tuple[str | None, dict, dict]:
 NOT_ADOPTED = {"resume", "resume_override", "run_name", "output_dir"}
 
 
-def adopt_run_flags(args, saved: dict, fingerprints: dict, given: set[str]) -> list[str]:
+def adopt_run_flags(args, saved: dict, fingerprints: dict, given: set[str]) -> None:
     """A resume continues the run as it was: every flag not given on the command line takes the
     run's own value (a path flag keeps this checkout's value when both name the same content, as in
-    a second clone). Returns the flags given that differ from the run's."""
-    given_and_changed = []
+    a second clone). Flags given that differ from the run's are named by resolve_run_dir."""
     for f in dataclasses.fields(args):
         if not f.init or f.name in NOT_ADOPTED or f.name not in saved:
             continue
         value, now = saved[f.name], getattr(args, f.name)
         if isinstance(value, list) and "tuple" in str(f.type):
             value = tuple(value)
-        if f.name in given:
-            if _json({"v": value}) != _json({"v": now}):
-                given_and_changed.append(f.name)
-            continue
-        if f.name in PATH_FLAGS and same_path_meaning(value, now, fingerprints.get(f.name)):
+        if f.name in given or (
+            f.name in PATH_FLAGS and same_path_meaning(value, now, fingerprints.get(f.name))
+        ):
             continue
         setattr(args, f.name, value)
-    return given_and_changed
 
 
 def continue_hint(run_dir: str) -> str:

@@ -147,7 +147,9 @@ class HarnessArgs:
     cpu_budget_s: float = 0.0
     """stop after this many process CPU seconds, then evaluate (0 = no budget)"""
 
-    # ---- the optimizer step (the optimizer itself is built in each script)
+    # ---- batches and the optimizer step (the optimizer itself is built in each script)
+    rollout_batch_size: int = 64
+    """latents per transformer call while sampling and decoding, per rank"""
     max_grad_norm: float = 1.0
     """clip each optimizer step's gradient to this L2 norm"""
     train_batch_size: int | None = None
@@ -310,6 +312,8 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
     check_rewards(args.reward, args.guard_rewards, args.reward_model_paths, prompt_files)
     check_model_flags(args.model_path, check_model_path(args.model_path), args)
     rank, world_size, device = setup_distributed()
+    args.world_size = world_size  # the derived values every script has, filled in here once
+    args.train_batch_size = args.train_batch_size or args.rollout_batch_size
     check_args(args, world_size)
     seed_everything(args.seed, args.torch_deterministic)
     run_dir, resume_dir = resolve_run_dir(args, script, rank == 0, source, frozenset(given))
@@ -365,12 +369,10 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
 
 
 def split_batch(args, world_size: int) -> None:
-    """The batch arithmetic of a script whose groups spread over the ranks, in one place: the world
-    size, the images per iteration (prompts x G) and per rank, and --train-batch-size's default;
-    one line when the images do not split over the ranks or the rollout batches."""
-    args.world_size = world_size
+    """The batch arithmetic of a script whose groups spread over the ranks, in one place: the images
+    per iteration (prompts x G) and per rank; one line when they do not split over the ranks or the
+    rollout batches."""
     args.images_per_iteration = args.groups_per_iteration * args.group_size
-    args.train_batch_size = args.train_batch_size or args.rollout_batch_size
     if args.images_per_iteration % world_size:
         raise ConfigError(
             f"groups_per_iteration * group_size = {args.images_per_iteration} images cannot be "

@@ -265,7 +265,7 @@ class Run:
         self.counts.update({k: v + int(red.get(k, 0)) for k, v in self.counts.items()})
         n_opt = int(red.get("optimizer_steps", 0))
         metrics.update({**self.counts, "nfe": training_nfe(self.counts)})
-        ratio = getattr(train, "ratio_metrics", True)  # a ratio to log (no: DiffusionNFT)
+        ratio = train.ratio_metrics  # a ratio to log (no: DiffusionNFT)
         for k in ("mean", "min", "max") if ratio else ():  # nothing trained: a ratio of 1
             metrics[f"ratio/{k}"] = red.get("ratio" if k == "mean" else f"ratio/{k}", 1.0)
         names = (
@@ -273,7 +273,7 @@ class Run:
         )
         metrics.update({k: red.get(k, 0.0) for k in names})
         # a script's own training metrics, reduced with the rest, as train/<name>
-        metrics.update({f"train/{k}": red.get(k, 0.0) for k in getattr(train, "own_names", ())})
+        metrics.update({f"train/{k}": red.get(k, 0.0) for k in train.own_names})
         for name in PER_STEP:
             metrics.update(
                 {f"steps/{name}/{j}": v for j, v in red.get(f"{name}/per_step", {}).items()}

@@ -407,6 +407,8 @@ class TrainStats:
     (before its backward: the diagnostic differentiates its loss) and `step` once per optimizer
     step. Run.log reduces them over the ranks into the iteration's metrics row."""
 
+    ratio_metrics, own_names = True, ()  # a ratio to log; no metrics of a script's own
+
     def __init__(self, args, params: dict, tr: dict, keep: torch.Tensor, iteration: int):
         self.args = args
         self.stats = Stats(num_slots=args.num_steps)

@@ -8,15 +8,20 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_script(script: str, *flags: str, nproc: int = 1, check: bool = True, timeout: int = 300):
-    """Run `script` with `flags` in a subprocess (1 process, or `nproc` ranks under torchrun); return the result."""
-    env = {
+def script_env(threads: int = 2) -> dict:
+    """The environment a script runs in as a subprocess of the tests: offline, no wandb, this repo."""
+    return {
         **os.environ,
         "PYTHONPATH": ROOT,
-        "OMP_NUM_THREADS": "1" if nproc > 1 else "2",
+        "OMP_NUM_THREADS": str(threads),
         "HF_HUB_OFFLINE": "1",
         "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled"),
     }
+
+
+def run_script(script: str, *flags: str, nproc: int = 1, check: bool = True, timeout: int = 300):
+    """Run `script` with `flags` in a subprocess (1 process, or `nproc` ranks under torchrun); return the result."""
+    env = script_env(1 if nproc > 1 else 2)
     if nproc > 1:
         cmd = [
             sys.executable,

@@ -14,7 +14,15 @@ import time
 
 import pytest
 import torch
-from helpers import ROOT, read_metrics, run_main, run_script, tiny_flags, write_prompts
+from helpers import (
+    ROOT,
+    read_metrics,
+    run_main,
+    run_script,
+    script_env,
+    tiny_flags,
+    write_prompts,
+)
 
 from common.checks import ConfigError
 
@@ -99,7 +107,7 @@ def test_a_huge_learning_rate_stops_in_one_line_under_python_O(tiny_sd3, tmp_pat
     """`python -O` removes asserts: the non-finite checks are not asserts. An update that overflows the weights
     stops the run in one line, naming what exists to go on from, and no non-finite weight is saved."""
     flags = tiny_flags(tiny_sd3, tmp_path, prompts_file)
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2", "WANDB_MODE": "disabled"}
+    env = script_env()
     cmd = [sys.executable, "-O", os.path.join(ROOT, SCRIPT), *flags, "--num-iterations", "3"]
     r = subprocess.run(
         [*cmd, "--learning-rate", "1e30", "--save-every", "1"],
@@ -134,7 +142,7 @@ def test_a_signal_stops_the_run_with_one_line_that_says_how_to_go_on(
     tiny_sd3, tmp_path, prompts_file
 ):
     flags = tiny_flags(tiny_sd3, tmp_path, prompts_file)
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2", "WANDB_MODE": "disabled"}
+    env = script_env()
     p = subprocess.Popen(
         [
             sys.executable,

@@ -46,7 +46,9 @@ def make_run(tmp_path, counts=None, **kw):
 
 def trained(stats):
     """A training section's TrainStats, as Run.log reads it: its Stats and an idle diagnostic."""
-    return SimpleNamespace(stats=stats, grad_share=GradShare({}, 1, active=False))
+    return SimpleNamespace(
+        stats=stats, grad_share=GradShare({}, 1, active=False), ratio_metrics=True, own_names=()
+    )
 
 
 def rows(tmp_path):
