@@ -649,7 +649,8 @@ def rollout(
         # Transitions: every trained step of every trajectory, step-major (row j * n + i is step j
         # of trajectory i), each with its own timestep's advantage
         n = args.images_per_rank
-        step_index, trajectory = torch.arange(L).repeat_interleave(n), torch.arange(n).repeat(L)
+        step_index = torch.arange(L).repeat_interleave(n)  # the step of each row
+        trajectory = torch.arange(n).repeat(L)  # the trajectory of each row
         transitions = {
             "latents": dense["latents"][:L].flatten(0, 1),
             "next_latents": dense["latents"][1 : L + 1].flatten(0, 1),

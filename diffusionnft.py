@@ -315,7 +315,8 @@ if __name__ == "__main__":
         # theta (N7).
         with run.timer("train"):
             samples = {k: v.to(h.device) for k, v in ro.transitions.items()}  # x0, r, prompt_index
-            n, L, sigma_of = args.images_per_rank, args.trained_steps, sigmas.to(h.device)
+            n, L = args.images_per_rank, args.trained_steps
+            sigma_of = sigmas.to(h.device)
             gen = torch.Generator(h.device).manual_seed(  # the rollout's seed + 500: its own stream
                 args.seed * 1_000_003 + iteration * 1009 + h.rank + 500
             )
@@ -332,7 +333,8 @@ if __name__ == "__main__":
             stats = NFTStats(args)  # metrics
             for mb in plan:  # in order; the last micro-batch of each optimizer step has mb.sync
                 i, j = image[mb.rows], step_index[mb.rows]
-                x0, r, emb = samples["x0"][i], samples["r"][i], ro.emb[samples["prompt_index"][i]]
+                x0, r = samples["x0"][i], samples["r"][i]
+                emb = ro.emb[samples["prompt_index"][i]]
                 sigma = sigma_of[j]
                 t = sigma.view(-1, *[1] * (x0.ndim - 1))
                 eps = torch.randn(x0.shape, generator=gen, device=h.device)

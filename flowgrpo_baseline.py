@@ -204,10 +204,8 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
         # Transitions, step-major: row j * n + i is step j of trajectory i (check_transitions
         # verifies the order)
         L, n = args.trained_steps, args.images_per_rank
-        step_index, trajectory = (
-            torch.arange(w0, w0 + L).repeat_interleave(n),
-            torch.arange(n).repeat(L),
-        )
+        step_index = torch.arange(w0, w0 + L).repeat_interleave(n)  # the step of each row
+        trajectory = torch.arange(n).repeat(L)  # the trajectory of each row
         latents, next_latents, log_probs, means = (
             torch.cat(f, 1).flatten(0, 1) for f in zip(*steps)
         )
