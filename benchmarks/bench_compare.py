@@ -6,13 +6,16 @@
     python benchmarks/bench_compare.py --report-only --out runs/compare     # redo every table and plot from the folders
     python benchmarks/bench_compare.py --report-only --out runs/verdict --merge runs/a runs/b   # grids from several places
     python benchmarks/bench_compare.py --variants "lr1e-4=--learning-rate 1e-4" -- --eval-every 20   # variants, extra flags
+    python benchmarks/bench_compare.py --split validation --variants ...   # a screen: evaluate on the validation prompts
 
 Every run is one script (its toy-world defaults, then the variant's flags, then the flags after `--`) with
 `--cpu-budget-s`: it trains until its process CPU seconds since the training loop began (all threads) pass the
-budget, then runs a final evaluation with enough seeds per test prompt for a standard error <= --final-se
+budget, then runs a final evaluation with enough seeds per evaluation prompt for a standard error <= --final-se
 (binomial, worst case p = 0.5, categories weighted as eval/accuracy weights them) and exits. Per (algorithm,
 variant) one more run with `--num-iterations 0` evaluates the starting model with the same seeds: the gain of a
-run is its final accuracy minus that start, so both ends of the gain have the same precision.
+run is its final accuracy minus that start, so both ends of the gain have the same precision. `--split` picks the
+evaluation prompts: `validation` (common/toyworld/prompts_val.txt, carved from the training prompts and not trained
+on) for every screen and every choice of a default, `test` (the default) read once, for the headline.
 
 It resumes: a run whose metrics.jsonl has the `final: true` row is kept and skipped; any other run folder is
 deleted and the run started again. So the grid can be finished in several sittings, and `--report-only`
@@ -194,11 +197,12 @@ def eval_points(rows: list[dict], trajectories_per_iteration: int = 0) -> list[d
 
 def summarize(run_dir: str) -> dict | None:
     """The numbers of one finished run (None if it has no final row)."""
-    per_iteration = 0
+    per_iteration, eval_prompts = 0, "?"
     if os.path.exists(os.path.join(run_dir, "args.json")):
         with open(os.path.join(run_dir, "args.json")) as f:
             a = json.load(f)
         per_iteration = a.get("groups_per_iteration", 0) * a.get("group_size", 0)
+        eval_prompts = os.path.basename(a.get("eval_prompts", "?"))
     pts = eval_points(read_rows(run_dir), per_iteration)
     if not pts or not pts[-1]["final"]:
         return None
@@ -214,6 +218,7 @@ def summarize(run_dir: str) -> dict | None:
         "iterations": last["iteration"],
         "nfe_train": last["nfe"],
         "meta": meta,
+        "eval_prompts": eval_prompts,
     }
 
 
@@ -298,6 +303,15 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
             f"--only {' '.join(missing)}: no such group among {sorted(':'.join(k) for k in groups)}"
         )
     groups = {k: g for k, g in groups.items() if not only or ":".join(k) in only}
+    # a gain is a difference of two evaluations on one prompt set: a table never mixes validation and test
+    splits = {
+        s["eval_prompts"] for g in groups.values() for s in [g["start"], *g["seeds"].values()] if s
+    }
+    if len(splits) > 1:
+        raise ConfigError(
+            f"the runs were evaluated on different prompt files ({', '.join(sorted(splits))}): report "
+            "them apart (--only, or separate --out folders)"
+        )
     ref = tuple(reference.split(":", 1)) if reference else None
     if ref is not None and ref not in groups:
         raise ConfigError(
@@ -464,6 +478,9 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
         "Runs made by:",
         "",
         *[f"    {c}" for c in sorted(commands)],
+        "",
+        f"Evaluated on: {', '.join(sorted(splits)) or '?'} (prompts_val.txt: validation, for choosing; "
+        "prompts_test.txt: test, the headline).",
         "",
         "Budget: CPU seconds per run, or a number of iterations (`--iterations`; see the commands). "
         "gain = final − start accuracy, mean over seeds with a 95 % t-interval; start = the starting model evaluated "
@@ -680,6 +697,7 @@ def plan(args, variants: dict[str, list[str]], final_seeds: int) -> list[dict]:
                     str(args.eval_seeds_per_prompt),
                     "--final-eval-seeds-per-prompt",
                     str(final_seeds),
+                    *(["--eval-prompts", split_file(args.split)] if args.split != "test" else []),
                     *flags,
                     *args.extra,
                 ]
@@ -884,11 +902,18 @@ def run_grid(
     return failed
 
 
-def eval_prompt_counts() -> dict[str, int]:
+def split_file(split: str) -> str:
+    """The evaluation prompt file of a --split, relative to the repository (the runs' working folder)."""
+    from common import toyworld
+
+    return os.path.relpath(toyworld.VAL_FILE if split == "validation" else toyworld.TEST_FILE, ROOT)
+
+
+def eval_prompt_counts(split: str = "test") -> dict[str, int]:
     from common import toyworld
 
     counts = {}
-    for p in toyworld.load_prompts(toyworld.TEST_FILE):
+    for p in toyworld.load_prompts(split_file(split)):
         counts[toyworld.category_of(p)] = counts.get(toyworld.category_of(p), 0) + 1
     return counts
 
@@ -911,6 +936,12 @@ def main(argv=None):
         default=None,
         help="instead of the CPU budget, a fixed number of iterations per run (equal trajectories, not equal "
         "CPU: for curves read per iteration, e.g. the reward-hacking lab)",
+    )
+    ap.add_argument(
+        "--split",
+        choices=("test", "validation"),
+        default="test",
+        help="evaluation prompts: validation for screens and choosing defaults, test once for the headline",
     )
     ap.add_argument("--jobs", type=int, default=1, help="runs side by side")
     ap.add_argument(
@@ -1006,10 +1037,10 @@ def main(argv=None):
         )
     variants = parse_variants(args.variants)
     if not args.report_only:
-        final_seeds = seeds_for_se(args.final_se, eval_prompt_counts())
+        final_seeds = seeds_for_se(args.final_se, eval_prompt_counts(args.split))
         runs = plan(args, variants, final_seeds)
         print(
-            f"{len(runs)} runs; final evaluation: {final_seeds} seeds per test prompt (SE <= {args.final_se} at "
+            f"{len(runs)} runs; final evaluation: {final_seeds} seeds per {args.split} prompt (SE <= {args.final_se} at "
             f"p = 0.5); {args.jobs} at a time, {threads} thread(s) each"
         )
         if args.dry_run:

@@ -50,7 +50,7 @@ class Args:
     """the run folder's name (default: yardstick_raft__{seed}__{unix time})"""
     model_path: str = TOY_MODEL
     """the toy-world model (a local diffusers folder in the toy grammar)"""
-    prompts_file: str = str(toyworld.TRAIN_MIX_FILE)
+    prompts_file: str = str(toyworld.RL_TRAIN_FILE)
     """training prompts, drawn uniformly over lines (as the baseline)"""
     num_steps: int = 10
     """denoising steps of a rollout (baseline default)"""

@@ -114,7 +114,7 @@ class HarnessArgs:
     """layers that get a LoRA"""
 
     # ---- prompts and reward
-    prompts_file: str = str(toyworld.TRAIN_MIX_FILE)
+    prompts_file: str = str(toyworld.RL_TRAIN_FILE)
     """training prompts, one per line"""
     reward: str = "toyworld"
     """reward name or weighted mix, e.g. "pickscore:1.0,clipscore:0.5" (common/rewards.py)"""

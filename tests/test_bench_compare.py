@@ -451,3 +451,43 @@ def test_a_log_from_before_the_two_counters_is_read_under_their_names(tmp_path):
     last = bc.summarize(os.path.join(out, "densegrpo__old__1"))["final"]
     # the counters of the row before
     assert last["trajectories"] == 2 * 64 and last["scored_images"] == 704
+
+
+def test_split_validation_evaluates_every_run_on_the_validation_prompts(capsys, tmp_path):
+    """Issue #48 item 1: `--split validation` points every run (the start run too) at prompts_val.txt, sizes the
+    final evaluation for its prompts, and a report refuses to put validation and test gains in one table."""
+    bc.main(
+        [
+            "--algos",
+            "diffusionnft",
+            "--seeds",
+            "1",
+            "--iterations",
+            "2",
+            "--split",
+            "validation",
+            "--dry-run",
+        ]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    cmd = {line.split()[0]: line.split()[1:] for line in lines if "__" in line}
+    for argv in cmd.values():
+        assert argv[argv.index("--eval-prompts") + 1] == "common/toyworld/prompts_val.txt"
+        assert os.path.exists(os.path.join(bc.ROOT, argv[argv.index("--eval-prompts") + 1]))
+    seeds = bc.seeds_for_se(0.02, bc.eval_prompt_counts("validation"))
+    assert f"{seeds} seeds per validation prompt" in lines[0] and seeds != bc.seeds_for_se(
+        0.02, bc.eval_prompt_counts("test")
+    )
+    bc.main(["--algos", "diffusionnft", "--seeds", "1", "--iterations", "2", "--dry-run"])
+    assert "--eval-prompts" not in capsys.readouterr().out  # the test split: the scripts' default
+    # a table of runs evaluated on two prompt files is refused
+    row = {"iteration": 0, "eval/accuracy": 0.5, "nfe": 0, "final": True}
+    for name, prompts in [
+        ("g2rpo__a__start", "prompts_val.txt"),
+        ("g2rpo__a__1", "prompts_test.txt"),
+    ]:
+        write_run(str(tmp_path), name, [row])
+        with open(os.path.join(tmp_path, name, "args.json"), "w") as f:
+            json.dump({"eval_prompts": f"common/toyworld/{prompts}"}, f)
+    with pytest.raises(bc.ConfigError, match="different prompt files"):
+        bc.report(str(tmp_path))

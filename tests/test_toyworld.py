@@ -55,7 +55,13 @@ def test_parse_rejects_prompts_outside_the_grammar(bad):
 # ---- prompt files ----------------------------------------------------------------------------------------
 def test_prompt_files_match_regeneration_and_split(tmp_path):
     tw.write_prompt_files(tmp_path)
-    for name in ("prompts_train.txt", "prompts_train_balanced.txt", "prompts_test.txt"):
+    for name in (
+        "prompts_train.txt",
+        "prompts_train_balanced.txt",
+        "prompts_rl_train.txt",
+        "prompts_val.txt",
+        "prompts_test.txt",
+    ):
         assert (tw.PROMPT_DIR / name).read_text() == (tmp_path / name).read_text(), (
             f"{name}: rerun write_prompt_files()"
         )
@@ -92,6 +98,41 @@ def test_prompt_files_match_regeneration_and_split(tmp_path):
             assert (
                 tw.Spec("position", spec.objects[::-1], tw.OPPOSITE[spec.relation]).prompt in test
             )
+
+
+def test_validation_split_is_disjoint_from_test_and_absent_from_rl_training():
+    """Issue #48 item 1: validation prompts come from the training prompts, none is a test prompt,
+    none is in the RL training mix (in any phrasing of its scene), and the RL mix is the balanced mix
+    of what is left. The scripts train on that mix by default."""
+    from common.harness import HarnessArgs
+
+    train, test = tw.load_prompts(tw.TRAIN_FILE), tw.load_prompts(tw.TEST_FILE)
+    val, rl = tw.load_prompts(tw.VAL_FILE), tw.load_prompts(tw.RL_TRAIN_FILE)
+    assert len(set(val)) == len(val) == sum(tw.prompts.VAL_COUNTS.values())
+    assert Counter(map(tw.category_of, val)) == tw.prompts.VAL_COUNTS
+    assert set(val) <= set(train) and not set(val) & set(test)
+    assert not set(val) & set(rl) and set(rl) | set(val) == set(train)
+    assert rl == tw.balanced_mix([p for p in train if p not in set(val)])
+    for p in val:  # the same scene in another phrasing is not trained on either
+        spec = tw.parse(p)
+        if spec.category == "two_object":
+            assert tw.Spec("two_object", spec.objects[::-1]).prompt in val
+        if spec.category == "position":
+            assert tw.Spec("position", spec.objects[::-1], tw.OPPOSITE[spec.relation]).prompt in val
+            axis = {
+                "left of": "right of",
+                "right of": "left of",
+                "above": "below",
+                "below": "above",
+            }
+            assert tw.Spec("position", spec.objects, axis[spec.relation]).prompt in val
+    # RL training still sees every shape alone and every counting combination
+    singles = [tw.parse(p).objects[0] for p in set(rl) if tw.category_of(p) == "single"]
+    assert {s for _, s, _ in singles} == set(tw.SHAPES)
+    counting = [tw.parse(p).objects[0] for p in set(rl) if tw.category_of(p) == "counting"]
+    assert {o[:2] for o in counting} == {(c, s) for c in tw.COLORS for s in tw.SHAPES}
+    assert {(o[2], o[0]) for o in counting} == {(n, c) for n in (2, 3, 4) for c in tw.COLORS}
+    assert HarnessArgs.prompts_file == str(tw.RL_TRAIN_FILE)
 
 
 def test_load_prompts(tmp_path):

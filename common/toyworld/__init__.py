@@ -26,6 +26,7 @@ from .prompts import (
     load_prompts,
     parse,
     split_prompts,
+    split_validation,
     write_prompt_files,
 )
 from .render import RESOLUTION, render, render_array, render_batch
@@ -47,6 +48,7 @@ __all__ = [  # the toy world's public names, re-exported from its modules
     "load_prompts",
     "parse",
     "split_prompts",
+    "split_validation",
     "write_prompt_files",
     "RESOLUTION",
     "render",
@@ -60,10 +62,15 @@ __all__ = [  # the toy world's public names, re-exported from its modules
     "to_uint8",
     "TRAIN_FILE",
     "TRAIN_MIX_FILE",
+    "RL_TRAIN_FILE",
+    "VAL_FILE",
     "TEST_FILE",
 ]
 
 TRAIN_FILE = PROMPT_DIR / "prompts_train.txt"  # every training prompt once (the pretraining pool)
-# the same, repeated so categories are equal (RL default)
+# the same, repeated so categories are equal (the shipped toy model's pretraining mix)
 TRAIN_MIX_FILE = PROMPT_DIR / "prompts_train_balanced.txt"
-TEST_FILE = PROMPT_DIR / "prompts_test.txt"
+# the RL scripts' default: the mix without the validation prompts (split_validation)
+RL_TRAIN_FILE = PROMPT_DIR / "prompts_rl_train.txt"
+VAL_FILE = PROMPT_DIR / "prompts_val.txt"  # for screens and choosing defaults
+TEST_FILE = PROMPT_DIR / "prompts_test.txt"  # read once, for the headline

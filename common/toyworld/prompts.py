@@ -37,6 +37,10 @@ OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "bel
 PROMPT_DIR = Path(__file__).parent
 TEST_COUNTS = {"single": 12, "counting": 24, "two_object": 32, "position": 32}
 SPLIT_SEED = 0
+# the validation split, carved from the training prompts (split_validation): singles are capped by
+# the 6 training singles, counting by keeping every combination in RL training
+VAL_COUNTS = {"single": 3, "counting": 8, "two_object": 16, "position": 32}
+VAL_SEED = 1
 
 _C, _S = "|".join(COLORS), "|".join(SHAPES)
 _OBJ = rf"a ({_C}) ({_S})"
@@ -180,16 +184,69 @@ def split_prompts() -> tuple[list[str], list[str]]:
     return train_all, test_all
 
 
+def split_validation(train: list[str]) -> tuple[list[str], list[str]]:
+    """The fixed, seeded (RL training, validation) split of the training prompts: every screen and
+    every choice of a default reads the validation prompts, so the test prompts are read once, for
+    the headline. Carved like the test split, so a validation prompt's scene is never trained on:
+
+    * single: 3 of the 6 training singles, one per shape (each shape is still trained on its own).
+    * counting: 8 of 30, keeping every (colour, shape), (number, colour) and (number, shape)
+      combination in RL training.
+    * two_object / position: whole equivalence groups, 8 unordered pairs (x2 orders) and 8
+      (unordered pair, axis) groups (x4 phrasings).
+
+    The pretrained toy model saw every training prompt, validation ones included (its pretraining
+    pool is prompts_train.txt); the test prompts it never saw. Validation is held out from RL only.
+    """
+    rng = random.Random(VAL_SEED)
+    by_cat = {c: [p for p in train if category_of(p) == c] for c in CATEGORIES}
+    singles = by_cat["single"]
+    val = {"single": []}
+    for shape in SHAPES:  # one single per shape, a random one of the two
+        val["single"].append(rng.choice([p for p in singles if parse(p).objects[0][1] == shape]))
+
+    counting = by_cat["counting"]
+    while True:
+        held = set(rng.sample(counting, VAL_COUNTS["counting"]))
+        kept = [parse(p).objects[0] for p in counting if p not in held]
+        if all(
+            len({key(o) for o in kept}) == len({key(parse(p).objects[0]) for p in counting})
+            for key in (lambda o: o[:2], lambda o: (o[2], o[0]), lambda o: (o[2], o[1]))
+        ):
+            break
+    val["counting"] = [p for p in counting if p in held]
+
+    def group_of(p: str, category: str):  # the equivalence group a prompt's scene belongs to
+        spec = parse(p)
+        pair = tuple(sorted(o[:2] for o in spec.objects))  # sorted: the same for both orders
+        if category == "two_object":
+            return pair
+        return (pair, "x" if spec.relation in ("left of", "right of") else "y")
+
+    for category, size in (("two_object", 2), ("position", 4)):
+        groups = sorted({group_of(p, category) for p in by_cat[category]})
+        groups = [
+            g for g in groups if sum(group_of(p, category) == g for p in by_cat[category]) == size
+        ]
+        held_groups = set(rng.sample(groups, VAL_COUNTS[category] // size))
+        val[category] = [p for p in by_cat[category] if group_of(p, category) in held_groups]
+
+    val_all = [p for c in CATEGORIES for p in val[c]]
+    held_set = set(val_all)
+    return [p for p in train if p not in held_set], val_all
+
+
 def balanced_mix(train: list[str]) -> list[str]:
-    """The RL scripts' default training prompts: every category equally often, as the accuracy
-    weighs them.
+    """The category-balanced mix: every category equally often, as the accuracy weighs them.
 
     The grammar itself is lopsided (of the 1502 training prompts 1192 are position prompts and 6 are
     single objects), so sampling its prompts uniformly would train almost only on position. Like
     Flow-GRPO's GenEval training file (a weighted merge of per-task prompt lists), the mix repeats
     prompts: each category gets as many lines as the largest one, cycling through its prompts, so
     within a category every prompt is (almost) equally likely too. A script samples the lines of a
-    prompt file uniformly.
+    prompt file uniformly. prompts_train_balanced.txt is the pretraining pool's mix (the shipped toy
+    model was pretrained on it); prompts_rl_train.txt is the RL scripts' default, the same without
+    the validation prompts.
     """
     by_cat = {c: [p for p in train if category_of(p) == c] for c in CATEGORIES}
     n = max(len(v) for v in by_cat.values())
@@ -197,12 +254,15 @@ def balanced_mix(train: list[str]) -> list[str]:
 
 
 def write_prompt_files(directory: str | Path = PROMPT_DIR) -> None:
-    """Write prompts_train.txt, prompts_train_balanced.txt and prompts_test.txt (run once; they are
-    committed)."""
+    """Write the prompt files (run once; they are committed): the pretraining pool and its mix, the
+    RL training mix, the validation and the test prompts."""
     train, test = split_prompts()
+    rl_train, val = split_validation(train)
     files = {
         "prompts_train.txt": train,
         "prompts_train_balanced.txt": balanced_mix(train),
+        "prompts_rl_train.txt": balanced_mix(rl_train),
+        "prompts_val.txt": val,
         "prompts_test.txt": test,
     }
     for name, prompts in files.items():
