@@ -4,19 +4,19 @@
 
 A run's gain is its final evaluation (8 seeds per test prompt) minus its folder's start run (the shipped model on
 the same seeds, 0.471); a group's gain is the mean over its seeds with a 95 % t-interval, and a difference of two
-groups is Welch's. Flow-GRPO's default of 2026-12-01 left no logs (only its table in docs/results.md, "The new
-default"), so its five final accuracies are read from `flow_default_2026-12-01.json`.
+groups is Welch's. Flow-GRPO's 30-iteration default is its re-run of 2026-12-04 with its logs kept
+(docs/data/screens_2026-12-04/f30; the 2026-12-01 runs left only their table, `flow_default_2026-12-01.json`, which
+the re-run reproduces in four seeds of five).
 """
 
 import glob
-import json
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.abspath(os.path.join(HERE, *[".."] * 4)))
 
-from benchmarks.bench_compare import mean_ci, summarize, welch_ci  # noqa: E402
+from benchmarks.bench_compare import mean_ci, summarize, t_cdf, t_quantile, welch_ci  # noqa: E402
 
 DATA = os.path.dirname(HERE)  # docs/data/screens_2026-12-03
 
@@ -57,25 +57,13 @@ def from_folder(
     return {"start": start, "runs": runs}
 
 
-def flow_default() -> dict:
-    table = json.load(open(os.path.join(HERE, "flow_default_2026-12-01.json")))
-    runs = [
-        {
-            "seed": s,
-            "gain": acc - table["start"],
-            "iterations": 30,
-            "trajectories": 7680,
-            "cpu": cpu,
-        }
-        for s, acc, cpu in zip(table["seeds"], table["final"], table["cpu_s_with_evaluations"])
-    ]
-    return {"runs": runs}
-
-
 V = os.path.join(DATA, "verdict")
 G = os.path.join(DATA, "..", "screens_2026-12-04", "guard")
 GROUPS = {
-    "flow30": ("Flow-GRPO default (32 x 8), 30 it.", flow_default()),
+    "flow30": (
+        "Flow-GRPO default (32 x 8), 30 it.",
+        from_folder(os.path.join(DATA, "..", "screens_2026-12-04", "f30"), "flowgrpo_*"),
+    ),
     "flow15": ("Flow-GRPO default (32 x 8), 15 it.", from_folder(f"{V}/f15", "flowgrpo_*")),
     "flow12": ("Flow-GRPO at 12 x 8, 39 it.", from_folder(f"{V}/f12", "flowgrpo_*")),
     "g2rpo39": (
@@ -148,7 +136,8 @@ AXES = [
         [("flow30", None), ("dense30", "flow30")],
     ),
     (
-        "The papers' protocol (the same prompts x G per iteration and iterations as a Flow-GRPO run)",
+        "Equal batch and iterations (the same prompts x G per iteration and iterations as a Flow-GRPO run; the "
+        "papers' own batches and iterations are far larger)",
         [("flow12", None), ("g2rpo39", "flow12"), ("flow30", None), ("dense30", "flow30")],
     ),
     (
@@ -170,6 +159,75 @@ AXES = [
     ),
 ]
 
+# The verdict's six differences: (label, algorithm, newer group, Flow-GRPO group). Holm runs over each algorithm's
+# three axes (its claim) and over all six.
+CELLS = [
+    ("G²RPO − Flow-GRPO, equal CPU seconds", "g2rpo", "g2rpo39", "flow30"),
+    ("G²RPO − Flow-GRPO, equal trajectories (3,744 / 3,840)", "g2rpo", "g2rpo39", "flow15"),
+    (
+        "G²RPO − Flow-GRPO, equal batch and iterations (12 × 8, 39 it.)",
+        "g2rpo",
+        "g2rpo39",
+        "flow12",
+    ),
+    ("DenseGRPO − Flow-GRPO, equal CPU seconds", "dense", "dense20", "flow30"),
+    ("DenseGRPO − Flow-GRPO, equal trajectories (3,840)", "dense", "dense15", "flow15"),
+    (
+        "DenseGRPO − Flow-GRPO, equal batch and iterations = equal trajectories (7,680)",
+        "dense",
+        "dense30",
+        "flow30",
+    ),
+]
+
+
+def welch_test(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """(df, two-sided p, the difference resolved with 80 % power at a two-sided 5 % level: SE (t_.975 + t_.80))."""
+    vx, vy = (
+        sum((v - sum(vs) / len(vs)) ** 2 for v in vs) / (len(vs) - 1) / len(vs) for vs in (xs, ys)
+    )
+    se = (vx + vy) ** 0.5
+    df = (vx + vy) ** 2 / (vx**2 / (len(xs) - 1) + vy**2 / (len(ys) - 1))
+    d = sum(xs) / len(xs) - sum(ys) / len(ys)
+    p = 2 * (1 - t_cdf(abs(d) / se, df))
+    return df, p, se * (t_quantile(0.975, df) + t_quantile(0.80, df))
+
+
+def holm(ps: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the input order."""
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    adjusted, running = [0.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def print_tests() -> None:
+    gains = {k: [r["gain"] for r in g["runs"]] for k, (_, g) in GROUPS.items()}
+    rows = []
+    for label, algo, new, old in CELLS:
+        df, p, resolved = welch_test(gains[new], gains[old])
+        rows.append((label, algo, welch_ci(gains[new], gains[old]), df, p, resolved))
+    all6 = holm([r[4] for r in rows])
+    per_algo = {}
+    for algo in {r[1] for r in rows}:
+        idx = [i for i, r in enumerate(rows) if r[1] == algo]
+        per_algo.update(zip(idx, holm([rows[i][4] for i in idx])))
+    print(
+        "\nThe verdict's tests (Welch, two-sided; Holm over the algorithm's 3 axes and over all 6)\n"
+    )
+    print(
+        "| difference | [95 % CI] | df | p, uncorrected | p, Holm over the algorithm's 3 | p, Holm over all 6 "
+        "| 5 seeds resolve |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for i, (label, _, ci, df, p, resolved) in enumerate(rows):
+        print(
+            f"| {label} | {fmt(*ci)} | {df:.1f} | {p:.2g} | {per_algo[i]:.2g} | {all6[i]:.2g} | {resolved:.3f} |"
+        )
+
+
 if __name__ == "__main__":
     for title, rows in AXES:
         print(f"\n{title}\n")
@@ -179,3 +237,4 @@ if __name__ == "__main__":
         print("|---|---|---|---|---|---|---|")
         for key, ref in rows:
             print(row(key, ref))
+    print_tests()
