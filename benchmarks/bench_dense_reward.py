@@ -2,6 +2,7 @@
 
     python benchmarks/bench_dense_reward.py                     # 512 trajectories on the shipped toy model, psi = 0.7
     python benchmarks/bench_dense_reward.py --psi-file runs/<a DenseGRPO run>/psi.json
+    python benchmarks/bench_dense_reward.py --psi-constant 0 --completion-steps t,2   # the n = 2 grids' effect alone
 
 DenseGRPO (arXiv 2601.20218, Eq. 8-9) scores every latent x_t of a trajectory by the reward of its ODE completion,
 R_t = R(ODE_n(x_t)), and trains step t on DeltaR_t = R_{t-1} - R_t. Its Fig. 6c finds n = t (all remaining steps)
@@ -11,7 +12,11 @@ trajectories (one generator seed, so every n sees the same latents), for each st
 - corr: Pearson correlation of R(ODE_n(x_k)) with the trajectory's final reward R(x_0) (the SDE image);
 - |R_k - R_0|: mean absolute gap between the two (how far the completion's verdict is from the image's);
 - dR = 0: share of trajectories whose DeltaR at step k is exactly 0 (no signal for that step);
-- sign = n=t: share of trajectories whose DeltaR at step k has the same sign (-, 0, +) as with n = t.
+- sign = n=t: share of trajectories whose DeltaR at step k has the same sign (-, 0, +) as with n = t;
+- mean |dR|: the mean size of DeltaR at step k.
+
+With `--psi-constant 0` every step is noise-free, so n = t gives DeltaR = 0 exactly and whatever n = 2 gives is
+the change of completion grid alone (its grids from x_k and x_{k+1} are not nested, docs/densegrpo.md).
 
 and the completion NFE per trajectory. No training: the shipped model, its rollout exactly as densegrpo.py samples it
 (`dense_rollout`, the function the script calls). Prints a markdown table.
@@ -51,6 +56,12 @@ def main() -> None:
         help="a run's psi.json (default: psi = --noise-level at every step)",
     )
     ap.add_argument(
+        "--psi-constant",
+        type=float,
+        default=None,
+        help="psi = this at every step (0: noise-free trajectories, the grids' effect alone)",
+    )
+    ap.add_argument(
         "--completion-steps", default="t,2,1", help="comma-separated n; t = all remaining steps"
     )
     ap.add_argument("--threads", type=int, default=None)
@@ -66,7 +77,9 @@ def main() -> None:
             D.load_psi(a.psi_file, args.num_steps, args.psi_scale)["psi"], dtype=torch.float32
         )
     else:
-        psi = torch.full((args.num_steps,), args.noise_level)
+        psi = torch.full(
+            (args.num_steps,), args.noise_level if a.psi_constant is None else a.psi_constant
+        )
     noise_levels = D.step_noise_levels(psi, sigmas, args.psi_scale)
     pool = read_prompt_file(args.prompts_file, "--prompts-file")
     g = torch.Generator().manual_seed(a.seed)
@@ -110,7 +123,7 @@ def main() -> None:
         f"\nfinal reward R(x_0): mean {final.mean():.3f}, zero for {(final == 0).float().mean():.0%} of trajectories\n"
     )
     head = "| step k (t = T - k) | " + " | ".join(
-        f"n = {n}: corr / abs gap / dR = 0 / sign as n = t" for n in R
+        f"n = {n}: corr / abs gap / dR = 0 / sign as n = t / mean abs dR" for n in R
     )
     print(head + " |")
     print("|---" * (len(R) + 1) + "|")
@@ -126,7 +139,7 @@ def main() -> None:
             )
             cells.append(
                 f"{pearson(r[:, k], final):+.2f} / {(r[:, k] - final).abs().mean():.2f} / "
-                f"{(dR == 0).float().mean():.2f} / {same:.2f}"
+                f"{(dR == 0).float().mean():.2f} / {same:.2f} / {dR.abs().mean():.3f}"
             )
         print(f"| {k} (t = {T - k}) | " + " | ".join(cells) + " |")
     print(
