@@ -700,6 +700,8 @@ def plan(args, variants: dict[str, list[str]], final_seeds: int) -> list[dict]:
                     *(["--eval-prompts", split_file(args.split)] if args.split != "test" else []),
                     *flags,
                     *args.extra,
+                    # the start run evaluates the starting model: last, so no variant's flag makes it train
+                    *(["--num-iterations", "0"] if seed == START else []),
                 ]
                 runs.append(
                     {

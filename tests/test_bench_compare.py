@@ -393,6 +393,17 @@ def test_fixed_iterations_replace_the_cpu_budget_except_for_the_start_run(capsys
     start, run = cmd["g2rpo__hack__start"], cmd["g2rpo__hack__3"]
     flag = lambda argv, name: argv[max(i for i, a in enumerate(argv) if a == name) + 1]  # noqa: E731  (last wins)
     assert flag(start, "--num-iterations") == "0" and flag(run, "--num-iterations") == "30"
+    # a variant that sets its own iterations trains them; its start run still trains none
+    bc.main(
+        ["--algos", "g2rpo", "--seeds", "3", "--variants", "long=--num-iterations 40", "--dry-run"]
+    )
+    cmd = {
+        line.split()[0]: line.split()[1:]
+        for line in capsys.readouterr().out.splitlines()
+        if "__" in line
+    }
+    assert flag(cmd["g2rpo__long__start"], "--num-iterations") == "0"
+    assert flag(cmd["g2rpo__long__3"], "--num-iterations") == "40"
     assert (
         flag(run, "--cpu-budget-s") == "0"
         and flag(run, "--beta") == "0.04"
