@@ -89,7 +89,7 @@ class Args(HarnessArgs):
     old_decay_schedule: Literal["released", "delayed", "copy"] = "released"
     """decay d of the old policy's EMA: the released rising schedule, the delayed one, or 0"""
     # ---- optimizer
-    num_iterations: int = 30
+    num_iterations: int = 20
     """rollout + update iterations (0 = only evaluate the starting model)"""
     learning_rate: float = 3e-4
     """AdamW learning rate"""
