@@ -164,21 +164,11 @@ AXES = [
 CELLS = [
     ("G²RPO − Flow-GRPO, equal CPU seconds", "g2rpo", "g2rpo39", "flow30"),
     ("G²RPO − Flow-GRPO, equal trajectories (3,744 / 3,840)", "g2rpo", "g2rpo39", "flow15"),
-    (
-        "G²RPO − Flow-GRPO, equal batch and iterations (12 × 8, 39 it.)",
-        "g2rpo",
-        "g2rpo39",
-        "flow12",
-    ),
+    ("G²RPO − Flow-GRPO, equal batch and iterations (12 × 8, 39 it.)", "g2rpo", "g2rpo39", "flow12"),
     ("DenseGRPO − Flow-GRPO, equal CPU seconds", "dense", "dense20", "flow30"),
     ("DenseGRPO − Flow-GRPO, equal trajectories (3,840)", "dense", "dense15", "flow15"),
-    (
-        "DenseGRPO − Flow-GRPO, equal batch and iterations = equal trajectories (7,680)",
-        "dense",
-        "dense30",
-        "flow30",
-    ),
-]
+    ("DenseGRPO − Flow-GRPO, equal batch and iterations = equal trajectories (7,680)", "dense", "dense30", "flow30"),
+]  # fmt: skip
 
 
 def welch_test(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
