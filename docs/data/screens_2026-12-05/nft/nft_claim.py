@@ -3,6 +3,9 @@ prompts, 5 seeds each, run side by side (one lane each), read on the test prompt
 
     python docs/data/screens_2026-12-05/nft/nft_claim.py [FOLDER]     # from the repository root; FOLDER: the runs
 
+prints the tables and draws docs/img/nft_vs_flowgrpo.png (gain against training CPU, trajectories and iterations,
+every seed thin and the mean bold).
+
 A gain is a run's last evaluation (8 seeds per test prompt) minus its start run's (the shipped model, the same
 seeds). Training CPU seconds per iteration are each run's median over the iterations without an evaluation of the
 step in time/cpu_s (evaluations left out: the two scripts evaluate at different iterations). The axes:
@@ -30,6 +33,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "screens_2026-12-03", "verdict
 from verdict import holm, welch_test  # noqa: E402
 
 from benchmarks.bench_compare import mean_ci, read_rows, summarize, welch_ci  # noqa: E402
+from common.plots import _figure  # noqa: E402
 
 ALGOS = {"flow": "flowgrpo_baseline", "nft": "diffusionnft"}
 
@@ -165,5 +169,82 @@ def main(folder: str) -> None:
         )
 
 
+def draw(g: dict, path: str) -> None:
+    """Gain over the start against training CPU (iterations x the run's CPU per iteration), trajectories and
+    iterations; each seed thin, the mean over seeds at the iterations all evaluated bold."""
+    fig = _figure(1500, 560)
+    fig.subplots_adjust(left=0.055, right=0.99, top=0.80, bottom=0.2, wspace=0.06)
+    axes = fig.subplots(1, 3, sharey=True)
+    panels = [
+        (
+            "cpu",
+            "training CPU seconds (iterations × the run's CPU per iteration, evaluations left out)",
+        ),
+        ("trajectories", "trajectories (prompts × G, summed over iterations)"),
+        ("iteration", "iterations (one optimizer step each)"),
+    ]
+    styles = {
+        "flow": ("Flow-GRPO (32 × 8, steps 0–4, 30 it.)", "tab:blue"),
+        "nft": ("DiffusionNFT (32 × 8, 20 it.)", "tab:red"),
+    }
+    for k, (name, colour) in styles.items():
+        runs = [
+            [
+                {
+                    "cpu": p["iteration"] * r["cpu_per_iteration"],
+                    **p,
+                    "gain": p["acc"] - g[k]["start"],
+                }
+                for p in r["points"]
+            ]
+            for r in g[k]["runs"]
+        ]
+        shared = sorted(set.intersection(*({p["iteration"] for p in r} for r in runs)))
+        for ax, (key, label) in zip(axes, panels):
+            for r in runs:
+                ax.plot(
+                    [p[key] for p in r], [p["gain"] for p in r], color=colour, lw=0.9, alpha=0.4
+                )
+            at = [[next(p for p in r if p["iteration"] == it) for r in runs] for it in shared]
+            xs = [statistics.mean(p[key] for p in ps) for ps in at]
+            ys = [statistics.mean(p["gain"] for p in ps) for ps in at]
+            ax.plot(
+                xs, ys, color=colour, lw=2.6, marker="o", label=f"{name}: mean of {len(runs)} seeds"
+            )
+            ax.set_xlabel(label)
+    for ax in axes:
+        ax.axhline(0, color="black", lw=0.8, ls="--")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy gain over the start (fraction correct)")
+    axes[0].plot([], [], color="grey", lw=0.9, alpha=0.6, label="one seed (thin lines)")
+    fig.legend(
+        *axes[0].get_legend_handles_labels(),
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.93),
+        ncols=3,
+    )
+    fig.suptitle(
+        f"DiffusionNFT and Flow-GRPO at their toy defaults: held-out strict-accuracy gain over the start "
+        f"({g['flow']['start']:.3f}; 100 test prompts), the same machine, side by side",
+        fontsize="large",
+        y=0.985,
+    )
+    fig.text(
+        0.005,
+        0.01,
+        "Each point is an evaluation with 2 seeds per prompt (a run's last: 8); bold: the mean over seeds where all "
+        "evaluated (Flow-GRPO every 10 iterations, NFT every 5). Both trained on the RL mix without the validation "
+        "prompts; NFT's default was chosen on the validation prompts, Flow-GRPO's on the test prompts (2026-12-01).",
+        va="bottom",
+        wrap=True,
+    )
+    fig.savefig(path)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else HERE)
+    folder = sys.argv[1] if len(sys.argv) > 1 else HERE
+    main(folder)
+    draw(
+        {k: group(folder, a) for k, a in ALGOS.items()},
+        os.path.join(HERE, "..", "..", "..", "img", "nft_vs_flowgrpo.png"),
+    )
