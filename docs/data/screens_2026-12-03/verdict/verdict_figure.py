@@ -48,6 +48,21 @@ def mean_curve(runs: list[list[dict]]) -> list[dict]:
     return [{k: sum(r[i][k] for r in at) / len(at) for k in keys} for i in range(len(shared))]
 
 
+def gain_axes(fig, axes, legend_top: float) -> None:
+    """The frame every gain figure shares: the zero line and grid, the y label, one legend above the panels."""
+    for ax in axes:
+        ax.axhline(0, color="black", lw=0.8, ls="--")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy gain over the start (fraction correct)")
+    axes[0].plot([], [], color="grey", lw=0.9, alpha=0.6, label="one seed (thin lines)")
+    fig.legend(
+        *axes[0].get_legend_handles_labels(),
+        loc="upper center",
+        bbox_to_anchor=(0.5, legend_top),
+        ncols=3,
+    )
+
+
 def draw(path: str) -> None:
     # placed by hand: constrained layout lays a legend outside the axes over the title
     fig = _figure(1500, 600)
@@ -91,17 +106,7 @@ def draw(path: str) -> None:
                 f"{name}'s 30-iteration re-run has {landed} of {SEEDS} seeds so far (dashed); its bold mean is that of "
                 f"the {n} seeds of its {mean[-1]['iteration']:.0f}-iteration cut, the same runs' first half."
             )
-    for ax in axes:
-        ax.axhline(0, color="black", lw=0.8, ls="--")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("accuracy gain over the start (fraction correct)")
-    axes[0].plot([], [], color="grey", lw=0.9, alpha=0.6, label="one seed (thin lines)")
-    fig.legend(
-        *axes[0].get_legend_handles_labels(),
-        loc="upper center",
-        bbox_to_anchor=(0.5, 0.95),
-        ncols=3,
-    )
+    gain_axes(fig, axes, legend_top=0.95)
     fig.suptitle(
         "The three toy defaults: held-out strict-accuracy gain over the start (0.471; 100 test prompts) "
         "against cost, runs of 2026-12-02 to 2026-12-04",

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(HERE, *[".."] * 4)))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "screens_2026-12-03", "verdict"))
 
 from verdict import holm, welch_test  # noqa: E402
+from verdict_figure import gain_axes  # noqa: E402
 
 from benchmarks.bench_compare import mean_ci, read_rows, summarize, welch_ci  # noqa: E402
 from common.plots import _figure  # noqa: E402
@@ -212,17 +213,7 @@ def draw(g: dict, path: str) -> None:
                 xs, ys, color=colour, lw=2.6, marker="o", label=f"{name}: mean of {len(runs)} seeds"
             )
             ax.set_xlabel(label)
-    for ax in axes:
-        ax.axhline(0, color="black", lw=0.8, ls="--")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("accuracy gain over the start (fraction correct)")
-    axes[0].plot([], [], color="grey", lw=0.9, alpha=0.6, label="one seed (thin lines)")
-    fig.legend(
-        *axes[0].get_legend_handles_labels(),
-        loc="upper center",
-        bbox_to_anchor=(0.5, 0.93),
-        ncols=3,
-    )
+    gain_axes(fig, axes, legend_top=0.93)
     fig.suptitle(
         f"DiffusionNFT and Flow-GRPO at their toy defaults: held-out strict-accuracy gain over the start "
         f"({g['flow']['start']:.3f}; 100 test prompts), the same machine, side by side",
