@@ -39,9 +39,10 @@ from common.plots import _figure  # noqa: E402
 ALGOS = {"flow": "flowgrpo_baseline", "nft": "diffusionnft"}
 
 
-def train_cpu_per_iteration(run_dir: str) -> float:
-    """Median CPU seconds of one training iteration: the step of time/cpu_s between two rows with no evaluation."""
-    rows = [r for r in read_rows(run_dir) if "time/cpu_s" in r]
+def train_cpu_per_iteration(run_dir: str, after: int = -1) -> float:
+    """Median CPU seconds of one training iteration: the step of time/cpu_s between two rows with no evaluation
+    (rows of iterations after `after` only)."""
+    rows = [r for r in read_rows(run_dir) if "time/cpu_s" in r and r["iteration"] > after]
     steps = [
         b["time/cpu_s"] - a["time/cpu_s"]
         for a, b in zip(rows, rows[1:])

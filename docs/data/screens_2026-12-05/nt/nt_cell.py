@@ -7,8 +7,9 @@ for 30 iterations, our calibration rule (the default's), on the RL mix without t
 test prompts (launch: laneB.sh, laneA2.sh), against Flow-GRPO's default on the same mix, 5 seeds
 (../nft/flowgrpo_baseline__default__*, 2026-12-05 00:26-01:53 UTC). Equal batch and iterations is here also equal
 trajectories (7,680). Prints the gains, the Welch difference with p and the difference these seeds resolve (80 %
-power, two-sided 5 %), the difference at iteration 10 (2 seeds per test prompt, as the periodic evaluations of
-both), and the training CPU per iteration beside the DiffusionNFT runs that shared the machine with it.
+power, two-sided 5 %), and about equal CPU: n = t's iteration-10 evaluation (2 seeds per test prompt) against
+Flow-GRPO's final. The CPU ratio goes through DiffusionNFT: n = t ran beside NFT's 3x-iterations runs (../nft_stab),
+and NFT beside Flow-GRPO (1.29x per iteration, ../nft).
 """
 
 import glob
@@ -43,32 +44,38 @@ def main() -> None:
             f"{fmt(*mean_ci([r['gain'] for r in g['runs']]))} | "
             f"{statistics.mean(per_it):.1f} ({min(per_it):.1f}–{max(per_it):.1f}) |"
         )
+    nft = [
+        train_cpu_per_iteration(d, after=20)
+        for d in sorted(glob.glob(os.path.join(STAB, "diffusionnft__*")))
+    ]
+    nft_flow = (
+        1.29  # NFT / Flow-GRPO training CPU per iteration, side by side (../nft/nft_claim.py)
+    )
+    ratio = (
+        statistics.mean(r["cpu_per_iteration"] for r in dense["runs"])
+        / statistics.mean(nft)
+        * nft_flow
+    )
+    print(
+        f"\nDiffusionNFT beside it (its 3x-iterations runs' iterations 21-60, the other lane): {statistics.mean(nft):.1f} CPU s per "
+        f"training iteration; n = t / Flow-GRPO = n = t / NFT x {nft_flow} = {ratio:.2f} per iteration, so "
+        f"Flow-GRPO's 30 iterations buy n = t about {30 / ratio:.0f}"
+    )
     print("\n| DenseGRPO n = t − Flow-GRPO | difference [95 % CI] | df | p | these seeds resolve |")
     print("|---|---|---|---|---|")
-    for label, it in (
-        ("equal batch and iterations (30), final evaluations", None),
-        ("at iteration 10", 10),
-    ):
-        a = [
-            r["gain"] if it is None else at_iteration(r["points"], it) - dense["start"]
-            for r in dense["runs"]
-        ]
-        b = [
-            r["gain"] if it is None else at_iteration(r["points"], it) - flow["start"]
-            for r in flow["runs"]
-        ]
+    cells = [
+        ("equal batch and iterations (30) = equal trajectories (7,680), finals", 30, 30),
+        (
+            f"about equal CPU: n = t at iteration 10 ({10 * ratio / 30:.2f} of Flow-GRPO's) against Flow's 30",
+            10,
+            30,
+        ),
+    ]
+    for label, it_dense, it_flow in cells:
+        a = [at_iteration(r["points"], it_dense) - dense["start"] for r in dense["runs"]]
+        b = [at_iteration(r["points"], it_flow) - flow["start"] for r in flow["runs"]]
         df, p, resolved = welch_test(a, b)
         print(f"| {label} | {fmt(*welch_ci(a, b))} | {df:.1f} | {p:.2g} | {resolved:.3f} |")
-
-    nft = [
-        train_cpu_per_iteration(d) for d in sorted(glob.glob(os.path.join(STAB, "diffusionnft__*")))
-    ]
-    if nft:
-        print(
-            f"\nDiffusionNFT beside it (its 3x-iterations runs, the other lane): {statistics.mean(nft):.1f} CPU s per "
-            f"training iteration ({', '.join(f'{v:.1f}' for v in nft)}); n = t / NFT = "
-            f"{statistics.mean(r['cpu_per_iteration'] for r in dense['runs']) / statistics.mean(nft):.2f}"
-        )
 
 
 if __name__ == "__main__":
