@@ -9,7 +9,7 @@ test prompts (launch: laneB.sh, laneA2.sh), against Flow-GRPO's default on the s
 trajectories (7,680). Prints the gains, the Welch difference with p and the difference these seeds resolve (80 %
 power, two-sided 5 %), and about equal CPU: n = t's iteration-10 evaluation (2 seeds per test prompt) against
 Flow-GRPO's final. The CPU ratio goes through DiffusionNFT: n = t ran beside NFT's 3x-iterations runs (../nft_stab),
-and NFT beside Flow-GRPO (1.29x per iteration, ../nft).
+and NFT beside Flow-GRPO (its per-iteration ratio, read from ../nft).
 """
 
 import glob
@@ -48,9 +48,9 @@ def main() -> None:
         train_cpu_per_iteration(d, after=20)
         for d in sorted(glob.glob(os.path.join(STAB, "diffusionnft__*")))
     ]
-    nft_flow = (
-        1.29  # NFT / Flow-GRPO training CPU per iteration, side by side (../nft/nft_claim.py)
-    )
+    nft_flow = statistics.mean(  # NFT / Flow-GRPO per iteration, side by side (../nft)
+        r["cpu_per_iteration"] for r in group(FLOW, "diffusionnft")["runs"]
+    ) / statistics.mean(r["cpu_per_iteration"] for r in flow["runs"])
     ratio = (
         statistics.mean(r["cpu_per_iteration"] for r in dense["runs"])
         / statistics.mean(nft)
@@ -58,7 +58,7 @@ def main() -> None:
     )
     print(
         f"\nDiffusionNFT beside it (its 3x-iterations runs' iterations 21-60, the other lane): {statistics.mean(nft):.1f} CPU s per "
-        f"training iteration; n = t / Flow-GRPO = n = t / NFT x {nft_flow} = {ratio:.2f} per iteration, so "
+        f"training iteration; n = t / Flow-GRPO = n = t / NFT x {nft_flow:.2f} = {ratio:.2f} per iteration, so "
         f"Flow-GRPO's 30 iterations buy n = t about {30 / ratio:.0f}"
     )
     print("\n| DenseGRPO n = t − Flow-GRPO | difference [95 % CI] | df | p | these seeds resolve |")
