@@ -114,6 +114,10 @@ def main() -> None:
     labels = list(gains)
     for a, b in ((labels[1], labels[0]), (labels[2], labels[1])):
         print(f"| {a} − {b} | {compare(gains[a], gains[b])} |")
+    with open(os.path.join(HERE, "digests.tsv")) as f:
+        digests = [line.rstrip("\n").split("\t") for line in f][1:]
+    same = sum(row[2] == row[3] != "" for row in digests)
+    print(f"\nvaleval/ evaluated the training runs' own final weights: {same} of {len(digests)} digests equal")
     print(
         f"\nValidation prompts: the default (its test runs' weights) against the runner-up; rule: +{RULE}\n"
     )
