@@ -9,6 +9,8 @@ prompts). On validation the default's five seeds are its test runs' final weight
 prompts (valeval/, 14 seeds per prompt; evaluation does not feed training); the runner-up's two seeds were trained
 and read on validation by `bench_compare --split validation --final-se 0.025` (the same 14 seeds per prompt). The
 rule: a default stands unless the runner-up's mean validation gain is more than RULE above the default's.
+digests.tsv (written by collect.sh) holds each training run's final-weights digest beside the one its validation
+evaluation loaded; the script counts the equal pairs.
 Welch intervals and p, and the difference the seeds resolve (80 % power, two-sided 5 %), as in
 docs/data/screens_2026-12-03/verdict/verdict.py.
 """
@@ -117,7 +119,9 @@ def main() -> None:
     with open(os.path.join(HERE, "digests.tsv")) as f:
         digests = [line.rstrip("\n").split("\t") for line in f][1:]
     same = sum(row[2] == row[3] != "" for row in digests)
-    print(f"\nvaleval/ evaluated the training runs' own final weights: {same} of {len(digests)} digests equal")
+    print(
+        f"\nvaleval/ evaluated the training runs' own final weights: {same} of {len(digests)} digests equal"
+    )
     print(
         f"\nValidation prompts: the default (its test runs' weights) against the runner-up; rule: +{RULE}\n"
     )
