@@ -23,7 +23,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.abspath(os.path.join(DATA, "..", "..")))
 sys.path.insert(0, os.path.join(DATA, "screens_2026-12-03", "verdict"))
+sys.path.insert(0, os.path.join(DATA, "screens_2026-12-05", "nft"))
 
+from nft_claim import fmt  # noqa: E402
 from verdict import welch_test  # noqa: E402
 
 from benchmarks.bench_compare import mean_ci, summarize, welch_ci  # noqa: E402
@@ -69,10 +71,6 @@ def finals(
     return start, out
 
 
-def fmt(m, lo, hi) -> str:
-    return f"{m:+.3f}" + ("" if lo is None else f" [{lo:+.3f}, {hi:+.3f}]")
-
-
 def compare(a: list[float], b: list[float]) -> str:
     """a − b: Welch's interval, p and the difference these seeds resolve."""
     if len(a) < 2 or len(b) < 2:
@@ -89,6 +87,7 @@ def main() -> None:
         "| algorithm | old mix: gain [95 % CI] | new mix: finals | new mix: gain [95 % CI] | new − old (Welch) |"
     )
     print("|---|---|---|---|---|")
+    new_mix_gains = {}
     for algo, name in NAMES.items():
         old_start, old = finals([os.path.join(DATA, f) for f in OLD_MIX[algo]], algo)
         new_start, new = finals([os.path.join(DATA, f) for f in NEW_MIX[algo]], algo)
@@ -96,6 +95,7 @@ def main() -> None:
             [v - old_start for v in old.values()],
             [v - new_start for v in new.values()] if new else [],
         ]
+        new_mix_gains[algo] = gains[1]
         cells = [fmt(*mean_ci(g)) + f" (n = {len(g)})" if len(g) > 1 else "—" for g in gains]
         print(
             f"| {name} | {cells[0]} | {' / '.join(f'{v:.3f}' for v in new.values())} | {cells[1]} | "
@@ -105,17 +105,13 @@ def main() -> None:
         "\nThe same mix, equal batch and iterations (32 prompts x 8, 30 iterations = 7,680 trajectories), finals\n"
     )
     print("| difference | [95 % CI], p, these seeds resolve |\n|---|---|")
-    gains = {}
-    for label, folder, algo in (
-        ("Flow-GRPO default", "screens_2026-12-05/nft", "flowgrpo_baseline"),
-        ("DenseGRPO default (n = 2, steps 0-4)", "screens_2026-12-05/dense_new", "densegrpo"),
-        ("DenseGRPO n = t, 9 steps", "screens_2026-12-05/nt", "densegrpo"),
-    ):
-        start, fin = finals([os.path.join(DATA, folder)], algo)
-        gains[label] = [v - start for v in fin.values()]
-    labels = list(gains)
-    for a, b in ((labels[1], labels[0]), (labels[2], labels[1])):
-        print(f"| {a} − {b} | {compare(gains[a], gains[b])} |")
+    nt_start, nt = finals([os.path.join(DATA, "screens_2026-12-05/nt")], "densegrpo")
+    flow, dense = new_mix_gains["flowgrpo_baseline"], new_mix_gains["densegrpo"]
+    print(f"| DenseGRPO default (n = 2, steps 0-4) − Flow-GRPO default | {compare(dense, flow)} |")
+    print(
+        "| DenseGRPO n = t, 9 steps − DenseGRPO default (n = 2, steps 0-4) | "
+        f"{compare([v - nt_start for v in nt.values()], dense)} |"
+    )
     with open(os.path.join(HERE, "digests.tsv")) as f:
         digests = [line.rstrip("\n").split("\t") for line in f][1:]
     same = sum(row[2] == row[3] != "" for row in digests)
