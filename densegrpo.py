@@ -39,7 +39,6 @@ from common.training import (
     Rollout,
     TrainStats,
     check_finite_rewards,
-    check_finite_update,
     check_transitions,
     plan_updates,
 )
@@ -756,9 +755,13 @@ if __name__ == "__main__":
         psi0 = args.noise_level * psi_unit(sigmas, args.psi_scale)
         with writing(h.run_dir):  # psi.json and psi.png, atomic; a full disk: one line
             save_psi(h.run_dir, psi_info, psi0, args.calibration_average)
-    # the EMA; with --resume, the saved weights, optimizer, RNG, counters; psi(t) in every checkpoint
+    # fp16: dynamic loss scaling (torch.amp), as the released code's GradScaler; otherwise a no-op
+    scaler = torch.amp.GradScaler(h.device.type, enabled=h.backbone.dtype == torch.float16)
+    # the EMA; with --resume, the saved weights, optimizer, scale, RNG, counters; psi(t) in every
+    # checkpoint
     run = h.start(
         optimizer,
+        scaler,
         side_files={"psi.json": json.dumps(psi_info, indent=1)},
         first_row=calibration_metrics,  # psi(t) and the calibration's cost, in iteration 0's row
     )
@@ -797,7 +800,8 @@ if __name__ == "__main__":
             stats = TrainStats(args, h.params, tr, keep, iteration)  # metrics and diagnostics
             for mb in plan:  # in order; the last micro-batch of each optimizer step has mb.sync
                 r = mb.rows  # the micro-batch's transitions; every one gets its own loss
-                set_grad_sync(h.policy, mb.sync)  # only the step's last micro-batch all-reduces
+                # DDP: only the optimizer step's last micro-batch all-reduces its gradient
+                set_grad_sync(h.policy, mb.sync)
                 log_prob, mean, std_dev_t = step_policy(
                     h.backbone, h.policy, tr, mb, ro.emb, sigmas, args
                 )
@@ -828,13 +832,15 @@ if __name__ == "__main__":
                 # the mean over the optimizer step's kept transitions on all ranks (mb.divisor)
                 loss = ((policy_loss + args.beta * kl) * mb.weight).sum() / mb.divisor
                 stats.add(mb, tr["step_index"][r], ratio, log_ratio, adv, policy_loss, kl)
-                loss.backward()
-                if mb.sync:  # the optimizer step's gradient is complete: clip, step
+                scaler.scale(loss).backward()  # fp16: scaled up, so the gradient does not underflow
+                if mb.sync:  # the optimizer step's gradient is complete: unscale, clip, step
+                    scaler.unscale_(optimizer)  # fp16: the true gradient, before the clip sees it
                     grad_norm = torch.nn.utils.clip_grad_norm_(
                         h.params.values(), args.max_grad_norm
                     )
-                    stats.step(check_finite_update(grad_norm, iteration, run.dir))
-                    optimizer.step()
+                    stats.step(run.check_update(grad_norm, iteration))  # fp16 overflow: a skip
+                    scaler.step(optimizer)  # no update when fp16's scaled gradient overflowed
+                    scaler.update()  # fp16: the scale halves after an overflow, grows when clean
                     optimizer.zero_grad(set_to_none=True)
                     run.after_optimizer_step(iteration)  # every weight finite; the EMA blended
         # ============================================ END OF TRAINING =============================

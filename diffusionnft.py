@@ -52,7 +52,7 @@ from common.training import (
     Rollout,
     Stats,
     check_finite_rewards,
-    check_finite_update,
+    count_step,
     plan_updates,
 )
 from common.utils import all_gather_cat
@@ -264,8 +264,8 @@ class NFTStats:
 
     ratio_metrics, own_names = False, ("old_deviation",)
 
-    def __init__(self, args: Args):
-        self.args, self.stats = args, Stats(num_slots=args.num_steps)
+    def __init__(self, args: Args, params: dict):
+        self.args, self.stats, self.params = args, Stats(num_slots=args.num_steps), params
         self.grad_share = GradShare({}, args.num_steps, active=False)  # a GRPO diagnostic: off
 
     def add(self, mb, step_index, policy_loss, kl, v, v_old) -> None:
@@ -277,8 +277,8 @@ class NFTStats:
         forwards = n * (3 if self.args.kl_weight > 0 else 2)
         self.stats.count(**{"nfe/train_forward": forwards, "nfe/train_backward": n})
 
-    def step(self, grad_norm: float) -> None:
-        self.stats.count(grad_norm=grad_norm, optimizer_steps=1)
+    def step(self, grad_norm: float | None) -> None:
+        count_step(self.stats, grad_norm, self.params.values())
 
 
 if __name__ == "__main__":
@@ -292,8 +292,10 @@ if __name__ == "__main__":
         eps=1e-8,
     )
     old = OldPolicy(h.params)  # (N7) theta_old = theta at the start
-    # the EMA; with --resume, the saved weights, optimizer, RNG, counters and old policy
-    run = h.start(optimizer, extra_state={"old_policy": old})
+    # fp16: dynamic loss scaling (torch.amp), as the released code's GradScaler; otherwise a no-op
+    scaler = torch.amp.GradScaler(h.device.type, enabled=h.backbone.dtype == torch.float16)
+    # the EMA; with --resume, the saved weights, optimizer, scale, RNG, counters and old policy
+    run = h.start(optimizer, scaler, extra_state={"old_policy": old})
     sigmas = h.backbone.schedule(args.num_steps, args.resolution, args.resolution, args.shift)
 
     for iteration in range(run.start_iteration, args.num_iterations + 1):
@@ -330,7 +332,7 @@ if __name__ == "__main__":
                 args.optimizer_steps_per_iteration,
                 h.world_size,
             )
-            stats = NFTStats(args)  # metrics
+            stats = NFTStats(args, h.params)  # metrics
             for mb in plan:  # in order; the last micro-batch of each optimizer step has mb.sync
                 i, j = image[mb.rows], step_index[mb.rows]
                 x0, r = samples["x0"][i], samples["r"][i]
@@ -339,7 +341,8 @@ if __name__ == "__main__":
                 t = sigma.view(-1, *[1] * (x0.ndim - 1))
                 eps = torch.randn(x0.shape, generator=gen, device=h.device)
                 x_t = (1 - t) * x0 + t * eps  # (N3) the forward process
-                set_grad_sync(h.policy, mb.sync)  # only the step's last micro-batch all-reduces
+                # DDP: only the optimizer step's last micro-batch all-reduces its gradient
+                set_grad_sync(h.policy, mb.sync)
                 with torch.no_grad(), old.swapped():  # (N4) v_old, under the old weights
                     v_old = h.backbone.velocity(x_t, sigma, emb, args.guidance_scale)
                 v = h.backbone.velocity(x_t, sigma, emb, args.guidance_scale, model=h.policy)
@@ -354,13 +357,15 @@ if __name__ == "__main__":
                 # the mean over the optimizer step's rows on all ranks (mb.divisor)
                 loss = ((policy_loss + args.kl_weight * kl) * mb.weight).sum() / mb.divisor
                 stats.add(mb, j, policy_loss, kl, v, v_old)
-                loss.backward()
-                if mb.sync:  # the optimizer step's gradient is complete: clip, step
+                scaler.scale(loss).backward()  # fp16: scaled up, so the gradient does not underflow
+                if mb.sync:  # the optimizer step's gradient is complete: unscale, clip, step
+                    scaler.unscale_(optimizer)  # fp16: the true gradient, before the clip sees it
                     grad_norm = torch.nn.utils.clip_grad_norm_(
                         h.params.values(), args.max_grad_norm
                     )
-                    stats.step(check_finite_update(grad_norm, iteration, run.dir))
-                    optimizer.step()
+                    stats.step(run.check_update(grad_norm, iteration))  # fp16 overflow: a skip
+                    scaler.step(optimizer)  # no update when fp16's scaled gradient overflowed
+                    scaler.update()  # fp16: the scale halves after an overflow, grows when clean
                     optimizer.zero_grad(set_to_none=True)
                     run.after_optimizer_step(iteration)  # every weight finite; the EMA blended
             # (N7) theta_old follows theta, with the decay of the optimizer steps taken so far

@@ -192,10 +192,16 @@ class Backbone:
     """A loaded pipeline plus the few operations the RL scripts need. Use `load_backbone`."""
 
     def __init__(
-        self, pipe, kind: str, device: torch.device, dtype: torch.dtype, max_sequence_length: int
+        self,
+        pipe,
+        kind: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_sequence_length: int,
+        decode_batch_size: int = 8,
     ):
         self.pipe, self.kind, self.device, self.dtype = pipe, kind, device, dtype
-        self.max_sequence_length = max_sequence_length
+        self.max_sequence_length, self.decode_batch_size = max_sequence_length, decode_batch_size
         # Set by Trainable for full fine-tuning in bf16/fp16: the transformer then holds fp32 master
         # weights, and its calls run under autocast in self.dtype (what accelerate's mixed precision
         # does in the released code).
@@ -290,12 +296,20 @@ class Backbone:
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Latents -> images in [0, 1], float32 [B, 3, H, W]."""
+        """Latents -> images in [0, 1], float32 [B, 3, H, W], `decode_batch_size` images per VAE
+        call: the fp32 VAE's activations are about 0.75 GiB per image at 512 px, so decoding a
+        64-image evaluation batch in one call would need ~48 GiB. The VAE treats every image on its
+        own, so the images do not depend on the chunking (to float rounding)."""
         vae = self.pipe.vae
         if self.kind == "flux":
             latents = self.pipe._unpack_latents(latents, height, width, self.vae_scale_factor)
         latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        images = torch.cat(
+            [
+                vae.decode(chunk.to(vae.dtype), return_dict=False)[0]
+                for chunk in latents.split(self.decode_batch_size)
+            ]
+        )
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
     # ---- the policy network ----------------------------------------------------------------------
@@ -382,32 +396,43 @@ class Backbone:
         return side, side
 
 
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """--mixed-precision as it runs: "auto" is bf16 on CUDA and fp32 elsewhere (a CPU computes bf16
+    slowly); an explicit fp32, bf16 or fp16 is honoured on every device, so the fp16 and bf16 paths
+    run where the tests run."""
+    if precision == "auto":
+        return "bf16" if torch.device(device).type == "cuda" else "fp32"
+    if precision not in PRECISIONS:
+        raise ConfigError(f"--mixed-precision {precision}: expected auto, {', '.join(PRECISIONS)}")
+    return precision
+
+
 def load_backbone(
     path: str,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     max_sequence_length: int | None = None,
     gradient_checkpointing: bool = False,
-    precision: str = "bf16",
+    precision: str = "auto",
     shard: bool = False,
+    decode_batch_size: int = 8,
 ) -> Backbone:
     """Load an SD3/SD3.5/FLUX.1 diffusers folder. Bad paths stop with one clear line before any
     heavy work.
 
-    precision ("bf16" or "fp16") is the dtype of the weights on CUDA; the VAE is kept in fp32 there,
-    as Flow-GRPO's code decodes (a fp16 VAE overflows on SD3). CPU runs everything in fp32 (bf16 is
-    slow and lossy there). shard (--parallel fsdp): the transformer stays in host memory;
-    common/parallel.py moves each rank's shard of it to the GPU, block by block, so the whole model
-    (and its fp32 masters) never has to fit on one GPU."""
+    precision (`resolve_precision`) is the dtype of the frozen weights and the activations; the VAE
+    is kept in fp32 whatever it is, as Flow-GRPO's code decodes (a fp16 VAE overflows on SD3), and
+    decodes `decode_batch_size` images per call. shard (--parallel fsdp): the transformer stays in
+    host memory; common/parallel.py moves each rank's shard of it to the GPU, block by block, so the
+    whole model (and its fp32 masters) never has to fit on one GPU."""
     index = read_model_index(path)
     kind = PIPELINES[index["_class_name"]]
     device = torch.device(device)
     if dtype is None:
-        dtype = (
-            {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-            if device.type == "cuda"
-            else torch.float32
-        )
+        dtype = PRECISIONS[resolve_precision(precision, device)]
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
     cls = StableDiffusion3Pipeline if kind == "sd3" else FluxPipeline
@@ -433,7 +458,18 @@ def load_backbone(
             if isinstance(module, torch.nn.Module) and name != "transformer":
                 module.to(device)
     else:
-        pipe.to(device)
+        from diffusers.utils import logging as diffusers_logging
+
+        # diffusers warns that an fp16 pipeline "will fail" on a CPU: ours runs, slowly (the tests
+        # take the fp16 path there); its other warnings stay
+        quiet = dtype == torch.float16 and device.type == "cpu"
+        level = diffusers_logging.get_verbosity()
+        if quiet:
+            diffusers_logging.set_verbosity_error()
+        try:
+            pipe.to(device)
+        finally:
+            diffusers_logging.set_verbosity(level)
     if max_sequence_length is None:
         # T5 tokens in the context. Flow-GRPO uses 128 for SD3.5; FLUX was trained with 512.
         # Without a T5 encoder (the toy model) SD3 feeds zeros, so one such token is enough.
@@ -449,7 +485,7 @@ def load_backbone(
         # access) on an H200 with the cuDNN SDPA backend and ran fine without it
         # (../shared/reference/gpu_anchor.md).
         torch.backends.cuda.enable_cudnn_sdp(False)
-    return Backbone(pipe, kind, device, dtype, max_sequence_length)
+    return Backbone(pipe, kind, device, dtype, max_sequence_length, decode_batch_size)
 
 
 @torch.no_grad()

@@ -69,6 +69,7 @@ MAY_CHANGE_ON_RESUME = {
         "evaluation cadence (the protocol itself, prompts, steps, seeds, guidance, is compared)"
     ),
     "eval_batch_size": "how many evaluation images share a transformer call (same images)",
+    "decode_batch_size": "how many images share a VAE decode call (the same images to float rounding)",
     "guard_rewards": "rewards logged at evaluation only, never trained on",
     "gradient_checkpointing": (
         "recomputes the same activations in the backward pass (memory, not results)"
@@ -903,11 +904,19 @@ def load_checkpoint(folder: str) -> dict:
 
 
 def restore_checkpoint(
-    folder: str, rank: int, params: dict, optimizer, ema, model=None, extras: dict | None = None
+    folder: str,
+    rank: int,
+    params: dict,
+    optimizer,
+    ema,
+    model=None,
+    extras: dict | None = None,
+    scaler=None,
 ) -> tuple[int, dict]:
     """Load a checkpoint (verified by resolve_run_dir) into params / optimizer / EMA
-    (common.training.EMA) / this rank's RNG, in place. Returns (iteration, the run's cumulative
-    counts: images and NFE per phase, and its clocks time/cpu_s and time/elapsed_s). A parameter
+    (common.training.EMA) / fp16's loss scaler / this rank's RNG, in place. Returns (iteration, the
+    run's cumulative counts: images and NFE per phase, its clocks time/cpu_s and time/elapsed_s,
+    and the loss scaler's skips_in_a_row). A parameter
     whose name or shape differs is one line, not a tensor-size traceback. FSDP (`params` are
     DTensors, `model` the sharded transformer): every rank reads its own shards from
     trainer_state.dcp/ (a collective)."""
@@ -937,12 +946,16 @@ def restore_checkpoint(
         _restore_whole(folder, state, params, optimizer, ema)
         for k, x in extras.items():
             x.load_state_dict(state["extras"][k])
+    scaling = state.get("loss_scaling") or {}  # none before 2026-12-05 (no fp16 run scaled)
+    if scaler is not None and scaler.is_enabled() and scaling.get("scaler"):
+        scaler.load_state_dict(scaling["scaler"])
     rngs = state["rng"]
     # fewer ranks saved: only with --resume-override
     set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
     # the clocks apart from the counts: a resume replays the iterations after the checkpoint, so
     # only the counts are reproduced exactly; checkpoints before 2026-12-03 have no clocks
-    return state["iteration"], {**state["counts"], **state.get("clocks", {})}
+    skips = {"skips_in_a_row": int(scaling.get("skips_in_a_row", 0))}
+    return state["iteration"], {**state["counts"], **state.get("clocks", {}), **skips}
 
 
 def _restore_whole(folder: str, state: dict, params: dict, optimizer, ema) -> None:

@@ -102,6 +102,7 @@ RANGES: dict[str, Rule] = {
         1, "transitions per training forward; unset = --rollout-batch-size", optional=True
     ),
     "eval_batch_size": _int(1, "images per transformer call at evaluation"),
+    "decode_batch_size": _int(1, "images per VAE decode call"),
     "eval_seeds_per_prompt": _int(1, "images per evaluation prompt"),
     "optimizer_steps_per_iteration": _int(1, "optimizer steps per iteration"),
     "num_inner_epochs": _int(1, "passes over an iteration's transitions"),

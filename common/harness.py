@@ -34,7 +34,13 @@ from typing import Literal
 import torch
 
 from common import toyworld
-from common.backbones import LORA_TARGETS, check_model_flags, check_model_path, load_backbone
+from common.backbones import (
+    LORA_TARGETS,
+    check_model_flags,
+    check_model_path,
+    load_backbone,
+    resolve_precision,
+)
 from common.checkpoint import (
     adopt_run_flags,
     resolve_run_dir,
@@ -98,8 +104,8 @@ class HarnessArgs:
     """SD3: classifier-free guidance w (<= 1: none); FLUX.1-dev: its guidance input"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, about 30 % more time"""
-    mixed_precision: Literal["bf16", "fp16"] = "bf16"
-    """dtype of frozen weights and activations on CUDA (CPU: fp32)"""
+    mixed_precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """dtype of frozen weights and activations (auto: bf16 on CUDA, fp32 on CPU); fp16 scales the loss"""
     full_finetune: bool = False
     """train every transformer weight instead of a LoRA"""
     parallel: Literal["ddp", "fsdp"] = "ddp"
@@ -149,7 +155,9 @@ class HarnessArgs:
 
     # ---- batches and the optimizer step (the optimizer itself is built in each script)
     rollout_batch_size: int = 64
-    """latents per transformer call while sampling and decoding, per rank"""
+    """latents per transformer call while sampling, per rank"""
+    decode_batch_size: int = 8
+    """images per VAE decode call (rollout and evaluation): its memory grows with it"""
     max_grad_norm: float = 1.0
     """clip each optimizer step's gradient to this L2 norm"""
     train_batch_size: int | None = None
@@ -226,15 +234,24 @@ class Harness:
     def start(
         self,
         optimizer,
+        scaler: torch.amp.GradScaler | None = None,
         side_files: dict[str, str] | None = None,
         first_row: dict | None = None,
         extra_state: dict | None = None,
     ) -> Run:
-        """The EMA, then a resume's weights, optimizer, EMA, RNG and counters as saved; the Run
-        that logs, evaluates and saves. `side_files` ({name: text}) go into every checkpoint;
-        `first_row` (metrics) into iteration 0's row (a resumed run has it already); `extra_state`
-        ({name: EMA-like}, e.g. DiffusionNFT's old policy) is saved and restored with the weights."""
+        """The EMA, then a resume's weights, optimizer, EMA, loss scale, RNG and counters as saved;
+        the Run that logs, evaluates and saves. `scaler`: the script's torch.amp.GradScaler, which
+        an fp16 run must have (its gradients underflow without one); `side_files` ({name: text})
+        go into every checkpoint; `first_row` (metrics) into iteration 0's row (a resumed run has
+        it already); `extra_state` ({name: EMA-like}, e.g. DiffusionNFT's old policy) is saved and
+        restored with the weights."""
         a = self.args
+        if self.backbone.dtype == torch.float16 and not (scaler and scaler.is_enabled()):
+            raise ConfigError(
+                "--mixed-precision fp16 without loss scaling: the gradients underflow to zero; "
+                "build torch.amp.GradScaler(device, enabled=True) and pass it to h.start"
+            )
+        scaler = scaler or torch.amp.GradScaler(self.device.type, enabled=False)
         ema = (
             EMA(self.params, a.ema_decay, a.ema_update_interval, a.ema_warmup)
             if a.ema_decay > 0
@@ -243,7 +260,14 @@ class Harness:
         start_iteration, counts = 0, None
         if self.resume_dir:
             start_iteration, counts = restore_checkpoint(
-                self.resume_dir, self.rank, self.params, optimizer, ema, self.policy, extra_state
+                self.resume_dir,
+                self.rank,
+                self.params,
+                optimizer,
+                ema,
+                self.policy,
+                extra_state,
+                scaler,
             )
             if self.is_main:
                 truncate_metrics(self.run_dir, start_iteration)
@@ -276,6 +300,7 @@ class Harness:
             side_files,
             extra_state,
         )
+        run.scaler, run.skips_in_a_row = scaler, counts.pop("skips_in_a_row", 0) if counts else 0
         run.first_row = dict(first_row or {})
         run.stop_on_signals()
         return run
@@ -305,6 +330,7 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
     if args.resume:  # the checkpoint (or a run folder without one) and the run's flags
         log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *_: None)
         source = resume_source(args.resume, log)
+        legacy_precision(source[1])
         adopt_run_flags(args, source[1], source[2], given)
     train_prompts = read_prompt_file(args.prompts_file, "--prompts-file")
     eval_prompts = read_prompt_file(args.eval_prompts, "--eval-prompts")
@@ -312,6 +338,14 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
     check_rewards(args.reward, args.guard_rewards, args.reward_model_paths, prompt_files)
     check_model_flags(args.model_path, check_model_path(args.model_path), args)
     rank, world_size, device = setup_distributed()
+    # what runs here is what args.json records: a resume on another device keeps the precision
+    args.mixed_precision = resolve_precision(args.mixed_precision, device)
+    if args.mixed_precision == "fp16" and getattr(args, "grad_share_every", 0):
+        raise ConfigError(
+            f"--grad-share-every {args.grad_share_every} differentiates each step's loss without the "
+            "fp16 loss scale, and those gradients underflow: run the diagnostic with "
+            "--mixed-precision bf16 or fp32, or pass --grad-share-every 0"
+        )
     args.world_size = world_size  # the derived values every script has, filled in here once
     args.train_batch_size = args.train_batch_size or args.rollout_batch_size
     check_args(args, world_size)
@@ -329,6 +363,7 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
         gradient_checkpointing=args.gradient_checkpointing,
         precision=args.mixed_precision,
         shard=args.parallel == "fsdp",
+        decode_batch_size=args.decode_batch_size,
     )
     trainable = Trainable(
         backbone,
@@ -366,6 +401,14 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
         policy,
         logger,
     )
+
+
+def legacy_precision(saved: dict) -> None:
+    """A run recorded before --mixed-precision had fp32 and auto (2026-12-05: args.json has no
+    decode_batch_size) computed in fp32 on a CPU whatever the flag said: resumed on a CPU, it
+    continues in fp32, not in the bf16 its args.json names."""
+    if "decode_batch_size" not in saved and not torch.cuda.is_available():
+        saved["mixed_precision"] = "fp32"
 
 
 def split_batch(args, world_size: int) -> None:

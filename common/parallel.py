@@ -10,8 +10,8 @@ scripts is the same text for both (and for one process):
 
     check_parallel(args, world_size)        the flags, one line each, before any model is loaded
     parallelize(trainable, kind, ...)       -> policy, the module the training forward calls
-    set_grad_sync(policy, sync)             before a micro-batch: skip the gradient sync unless
-                                            `sync`
+    set_grad_sync(policy, sync)             before a micro-batch: DDP skips the gradient sync
+                                            unless `sync`; FSDP always reduce-scatters
     is_sharded(params), full_tensor(t)      FSDP's parameters are DTensors (shards); the whole
                                             tensor, gathered
     weights_digest(params)                  sha256 of the whole trained weights (the same on every
@@ -148,9 +148,10 @@ def shard(
     projection), over a 1-D mesh of all ranks. Returns the module (fully_shard turns it into an
     FSDPModule in place).
 
-    - Mixed precision: weights are all-gathered and computed in `param_dtype` (the backbone's
-      bf16 / fp16 on CUDA; None on CPU: fp32 throughout), gradients are reduce-scattered in fp32 and
-      stored in the dtype of the sharded weight (the trained weights are fp32 masters). The forward
+    - Mixed precision: weights are all-gathered and computed in `param_dtype` (full fine-tuning:
+      the backbone's bf16 / fp16; None: each weight in its own dtype), gradients are
+      reduce-scattered in fp32 and stored in the dtype of the sharded weight (the trained weights
+      are fp32 masters). The forward
       inputs are not cast: the backbone already casts the latents and embeddings, and SD3's timestep
       (1000 sigma) must stay fp32, as under DDP (bf16 would round 734.5).
     - The root is resharded after its forward too (fully_shard's default keeps the root's weights
@@ -205,7 +206,14 @@ def parallelize(trainable, kind: str, world_size: int, offload: bool = False) ->
             if world_size > 1
             else transformer
         )
-    param_dtype = backbone.dtype if backbone.device.type == "cuda" else None
+    # A LoRA computes in fp32 as under DDP (param_dtype None: each weight is gathered in its own
+    # dtype, the frozen base in the compute dtype it was loaded in, the adapter in fp32). Full
+    # fine-tuning gathers its fp32 masters in the compute dtype: that halves the gathered blocks,
+    # where DDP keeps fp32 masters and computes under autocast (the same matmuls; the norms'
+    # weights are rounded here, not there: tests/test_parallel.py measures the difference).
+    param_dtype = (
+        backbone.dtype if trainable.full_finetune and backbone.dtype != torch.float32 else None
+    )
     for module in (transformer, trainable.ref_model):
         if module is not None:
             shard(module, world_size, backbone.device, param_dtype, offload)
@@ -214,18 +222,15 @@ def parallelize(trainable, kind: str, world_size: int, offload: bool = False) ->
 
 
 def set_grad_sync(policy: torch.nn.Module, sync: bool) -> None:
-    """Before a micro-batch's forward: only the last micro-batch of an optimizer step (sync=True)
-    communicates its gradients in its backward; the others accumulate locally (nanoGPT's
-    `require_backward_grad_sync` line).
+    """Before a micro-batch's forward: under DDP only the last micro-batch of an optimizer step
+    (sync=True) all-reduces its gradients in its backward; the others accumulate locally (nanoGPT's
+    `require_backward_grad_sync` line, which `no_sync()` sets).
 
-    DDP: that flag, which `no_sync()` sets. FSDP2: set_requires_gradient_sync(sync), its own switch;
-    the skipped micro-batches accumulate UNSHARDED gradients of the trained weights (no
-    reduce-scatter until the last), which costs the full size of those gradients in fp32 while
-    accumulating (docs/results.md, memory model). One process: nothing to do.
+    FSDP2: every micro-batch reduce-scatters its gradient into the shards, whatever `sync` says.
+    Skipping it (set_requires_gradient_sync(False)) would accumulate UNSHARDED fp32 gradients of the
+    trained weights until the last micro-batch: 44 GiB per GPU for FLUX.1-dev's full fine-tuning,
+    which does not fit an 80 GB GPU beside the rest (docs/results.md, memory model). The price is one
+    reduce-scatter per micro-batch instead of per optimizer step. One process: nothing to do.
     """
-    from torch.distributed.fsdp import FSDPModule
-
     if isinstance(policy, torch.nn.parallel.DistributedDataParallel):
         policy.require_backward_grad_sync = sync
-    elif isinstance(policy, FSDPModule):
-        policy.set_requires_gradient_sync(sync)

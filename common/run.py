@@ -58,7 +58,7 @@ from common.evaluation import Panel, evaluate
 from common.parallel import is_sharded, weights_digest
 from common.plots import before_after, learning_curve, step_heatmap
 from common.policy import ema_weights
-from common.training import stop_nonfinite
+from common.training import check_finite_update, stop_nonfinite
 from common.utils import Timer, all_reduce, atomic_file, atomic_write
 
 COUNTERS = (
@@ -71,6 +71,8 @@ COUNTERS = (
     "nfe/eval",
 )
 PHASES = ("rollout", "reward", "train", "eval")
+# fp16 steps the loss scaler may skip in a row before the run stops (Run.check_update)
+MAX_SKIPS_IN_A_ROW = 20
 # per-step metrics of the training section (Stats names) that become steps/{name}/{step} columns
 PER_STEP = ("ratio", "clipfrac", "kl", "abs_adv", "kept")
 
@@ -126,6 +128,8 @@ class Run:
         self.start_iteration = self.iteration = start_iteration
         self.first_row = {}  # metrics for iteration 0's row only (Harness.start)
         self.timer = Timer()
+        # fp16's loss scaler (Harness.start hands the script's over); a no-op in fp32 and bf16
+        self.scaler, self.skips_in_a_row = torch.amp.GradScaler(device.type, enabled=False), 0
         # a resumed run's clocks continue from its checkpoint's, so time/cpu_s and the CPU budget
         # (--cpu-budget-s) count the whole run, not the last process
         saved = counts or {}
@@ -177,6 +181,26 @@ class Run:
         self.eval_prompts, self.params, self.optimizer = eval_prompts, params, optimizer
         self.ema, self.policy, self.save_weights = ema, policy, save_weights
         self.side_files, self.extras = dict(side_files or {}), dict(extras or {})
+
+    def check_update(self, grad_norm: torch.Tensor, iteration: int) -> float | None:
+        """The optimizer step's gradient norm as a float, or None for a step the fp16 loss scaler
+        skips. A non-finite norm under fp16 is the scaler's own overflow: `scaler.step` skips the
+        update and `scaler.update` halves the scale, as torch.amp does; the skip is counted and
+        logged, and only MAX_SKIPS_IN_A_ROW of them in a row stop the run (in one line: by then the
+        scale has fallen a million-fold, and what overflows is not the scale). Without loss
+        scaling a non-finite norm stops the run before the update (`check_finite_update`)."""
+        if torch.isfinite(grad_norm) or not self.scaler.is_enabled():
+            self.skips_in_a_row = 0
+            return check_finite_update(grad_norm, iteration, self.dir)
+        self.skips_in_a_row += 1
+        if self.skips_in_a_row >= MAX_SKIPS_IN_A_ROW:
+            raise stop_nonfinite(
+                f"gradient in {self.skips_in_a_row} fp16 steps in a row (loss scale "
+                f"{self.scaler.get_scale():.3g})",
+                iteration,
+                self.dir,
+            )
+        return None
 
     def evaluate(self, iteration: int, last: bool) -> dict:
         """Held-out evaluation (common/evaluation.py: ODE samples from fixed seeds) with the EMA
@@ -287,6 +311,11 @@ class Run:
             {
                 "train/optimizer_steps": n_opt,
                 "grad_norm": red["grad_norm"] / n_opt if n_opt else 0.0,
+                # fp16 underflow shows as exact zeros in the gradient (docs/usage.md)
+                "train/grad_zero_fraction": red["grad_zeros"] / red["grad_entries"]
+                if red.get("grad_entries")
+                else 0.0,
+                "train/skipped_steps": int(red.get("skipped_steps", 0)),
                 **{f"time/{k}_s": self.timer.times.get(k, 0.0) for k in PHASES},
                 **self._clocks(),
             }
@@ -294,6 +323,8 @@ class Run:
         if grad_share.active:  # empty unless the iteration measured them
             metrics.update({f"steps/grad_share/{j}": v for j, v in grad_share.shares().items()})
             metrics.update({f"steps/grad_norm/{j}": v for j, v in grad_share.norms().items()})
+        if self.scaler.is_enabled():
+            metrics["train/loss_scale"] = self.scaler.get_scale()
         if self.device.type == "cuda":
             metrics["mem/max_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self._write(metrics)
@@ -319,6 +350,11 @@ class Run:
                 "counts": self.counts,
                 "clocks": self._clocks(),
                 "rng": rngs,
+                # fp16's loss scale and how many steps it skipped in a row: a resume goes on exactly
+                "loss_scaling": {
+                    "scaler": self.scaler.state_dict(),
+                    "skips_in_a_row": self.skips_in_a_row,
+                },
                 "args": dataclasses.asdict(self.args),
                 "script": self.script,
             }

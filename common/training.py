@@ -439,8 +439,28 @@ class TrainStats:
         n = len(mb.states)  # one forward per state (twice with the KL reference), one backward
         s.count(**{"nfe/train_forward": n * (2 if a.beta > 0 else 1), "nfe/train_backward": n})
 
-    def step(self, grad_norm: float) -> None:
-        self.stats.count(grad_norm=grad_norm, optimizer_steps=1)
+    def step(self, grad_norm: float | None) -> None:
+        count_step(self.stats, grad_norm, self.grad_share.params)
+
+
+def count_step(stats: Stats, grad_norm: float | None, params) -> None:
+    """An optimizer step in the metrics: its gradient norm, and how many entries of the trained
+    weights' gradient are exactly zero (fp16 without loss scaling shows as zeros: issue #55); or,
+    grad_norm None, a step the fp16 loss scaler skipped. A weight without a gradient counts as
+    zeros; each rank counts what it holds (a shard under FSDP), and Stats sums over the ranks."""
+    if grad_norm is None:
+        stats.count(skipped_steps=1)
+        return
+
+    def local(t):  # an FSDP DTensor: this rank's shard
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    zeros = entries = 0
+    for p in params:
+        n = local(p).numel()
+        zeros += n if p.grad is None else int((local(p.grad) == 0).sum())
+        entries += n
+    stats.count(grad_norm=grad_norm, optimizer_steps=1, grad_zeros=zeros, grad_entries=entries)
 
 
 # ------------------------------------------------------------------------------- the optimizer step
