@@ -148,7 +148,7 @@ def test_saved_lora_loads_into_stock_pipeline(tiny_sd3, tmp_path, prompts_file):
 
 def test_learning_on_the_toy_world(tmp_path):
     """Eval reward (deterministic ODE, fixed seeds) on the training prompts must rise within 3 iterations on the
-    shipped toy model: -1.146 -> -0.959 (-0.926 after 4; 2 torch threads, 10-step evaluation, 2026-12-02). With
+    shipped toy model: -1.146 -> -0.957 (2 torch threads, 10-step evaluation, 2026-12-05). With
     learning rate 0 the two evaluations are identical, and with the advantages' sign flipped it falls
     (-1.146 -> -1.295 with the flip in the rollout's transitions, in group_advantages or in the loss; 2026-12-05), so
     this fails when learning is broken. The reward is JPEG compressibility: smooth and
