@@ -692,7 +692,7 @@ def rollout(
     return Rollout(transitions, emb, prompts, counts, metrics)
 
 
-# ============================ SHARED: the log-prob of a stored step (same in all three scripts) ===
+# ============================ SHARED: the log-prob of a stored step (same in the three GRPO scripts)
 def step_policy(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args):
     """The Gaussian policy of the micro-batch's stored SDE steps under `model` (E2-E3): log pi(x_next
     | x_t, c), the step's mean and std_dev_t. With the policy (with gradient), or with
@@ -778,7 +778,7 @@ if __name__ == "__main__":
         # sample, score, advantages
         ro = rollout(h, args, sigmas, noise_levels, iteration, run.timer)
 
-        # ============================ TRAINING on transitions (same in all three scripts) =========
+        # ============================ TRAINING on transitions (same in the three GRPO scripts) =====
         # ALGO LOGIC: the PPO-clipped GRPO objective (Flow-GRPO §4) on single SDE steps, found as in
         # CleanRL's update: the stored step's log-prob under the current policy, the ratio, the
         # clipped loss and the KL; their mean over the optimizer step's transitions; backward, clip,

@@ -13,15 +13,23 @@ import time
 
 from helpers import ROOT, read_metrics, run_main, tiny_flags, write_prompts
 
-WRITER = textwrap.dedent("""
-    import sys
+# One process pays the imports (torch, through common.utils) once and forks a writer per round: each writer is a
+# real process running atomic_write in a loop until it is SIGKILLed (a fresh interpreter per round cost 12 imports).
+WRITERS = textwrap.dedent("""
+    import os, sys
     sys.path.insert(0, sys.argv[2])
     from common.utils import atomic_write
-    i = 0
     print("ready", flush=True)
-    while True:
-        i += 1
-        atomic_write(sys.argv[1], chr(97 + i % 26) * 3_000_000)  # 3 MB of one letter: a torn file shows
+    for _ in sys.stdin:
+        pid = os.fork()
+        if pid == 0:  # the writer
+            i = 0
+            while True:
+                i += 1
+                atomic_write(sys.argv[1], chr(97 + i % 26) * 3_000_000)  # 3 MB of one letter: a torn file shows
+        print(pid, flush=True)
+        os.waitpid(pid, 0)  # until the test kills it
+        print("dead", flush=True)
 """)
 
 
@@ -29,17 +37,27 @@ def test_a_writer_killed_at_random_instants_leaves_a_whole_file(tmp_path):
     path = tmp_path / "side.json"
     path.write_text("a" * 3_000_000)
     rng = random.Random(0)
-    for _ in range(12):
-        p = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(path), ROOT], stdout=subprocess.PIPE, text=True
-        )
-        assert p.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0.0, 0.3))
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait()
-        text = path.read_text()
-        # the old file or the new one, never a mix or a cut
-        assert len(text) == 3_000_000 and len(set(text)) == 1
+    server = subprocess.Popen(
+        [sys.executable, "-c", WRITERS, str(path), ROOT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        for _ in range(12):
+            server.stdin.write("go\n")
+            server.stdin.flush()
+            pid = int(server.stdout.readline())
+            time.sleep(rng.uniform(0.0, 0.3))
+            os.kill(pid, signal.SIGKILL)
+            assert server.stdout.readline().strip() == "dead"
+            text = path.read_text()
+            # the old file or the new one, never a mix or a cut
+            assert len(text) == 3_000_000 and len(set(text)) == 1
+    finally:
+        server.kill()
+        server.wait()
     left = [n for n in os.listdir(tmp_path) if n != "side.json"]
     # only a killed writer's own temporary file remains
     assert all(n.startswith("side.tmp") and n.endswith(".json") for n in left)

@@ -20,6 +20,7 @@ fast.
 """
 
 import ast
+import builtins
 import glob
 import os
 import re
@@ -378,6 +379,162 @@ def test_fix_moves_a_reference_to_the_scope_its_key_is_in_now(tmp_path):
     assert fix_doc("docs/x.md", wrapped, str(tmp_path)) == (good.replace("` (", "`\n("), 1)
     twice = '`print(stats["loss"])` ([script.py › rollout](../script.py))'
     assert fix_doc("docs/x.md", twice, str(tmp_path)) == (twice, 0)
+
+
+# ---- names: a function or identifier a doc puts in backticks is one the code has
+FENCE = re.compile(
+    r"^\s*```.*?^\s*```", re.M | re.S
+)  # fenced blocks: commands and snippets, not names
+SPAN = re.compile(r"`([^`\n]+)`")
+CALL = re.compile(r"(?<![\w.])((?:[A-Za-z_]\w*\.)*)([A-Za-z_]\w*)\(")  # name( or a.b.name(
+SNAKE = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+")  # a bare snake_case identifier: step_policy
+# a span followed by ([PATH ...](...)) is a REF key, checked above
+REF_AFTER = re.compile(r"\s+\(\[")
+WORD = re.compile(r"[A-Za-z_]\w*")
+CODE_GLOBS = ["*.py", "common/**/*.py", "benchmarks/**/*.py", "tests/**/*.py", "docs/**/*.py"]
+# Names of other code that the docs name on purpose, each with where it comes from. A new one goes here, with its
+# source; a name of ours that the code no longer has is fixed in the doc instead.
+OTHER_CODE = {
+    # libraries, named without their module
+    "linspace": "torch / numpy",
+    "named_parameters": "torch.nn.Module",
+    "get_model_state_dict": "torch.distributed.checkpoint.state_dict",
+    "init_process_group": "torch.distributed",
+    "set_requires_gradient_sync": "torch FSDP2",
+    "LoraConfig": "peft",
+    "disable_adapters": "peft",
+    "load_lora_weights": "diffusers",
+    "set_seed": "accelerate",
+    "get_action_and_value": "CleanRL's ppo.py",
+    # the released code the algorithm pages set beside ours
+    "compute_text_embeddings": "NVlabs/DiffusionNFT scripts/train_nft_sd3.py",
+    "PerPromptStatTracker": "NVlabs/DiffusionNFT and Flow-GRPO flow_grpo/stat_tracking.py",
+    "EMAModuleWrapper": "NVlabs/DiffusionNFT flow_grpo/ema.py",
+    "return_decay": "NVlabs/DiffusionNFT scripts/train_nft_sd3.py",
+    "eval_freq": "NVlabs/DiffusionNFT config/base.py",
+    "save_freq": "NVlabs/DiffusionNFT config/base.py",
+    "test_batch_size": "NVlabs/DiffusionNFT config/nft.py",
+    "sd3_geneval": "NVlabs/DiffusionNFT config/nft.py",
+    "sd3_pickscore": "NVlabs/DiffusionNFT config/nft.py",
+    "sd3_ocr": "NVlabs/DiffusionNFT config/nft.py",
+    "sd3_multi_reward": "NVlabs/DiffusionNFT config/nft.py",
+    "pickscore_flux": "Flow-GRPO config/grpo.py",
+    "geneval_sd3_fast_nocfg": "Flow-GRPO config/grpo.py",
+    "pickscore_sd3_fast_nocfg": "Flow-GRPO config/grpo.py",
+    "pickscore_sd3_fast": "Flow-GRPO config/grpo.py",
+    "flow_grpo_step": "G²RPO's official code",
+    # a former name of ours, said as such ("until 2026-12-01 ... `ode_complete`")
+    "ode_complete": "g2rpo.md's history of the batched completions",
+}
+
+
+def code_names(root: str = ROOT) -> tuple[set[str], set[str]]:
+    """(defined, mentioned) over the repository's Python files but this one. defined: every def and class, parameter and
+    assigned name (a call's target); mentioned: those, every attribute, keyword and imported name, and the words
+    of every string that is not a docstring (dict keys, metric names)."""
+    defined, mentioned = set(), set()
+    for pattern in CODE_GLOBS:
+        for path in glob.glob(os.path.join(root, pattern), recursive=True):
+            if os.path.basename(path) == os.path.basename(__file__):
+                continue  # this file's examples name stale names on purpose
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), filename=path)
+            docstrings = (
+                set()
+            )  # ast.walk visits a def before its body: its docstring is known in time
+            for n in ast.walk(tree):
+                if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    first = n.body[0] if n.body else None
+                    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                        docstrings.add(id(first.value))
+                    if not isinstance(n, ast.Module):
+                        defined.add(n.name)
+                elif isinstance(n, ast.arg):
+                    defined.add(n.arg)
+                elif isinstance(n, ast.Name):
+                    (defined if isinstance(n.ctx, ast.Store) else mentioned).add(n.id)
+                elif isinstance(n, ast.Attribute):
+                    mentioned.add(n.attr)
+                elif isinstance(n, ast.keyword) and n.arg:
+                    mentioned.add(n.arg)
+                elif isinstance(n, ast.alias):
+                    mentioned.add((n.asname or n.name).split(".")[0])
+                elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+                    if id(n) not in docstrings:
+                        mentioned.update(WORD.findall(n.value))
+    return defined, mentioned | defined
+
+
+def unknown_names(doc: str, text: str, defined: set[str], mentioned: set[str]) -> list[str]:
+    """The backticked names of `text` that the code does not have, one message each.
+
+    Checked, in every `inline code` span outside fenced blocks and REF keys (those are verbatim code, checked by
+    test_code_references_point_at_their_key):
+    - a call, `name(` or `name(...)`: name must be a def, class, parameter or assigned name of the repository, a
+      Python builtin, or in OTHER_CODE. A qualified call `a.b(` is checked only when `a` is one of our classes
+      (`EMA.update(`): a method on a value (`x0.double(`, `h.start(`) or a library module (`torch.randint(`)
+      cannot be resolved without running the code, so it is left alone;
+    - a span that is one bare snake_case identifier (`step_policy`, `kl_weight`): it must occur in the code (as a
+      name, attribute, keyword, or a word of a non-docstring string: a dict key or metric name), or in OTHER_CODE.
+    Flags (`--kl-weight`), metrics with a slash (`train/r_mean`), paths and expressions are not single identifiers,
+    and are not checked here."""
+    known = defined | set(dir(builtins)) | set(OTHER_CODE)
+    text = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)  # keep the line numbers
+    errors = []
+    for m in SPAN.finditer(text):
+        span, line = m.group(1), text.count("\n", 0, m.start()) + 1
+        if REF_AFTER.match(text, m.end()):
+            continue
+        for c in CALL.finditer(span):
+            qualifier, name = c.group(1), c.group(2)
+            receiver = qualifier.split(".")[0]
+            if qualifier and not (receiver[:1].isupper() and receiver in defined):
+                continue
+            if name not in known:
+                errors.append(
+                    f"{doc}:{line}: `{span}` calls {name}(), which the code does not define"
+                )
+        if SNAKE.fullmatch(span) and span not in mentioned and span not in OTHER_CODE:
+            errors.append(f"{doc}:{line}: `{span}` occurs nowhere in the code")
+    return errors
+
+
+def test_docs_name_only_what_the_code_has():
+    """A renamed or deleted function leaves no doc naming it (issue #56 item 5: `step_log_prob`, `optimizer_step`
+    and `grad_sync` outlived their code in design.md, g2rpo.md and densegrpo.md). The rule is unknown_names'."""
+    defined, mentioned = code_names()
+    errors = []
+    for doc in doc_files():
+        with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
+            errors += unknown_names(doc, f.read(), defined, mentioned)
+    assert not errors, (
+        "names the code does not have (fix the doc, or add another codebase's name to "
+        + ("OTHER_CODE with its source):\n" + "\n".join(errors))
+    )
+
+
+def test_the_name_check_catches_a_stale_name_and_passes_the_rest(tmp_path):
+    """The checker itself, on a one-file repository: defined calls, builtins, methods on values, library calls,
+    REF keys, fenced blocks and OTHER_CODE names pass; an undefined call, an undefined method of one of our classes
+    and a bare name the code lacks fail, each with its line."""
+    (tmp_path / "lib.py").write_text(
+        'class EMA:\n    def update(self):\n        return {"old_policy": 1}\n\n\n'
+        "def step_policy(x, timer):\n    timer()\n    return x\n"
+    )
+    defined, mentioned = code_names(str(tmp_path))
+    good = (
+        '`step_policy(x, timer)`, `timer("reward")`, `len(x)`, `EMA.update()`, `x0.double()`,\n'
+        "`torch.randint(3, (2,))`, `old_policy`, `step_policy`, `LoraConfig(r=32)`, `sd3_geneval`,\n"
+        "`step_log_prob(x` ([lib.py › step_policy](../lib.py))\n```\nstep_log_prob(x)\n```\n"
+    )
+    assert unknown_names("docs/x.md", good, defined, mentioned) == []
+    bad = "ok\n`step_log_prob(backbone, ...)`, `EMA.blend()`\nthen `optimizer_step` and `--kl-weight`\n"
+    errors = unknown_names("docs/x.md", bad, defined, mentioned)
+    assert errors == [
+        "docs/x.md:2: `step_log_prob(backbone, ...)` calls step_log_prob(), which the code does not define",
+        "docs/x.md:2: `EMA.blend()` calls blend(), which the code does not define",
+        "docs/x.md:3: `optimizer_step` occurs nowhere in the code",
+    ], errors
 
 
 if (

@@ -16,6 +16,7 @@ from helpers import (
     run_script,
     stock_pipeline_image,
     tiny_flags,
+    toy_world_gain,
     write_prompts,
 )
 
@@ -147,53 +148,20 @@ def test_saved_lora_loads_into_stock_pipeline(tiny_sd3, tmp_path, prompts_file):
 
 def test_learning_on_the_toy_world(tmp_path):
     """Eval reward (deterministic ODE, fixed seeds) on the training prompts must rise within 3 iterations on the
-    shipped toy model: -1.146 -> -0.959 (-0.926 after 4; 2 torch threads, 10-step evaluation, 2026-12-02). With
-    learning rate 0 the two evaluations would be identical, and with the advantages' sign flipped it falls
-    (-1.146 -> -1.298), so this fails when learning is broken. The reward is JPEG compressibility: smooth and
+    shipped toy model: -1.146 -> -0.957 (2 torch threads, 10-step evaluation, 2026-12-05). With
+    learning rate 0 the two evaluations are identical, and with the advantages' sign flipped it falls
+    (-1.146 -> -1.295 with the flip in the rollout's transitions, in group_advantages or in the loss; 2026-12-05), so
+    this fails when learning is broken. The reward is JPEG compressibility: smooth and
     dense, so a short CPU run shows the effect reliably. (With the strict-GenEval-like toyworld reward, gains within
     minutes are real but noisy across seeds: see docs/results.md.)"""
-    prompts = write_prompts(
-        tmp_path / "p.txt",
-        [
-            "a photo of three red squares",
-            "a photo of three blue squares",
-            "a photo of three green triangles",
-            "a photo of three red triangles",
-        ],
-    )
-    run_main(
+    start, end = toy_world_gain(
         SCRIPT,
-        "--prompts-file",
-        prompts,
-        "--eval-prompts",
-        prompts,
-        "--eval-seeds-per-prompt",
-        "2",
-        "--groups-per-iteration",
-        "2",
-        "--group-size",
-        "8",
-        "--rollout-batch-size",
-        "16",
-        "--num-iterations",
-        "3",
-        "--eval-every",
-        "3",
-        "--num-steps",
-        "6",
-        "--eval-num-steps",
-        "10",
-        "--learning-rate",
-        "1e-3",
-        "--reward",
-        "jpeg_compressibility",
-        "--output-dir",
-        str(tmp_path),
-        "--run-name",
-        "toy",
+        tmp_path,
+        *("--groups-per-iteration", "2", "--group-size", "8", "--rollout-batch-size", "16"),
+        *("--num-iterations", "3", "--eval-every", "3", "--eval-seeds-per-prompt", "2"),
+        *("--num-steps", "6", "--eval-num-steps", "10", "--learning-rate", "1e-3"),
+        *("--reward", "jpeg_compressibility"),
     )
-    m = read_metrics(tmp_path / "toy")
-    start, end = m[0]["eval/reward_mean"], m[-1]["eval/reward_mean"]
     assert end > start + 0.1, (start, end)
 
 

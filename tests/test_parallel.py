@@ -1,11 +1,11 @@
-"""--parallel fsdp (common/parallel.py): FSDP2 against DDP on 2 CPU ranks (gloo) in all three scripts, its memory per
+"""--parallel fsdp (common/parallel.py): FSDP2 against DDP on 2 CPU ranks (gloo) in all four scripts, its memory per
 rank, its sharded checkpoints and exact resume, the user's weights in stock pipelines, FSDP over one rank with
 offload, a 2-node launch over loopback, and the one-line errors.
 
 All 2-rank runs share ONE launch, the 2-node one (tests/parallel_worker.py: the imports are most of a tiny run's
-time): SD3 full fine-tuning in all three scripts, FLUX full fine-tuning and LoRA in flowgrpo_baseline.py, and the
+time): SD3 full fine-tuning in all four scripts, FLUX full fine-tuning and LoRA in flowgrpo_baseline.py, and the
 per-script DDP checks (LoRA, the default path: ranks agree on the weights, the SDE window, psi) too. FLUX under FSDP
-runs in the baseline only: what FLUX changes lives in common/ (the backbone, the sharding plan), which the three
+runs in the baseline only: what FLUX changes lives in common/ (the backbone, the sharding plan), which the four
 scripts share, and the SD3 runs already take each script's own training section through FSDP.
 """
 

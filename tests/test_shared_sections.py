@@ -1,6 +1,6 @@
-"""The three scripts share their training section (and everything after it) and the helper that scores a stored
-step, line for line: only the rollout and the algorithm's Args differ, so `diff flowgrpo_baseline.py g2rpo.py` shows
-the algorithm and nothing else."""
+"""The three GRPO scripts share their training section (and everything after it) and the helper that scores a
+stored step, line for line: only the rollout and the algorithm's Args differ, so `diff flowgrpo_baseline.py g2rpo.py`
+shows the algorithm and nothing else. (diffusionnft.py has no transitions and its own training section.)"""
 
 import os
 
