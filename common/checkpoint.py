@@ -750,9 +750,14 @@ def check_writable(folder: str, flag: str = "--output-dir") -> None:
         os.close(fd)
         os.remove(probe)
     except OSError as e:
+        fix = (
+            "make it writable, or copy the run folder to a place you can write and resume the copy"
+            if flag == "--resume"
+            else "choose a folder you can write to, or free space"
+        )
         raise ConfigError(
             f"{flag}: cannot write the run folder {folder} ({e.__class__.__name__}: "
-            f"{e.strerror or e}): choose a folder you can write to, or free space"
+            f"{e.strerror or e}): {fix}"
         ) from None
 
 
@@ -998,15 +1003,22 @@ def resolve_run_dir(
 
 
 def _script_with_flags(folder: str, names: list[str]) -> str | None:
-    """The training script in `folder` whose Args declare every one of `names` (a field line
-    `    name: type`), if exactly one does."""
+    """The training script beside this one (the project's own files, in `folder`) whose Args have
+    every one of `names`, if exactly one does."""
+    import runpy
+
     found = []
     for entry in sorted(_listdir(folder)):
-        if entry.endswith(".py") and os.path.isfile(os.path.join(folder, entry)):
-            with open(os.path.join(folder, entry), encoding="utf-8", errors="replace") as f:
-                text = f.read()
-            if all(re.search(rf"^    {re.escape(n)}: ", text, re.M) for n in names):
-                found.append(entry)
+        path = os.path.join(folder, entry)
+        if not entry.endswith(".py") or not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            if "\nclass Args(" not in f.read():
+                continue
+        args_class = runpy.run_path(path, run_name="not_main").get("Args")
+        fields = {f.name for f in dataclasses.fields(args_class)} if args_class else set()
+        if set(names) <= fields:
+            found.append(entry)
     return found[0] if len(found) == 1 else None
 
 
