@@ -159,9 +159,8 @@ def check_flag(args, name: str, rule: Rule) -> None:
     values = value if isinstance(value, (tuple, list)) else (value,)
     if all(rule.ok(v) for v in values) and (value is not None or rule.optional):
         return
-    default = next(
-        (f.default for f in dataclasses.fields(args) if f.name == name), dataclasses.MISSING
-    )
+    fields = dataclasses.fields(args) if dataclasses.is_dataclass(args) else ()  # or argparse's
+    default = next((f.default for f in fields if f.name == name), dataclasses.MISSING)
     usual = "" if default is dataclasses.MISSING else f"; the default is {_show(default)}"
     kind = "an integer " if rule.integer else "a finite number " if not rule.allow_inf else ""
     why = f" ({rule.why})" if rule.why else ""
