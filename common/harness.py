@@ -294,6 +294,7 @@ def given_flags(argv: list[str]) -> set[str]:
     return names
 
 
+@stop_on_signals_in_setup
 def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = None) -> Harness:
     """Everything before the optimizer, cheapest first, so bad input costs one line, not a model load:
     prompt files, reward names, the model folder, the flags (the script's own `check_args`), the run
@@ -301,57 +302,6 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
     backbone, the trained weights (LoRA or full, the KL reference), DDP or FSDP2, the logger. A
     resume first takes the run's own value of every flag not on the command line (`argv`, default
     sys.argv). SIGINT and SIGTERM stop it from its first line in one line, exit 128 + signal."""
-    restore = stop_on_signals_in_setup(int(os.environ.get("RANK", "0")) == 0)
-    try:
-        return _setup(args, script, check_args, argv)
-    except BaseException:
-        restore()
-        raise
-
-
-def check_tracking(args: HarnessArgs) -> None:
-    """--track: what can be known before any model loads, in one line: wandb installed, a project
-    name wandb takes, and (online) an API key wandb will find. What cannot be known here (the
-    network, the key's validity) is bounded by RunLogger's timeout."""
-    if not args.track:
-        return
-    project = args.wandb_project_name
-    bad = sorted(set("/\\#?%:") & set(project)) + [c for c in project if not c.isprintable()]
-    if not project.strip() or len(project) > 128 or bad:
-        raise ConfigError(
-            f"--wandb-project-name {project[:80]!r}: wandb takes 1 to 128 printable characters "
-            "without / \\ # ? % :; pass another name"
-        )
-    try:
-        from wandb.sdk import wandb_setup
-    except ImportError:
-        raise ConfigError(
-            "--track needs wandb: pip install -r requirements.txt, or drop --track"
-        ) from None
-    settings = wandb_setup.singleton().settings  # reads WANDB_* from the environment
-    if settings.mode in ("offline", "dryrun", "disabled"):
-        return
-    try:
-        from wandb.sdk.lib.wbauth import authenticate, host_url
-
-        host = host_url.HostUrl(settings.base_url, app_url=settings.app_url)
-        auth = authenticate._use_system_auth(host=host, source="--track", update_session=False)
-    except (ImportError, AttributeError, TypeError):
-        return  # another wandb release: its own login is checked by wandb.init (bounded)
-    except Exception as e:  # noqa: BLE001 - wandb's AuthenticationError: a malformed key
-        raise ConfigError(
-            f"--track: wandb's credentials are unusable ({' '.join(str(e).split())[:160]}): fix "
-            "WANDB_API_KEY (or `wandb login`), or log offline with WANDB_MODE=offline"
-        ) from None
-    if auth is None:
-        raise ConfigError(
-            f"--track logs online to {settings.base_url}, and no wandb API key is set: export "
-            "WANDB_API_KEY (or run `wandb login`), or log offline with WANDB_MODE=offline (then "
-            "`wandb sync`), or drop --track"
-        )
-
-
-def _setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None) -> Harness:
     check_run_name(args)
     check_tracking(args)
     given = given_flags(sys.argv[1:] if argv is None else argv)
@@ -428,6 +378,48 @@ def _setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None) -
     )
     setup_reached(run_dir)  # a stop whose exit a library swallowed ends here
     return h
+
+
+def check_tracking(args: HarnessArgs) -> None:
+    """--track: what can be known before any model loads, in one line: wandb installed, a project
+    name wandb takes, and (online) an API key wandb will find. What cannot be known here (the
+    network, the key's validity) is bounded by RunLogger's timeout."""
+    if not args.track:
+        return
+    project = args.wandb_project_name
+    bad = sorted(set("/\\#?%:") & set(project)) + [c for c in project if not c.isprintable()]
+    if not project.strip() or len(project) > 128 or bad:
+        raise ConfigError(
+            f"--wandb-project-name {project[:80]!r}: wandb takes 1 to 128 printable characters "
+            "without / \\ # ? % :; pass another name"
+        )
+    try:
+        from wandb.sdk import wandb_setup
+    except ImportError:
+        raise ConfigError(
+            "--track needs wandb: pip install -r requirements.txt, or drop --track"
+        ) from None
+    settings = wandb_setup.singleton().settings  # reads WANDB_* from the environment
+    if settings.mode in ("offline", "dryrun", "disabled"):
+        return
+    try:
+        from wandb.sdk.lib.wbauth import authenticate, host_url
+
+        host = host_url.HostUrl(settings.base_url, app_url=settings.app_url)
+        auth = authenticate._use_system_auth(host=host, source="--track", update_session=False)
+    except (ImportError, AttributeError, TypeError):
+        return  # another wandb release: its own login is checked by wandb.init (bounded)
+    except Exception as e:  # noqa: BLE001 - wandb's AuthenticationError: a malformed key
+        raise ConfigError(
+            f"--track: wandb's credentials are unusable ({' '.join(str(e).split())[:160]}): fix "
+            "WANDB_API_KEY (or `wandb login`), or log offline with WANDB_MODE=offline"
+        ) from None
+    if auth is None:
+        raise ConfigError(
+            f"--track logs online to {settings.base_url}, and no wandb API key is set: export "
+            "WANDB_API_KEY (or run `wandb login`), or log offline with WANDB_MODE=offline (then "
+            "`wandb sync`), or drop --track"
+        )
 
 
 def split_batch(args, world_size: int) -> None:

@@ -390,22 +390,20 @@ _before_setup: dict = {}
 _setup_state: dict = {"run_dir": None, "signal": None}
 
 
-def stop_on_signals_in_setup(is_main: bool = True):
-    """SIGINT and SIGTERM from the first line of the set-up (checks, reward and model loads) stop
-    the process with one line and exit code 128 + the signal, as they do during training (where
-    `Run.stop_on_signals` takes over). A second signal while the first unwinds leaves at once.
-    Returns `restore()`, which puts the previous handlers back (a set-up that failed)."""
+def stop_on_signals_in_setup(setup):
+    """Decorates the set-up: SIGINT and SIGTERM from its first line (checks, reward and model loads)
+    stop the process with one line and exit code 128 + the signal, as they do during training
+    (where `Run.stop_on_signals` takes over). A second signal while the first unwinds leaves at
+    once. A set-up that stops (bad input, a signal) puts the previous handlers back, for a process
+    that goes on (a test runner, a notebook)."""
+    import functools
     import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None  # signal handlers belong to the main thread
-    _setup_state.update(run_dir=None, signal=None)
 
     def stop(signum, frame):
         if _setup_state["signal"] is not None:
             os._exit(128 + signum)
         _setup_state["signal"] = signum
-        if is_main:
+        if int(os.environ.get("RANK", "0")) == 0:
             print(
                 f"stopped by {signal.Signals(signum).name} during the set-up, before training "
                 f"started; {_setup_hint()}",
@@ -414,16 +412,22 @@ def stop_on_signals_in_setup(is_main: bool = True):
             )
         raise SystemExit(128 + signum)
 
-    for sig in SIGNALS:
-        previous = signal.signal(sig, stop)
-        _before_setup.setdefault(sig, previous)
-
-    def restore():
+    @functools.wraps(setup)
+    def guarded(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            return setup(*args, **kwargs)  # signal handlers belong to the main thread
+        _setup_state.update(run_dir=None, signal=None)
         for sig in SIGNALS:
-            if sig in _before_setup:
-                signal.signal(sig, _before_setup.pop(sig))
+            _before_setup.setdefault(sig, signal.signal(sig, stop))
+        try:
+            return setup(*args, **kwargs)
+        except BaseException:
+            for sig in SIGNALS:
+                if sig in _before_setup:
+                    signal.signal(sig, _before_setup.pop(sig))
+            raise
 
-    return restore
+    return guarded
 
 
 def setup_reached(run_dir: str) -> None:
