@@ -456,10 +456,12 @@ def load_psi(path: str, num_steps: int, psi_scale: str, sde_type: str = "sde") -
     another noise)."""
     try:
         info = read_json(path)  # an object, not nested deeper than a psi.json is
-        if not isinstance(info.get("psi"), list) or not info["psi"]:
+        if "psi" not in info:
+            raise KeyError("psi")
+        if not isinstance(info["psi"], list) or not info["psi"]:
             raise ValueError(f"its 'psi' is {kind_of(info.get('psi'))}, not a list of numbers")
         psi = [float(p) for p in info["psi"]]
-    except (OSError, ValueError, TypeError) as e:
+    except (OSError, ValueError, TypeError, KeyError) as e:
         raise ConfigError(
             f"--psi-file '{path}' is not a psi.json ({e.__class__.__name__}: {e}): expected JSON "
             "with a list 'psi' of one noise level per step, as a DenseGRPO run writes it; pass "

@@ -416,7 +416,7 @@ def report(out: str) -> str:
         cost = read_json(path)
         problem = cost_problem(cost)
     except (OSError, ValueError) as e:
-        problem = str(e)
+        problem = f"{e.__class__.__name__}: {e}"
     if problem:
         raise ConfigError(
             f"{path} is not a cost.json this benchmark wrote ({problem}): run the benchmark again"

@@ -329,8 +329,7 @@ def parse_json(text: str, expect: type = dict):
         value = json.loads(text)
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not JSON ({e})") from None
+    # (json.JSONDecodeError, a ValueError, goes up as it is: its message says where the text breaks)
     if not isinstance(value, expect):
         raise ValueError(f"{kind_of(value)}, not {kind_of(expect())}")
     if _depth(value) > MAX_JSON_DEPTH:

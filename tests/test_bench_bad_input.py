@@ -71,7 +71,7 @@ def test_bench_compare_refuses_bad_folders_and_a_report_of_nothing(tmp_path):
 @pytest.mark.parametrize(
     "text,said",
     [
-        ("{not json", "not JSON"),
+        ("{not json", "JSONDecodeError: Expecting property name"),
         ("{}", "its 'meta' is not an object"),
         ('{"meta": {}, "runs": {}}', "its 'runs' are not a list"),
         ('{"meta": {}, "runs": [3]}', "a run is not an object with a script, a name and rows"),
