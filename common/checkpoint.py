@@ -1103,6 +1103,15 @@ def _unreadable(path: str, e: BaseException) -> str:
     )
 
 
+def _refuse_layout(folder: str, state) -> None:
+    problem = trainer_state_problem(state)
+    if problem:
+        raise ConfigError(
+            f"--resume: {os.path.join(folder, STATE_FILE)} is not a trainer state this code wrote "
+            f"({problem}); resume from an older checkpoint-N folder, or start a new run"
+        )
+
+
 def trainer_state_problem(state) -> str | None:
     """What is wrong with the layout of a loaded trainer state (None: nothing): the types the
     restore relies on, before it relies on them. Shapes are checked against the model by
@@ -1258,12 +1267,8 @@ def restore_checkpoint(
     from common.parallel import is_sharded
 
     state = load_checkpoint(folder)
-    problem = trainer_state_problem(state)
-    if problem:
-        raise ConfigError(
-            f"--resume: {os.path.join(folder, STATE_FILE)} is not a trainer state this code wrote "
-            f"({problem}); resume from an older checkpoint-N folder, or start a new run"
-        )
+    if not isinstance(state, dict):
+        _refuse_layout(folder, state)
     saved_as, now = (
         ("fsdp" if "sharded_state" in state else "ddp"),
         ("fsdp" if is_sharded(params) else "ddp"),
@@ -1281,6 +1286,7 @@ def restore_checkpoint(
             f"--resume {folder} holds no {', '.join(missing)} (a checkpoint of another script or "
             "an older one): resume it with the script that wrote it, or start a new run"
         )
+    _refuse_layout(folder, state)  # (a checkpoint of another script is named as such above)
     if now == "fsdp":
         _restore_sharded(folder, state, params, optimizer, ema, model, extras)
     else:
