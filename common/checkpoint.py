@@ -796,7 +796,7 @@ def hold_run_folder(run_dir: str) -> None:
     except OSError as e:
         raise ConfigError(
             f"cannot open the run folder's lock {path} ({e.__class__.__name__}: "
-            f"{e.strerror or e}): {_LINK_FIX if e.errno == errno.ELOOP else 'fix its permissions'}"
+            f"{e.strerror or e}): {_LINK_FIX if e.errno == errno.ELOOP else 'remove it, or fix its permissions (a run creates its lock as a plain file)'}"
         ) from None
     f = os.fdopen(fd, "r+")  # held open for the life of the run
     try:
