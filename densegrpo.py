@@ -29,7 +29,15 @@ import torch
 import tyro
 
 from common.checkpoint import writing
-from common.checks import ConfigError, Rule, check_flag, check_ranges, check_sde_type
+from common.checks import (
+    ConfigError,
+    Rule,
+    check_flag,
+    check_ranges,
+    check_sde_type,
+    kind_of,
+    read_json,
+)
 from common.harness import GRPOArgs, Harness, derived, setup, split_batch
 from common.parallel import check_parallel, set_grad_sync
 from common.plots import line_plot
@@ -446,8 +454,11 @@ def load_psi(path: str, num_steps: int, psi_scale: str, sde_type: str = "sde") -
     """A psi.json written by save_psi, checked against this run's schedule and step type (psi means
     another noise)."""
     try:
-        with open(path) as f:
-            info = json.load(f)
+        info = read_json(path)  # an object, not nested deeper than a psi.json is
+        if "psi" not in info:
+            raise KeyError("psi")
+        if not isinstance(info["psi"], list) or not info["psi"]:
+            raise ValueError(f"its 'psi' is {kind_of(info.get('psi'))}, not a list of numbers")
         psi = [float(p) for p in info["psi"]]
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise ConfigError(

@@ -41,7 +41,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.checks import ConfigError  # noqa: E402
+from common.checks import ConfigError, Rule, check_ranges, read_json  # noqa: E402
 from common.utils import read_metrics_lines  # noqa: E402
 
 SCRIPTS = {
@@ -195,12 +195,21 @@ def eval_points(rows: list[dict], trajectories_per_iteration: int = 0) -> list[d
     return out
 
 
+def _read_json(path: str) -> dict:
+    """A run's args.json or harness.json: an object, else one line naming the file."""
+    try:
+        return read_json(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"{path} cannot be read ({e}): restore it, or move that run folder out"
+        ) from None
+
+
 def summarize(run_dir: str) -> dict | None:
     """The numbers of one finished run (None if it has no final row)."""
     per_iteration, eval_prompts = 0, "?"
     if os.path.exists(os.path.join(run_dir, "args.json")):
-        with open(os.path.join(run_dir, "args.json")) as f:
-            a = json.load(f)
+        a = _read_json(os.path.join(run_dir, "args.json"))
         per_iteration = a.get("groups_per_iteration", 0) * a.get("group_size", 0)
         eval_prompts = os.path.basename(a.get("eval_prompts", "?"))
     pts = eval_points(read_rows(run_dir), per_iteration)
@@ -208,8 +217,7 @@ def summarize(run_dir: str) -> dict | None:
         return None
     meta = {}
     if os.path.exists(os.path.join(run_dir, "harness.json")):
-        with open(os.path.join(run_dir, "harness.json")) as f:
-            meta = json.load(f)
+        meta = _read_json(os.path.join(run_dir, "harness.json"))
     last = pts[-1]
     return {
         "points": pts,
@@ -297,6 +305,11 @@ def report(out: str, merge: tuple = (), reference: str | None = None, only: tupl
     "algo:variant" adds each group's gain minus the reference group's, with Welch's 95 % interval; `only` keeps
     just these "algo:variant" groups (a verdict table out of a folder of screens)."""
     groups = collect(out, merge)
+    if not groups:  # a misspelled folder, or a grid none of whose runs finished: no empty table
+        raise ConfigError(
+            f"no finished run in {', '.join([out, *merge])}: nothing to report (a run folder is "
+            "named algorithm__variant__seed and holds a metrics.jsonl with a final row)"
+        )
     missing = [o for o in only if tuple(o.split(":", 1)) not in groups]
     if missing:
         raise ConfigError(
@@ -720,8 +733,7 @@ def check_kept_run(out: str, run: dict) -> None:
     """A finished run is reused only if it was made with the same flags: else the table would mix budgets."""
     path = os.path.join(out, run["name"], "harness.json")
     if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f).get("flags")
+        old = _read_json(path).get("flags")
         if old is not None and old != run["flags"]:
             raise ConfigError(
                 f"{out}/{run['name']} is finished but was made with other flags ({' '.join(old)}) than "
@@ -920,6 +932,37 @@ def eval_prompt_counts(split: str = "test") -> dict[str, int]:
     return counts
 
 
+# The other numbers, each in one line as the training scripts' flags are (common/checks.py).
+FLAG_RANGES = {
+    "seeds": Rule(0, 2**32 - 1, integer=True, why="numpy's seeds are 32-bit"),
+    "eval_every": Rule(1, integer=True, why="iterations between the periodic evaluations"),
+    "eval_seeds_per_prompt": Rule(1, integer=True, why="seeds per test prompt"),
+    "max_wall_s": Rule(0, lo_open=True, optional=True, allow_inf=True, why="seconds; inf = none"),
+}
+
+
+def check_paths(args) -> None:
+    """--out a folder (or nothing yet), every --merge and --script-dir an existing folder; with
+    --report-only, --out must exist: a misspelled one reported nothing and exited 0."""
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ConfigError(
+            f"--out {args.out} is a file: pass a folder (it holds the runs and the table)"
+        )
+    if args.report_only and not os.path.isdir(args.out):
+        raise ConfigError(
+            f"--report-only --out {args.out} does not exist: pass the folder the grid was run in"
+        )
+    for flag, folders in (
+        ("--merge", args.merge),
+        ("--script-dir", [args.script_dir] * bool(args.script_dir)),
+    ):
+        missing = [f for f in folders if not os.path.isdir(f)]
+        if missing:
+            raise ConfigError(
+                f"{flag} {missing[0]} is not a folder: pass a folder that holds run folders"
+            )
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1025,18 +1068,23 @@ def main(argv=None):
         print(f"{probe_workload():.3f}")
         return
     threads = args.threads or (2 if args.jobs == 1 else 1)
-    if (
-        args.jobs < 1
-        or threads < 1
-        or args.cpu_seconds <= 0
-        or not 0 < args.final_se < 0.5
-        or (args.iterations is not None and args.iterations < 1)
+    if not all(
+        rule.ok(v)
+        for rule, v in (
+            (Rule(1, integer=True), args.jobs),
+            (Rule(1, integer=True), threads),
+            (Rule(0, lo_open=True), args.cpu_seconds),  # nan and inf too: a budget that never ends
+            (Rule(0, 0.5, lo_open=True, hi_open=True), args.final_se),
+            (Rule(1, integer=True, optional=True), args.iterations),
+        )
     ):
         raise ConfigError(
             f"--jobs {args.jobs} / --threads {threads} / --cpu-seconds {args.cpu_seconds} / --final-se "
             f"{args.final_se} / --iterations {args.iterations}: need jobs and threads >= 1, a positive "
-            "budget, 0 < final-se < 0.5 and iterations >= 1 (or none)"
+            "finite budget, 0 < final-se < 0.5 and iterations >= 1 (or none)"
         )
+    check_ranges(args, FLAG_RANGES)
+    check_paths(args)
     variants = parse_variants(args.variants)
     if not args.report_only:
         final_seeds = seeds_for_se(args.final_se, eval_prompt_counts(args.split))

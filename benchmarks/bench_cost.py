@@ -37,7 +37,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.checks import ConfigError  # noqa: E402
+from common.checks import ConfigError, read_json  # noqa: E402
+from common.utils import read_metrics_lines  # noqa: E402
 
 SCRIPTS = ("flowgrpo_baseline", "g2rpo", "densegrpo", "diffusionnft")
 REFERENCE = "flowgrpo_baseline"  # the ratio column divides by its mean
@@ -176,16 +177,8 @@ def machine(threads: int, jobs: int, command: str) -> dict:
 
 # ------------------------------------------------------------------------------------------------ runs
 def read_rows(path: str) -> list[dict]:
-    """The rows of a metrics.jsonl (a cut last line is skipped)."""
-    rows = []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-    return rows
+    """The rows of a metrics.jsonl (a cut last line is skipped; common/utils.py, as a resume reads them)."""
+    return read_metrics_lines(path)[0]
 
 
 def training_rows(rows: list[dict]) -> list[dict]:
@@ -395,13 +388,44 @@ def footer(cost: dict) -> list[str]:
     ]
 
 
+def cost_problem(cost: dict) -> str | None:
+    """What is wrong with the layout of a cost.json (None: nothing), before the report reads it."""
+    if not isinstance(cost.get("meta"), dict):
+        return "its 'meta' is not an object"
+    runs = cost.get("runs")
+    if not isinstance(runs, list):
+        return "its 'runs' are not a list"
+    for r in runs:
+        if not (
+            isinstance(r, dict)
+            and isinstance(r.get("script"), str)
+            and isinstance(r.get("name"), str)
+            and isinstance(r.get("rows", []), list)
+            and all(isinstance(x, dict) for x in r.get("rows", []))
+        ):
+            return "a run is not an object with a script, a name and rows"
+    return None
+
+
 def report(out: str) -> str:
     """Write {out}/cost.md from {out}/cost.json; return the markdown."""
     path = os.path.join(out, "cost.json")
     if not os.path.isfile(path):
         raise ConfigError(f"--report-only: {path} does not exist (run the benchmark first)")
-    with open(path) as f:
-        cost = json.load(f)
+    try:
+        cost = read_json(path)
+        problem = cost_problem(cost)
+    except (OSError, ValueError) as e:
+        problem = f"{e.__class__.__name__}: {e}"
+    if problem:
+        raise ConfigError(
+            f"{path} is not a cost.json this benchmark wrote ({problem}): run the benchmark again"
+        )
+    if not summarize(cost["runs"]):  # every run failed, or none ran: no table of nothing
+        raise ConfigError(
+            f"{path} holds no finished run ({len(cost['runs'])} recorded): nothing to report; see "
+            "the runs' stdout.log, then run the benchmark again"
+        )
     text = (
         "\n".join(["# CPU cost per script, side by side", "", *table(cost), *footer(cost)]) + "\n"
     )
@@ -428,6 +452,10 @@ def parse(argv=None):
         "--no-speed-probe", action="store_true", help="skip timing the machine before the runs"
     )
     args = ap.parse_args(argv)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ConfigError(
+            f"--out {args.out} is a file: pass a folder (it holds cost.json and the runs)"
+        )
     if args.iterations < 2 or args.repeats < 1 or args.jobs < 1 or args.threads < 1:
         raise ConfigError(
             f"--iterations {args.iterations} / --repeats {args.repeats} / --jobs {args.jobs} / "

@@ -25,6 +25,23 @@ def cases(tmp: str) -> list[tuple[str, list[str]]]:
     open(empty, "w").close()
     a_file = os.path.join(tmp, "a_file")
     open(a_file, "w").write("x")
+    # issue #57: files too large or of the wrong shape, and folders a resume must not guess about
+    huge = os.path.join(tmp, "huge_prompt.txt")
+    open(huge, "w").write("a photo of a red circle\n" + "x" * 10_000_000 + "\n")
+    deep = os.path.join(tmp, "deep.json")
+    open(deep, "w").write("[" * 200_000 + "]" * 200_000)
+
+    def folder(name, files):
+        path = os.path.join(tmp, name)
+        for rel, text in files.items():
+            os.makedirs(os.path.dirname(os.path.join(path, rel)), exist_ok=True)
+            open(os.path.join(path, rel), "w").write(text)
+        return path
+
+    leading_zero = folder("leading_zero", {"args.json": "{}", "checkpoint-02/COMPLETE.json": "{}"})
+    args_list = folder("args_list", {"args.json": "[1, 2]"})
+    args_deep = folder("args_deep", {"args.json": "[" * 200_000})
+    other_script = folder("other_script", {"args.json": '{"script": "someone_else.py"}'})
     common = [
         ("negative iterations", ["--num-iterations", "-1"]),
         ("nan learning rate", ["--learning-rate", "nan"]),
@@ -49,6 +66,14 @@ def cases(tmp: str) -> list[tuple[str, list[str]]]:
         ("inf max grad norm", ["--max-grad-norm", "-inf"]),
         ("a derived value as a flag", ["--world-size", "2"]),
         ("unknown flag", ["--learning-rat", "1e-3"]),
+        ("evaluation of 400 million images", ["--eval-seeds-per-prompt", "200000000"]),
+        ("a 10 MB prompt line", ["--eval-prompts", huge]),
+        ("run name with a newline", ["--run-name", "two\nlines"]),
+        ("wandb project name with a slash", ["--track", "--wandb-project-name", "team/project"]),
+        ("resume beside checkpoint-02", ["--resume", leading_zero]),
+        ("resume with args.json a list", ["--resume", args_list]),
+        ("resume with args.json 200k deep", ["--resume", args_deep]),
+        ("resume of another script's folder", ["--resume", other_script]),
     ]
     own = {
         "diffusionnft.py": [
@@ -59,6 +84,7 @@ def cases(tmp: str) -> list[tuple[str, list[str]]]:
         ],
         "densegrpo.py": [
             ("psi file a folder", ["--psi-file", tmp]),
+            ("psi file 200k deep", ["--psi-file", deep]),
             ("zero completion steps", ["--completion-steps", "0"]),
         ],
         "g2rpo.py": [

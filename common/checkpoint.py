@@ -41,6 +41,7 @@ import errno
 import gc
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -50,13 +51,16 @@ import time
 import numpy as np
 import torch
 
-from common.checks import ConfigError
+from common.checks import ConfigError, kind_of, pickled_global, read_json
 
 MARKER = "COMPLETE.json"
 STATE_FILE = "trainer_state.pt"
 SHARDED_DIR = "trainer_state.dcp"  # --parallel fsdp: the sharded part of the trainer state
 PREFIX = "checkpoint-"
-_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+# checkpoint-{iteration} as save_checkpoint names it: no leading zeros, so that one iteration has one
+# name (a checkpoint-02 beside checkpoint-2 is refused by resume_source, never guessed between)
+_CKPT_RE = re.compile(r"^checkpoint-(0|[1-9]\d*)$")
+_NONCANONICAL_RE = re.compile(rf"^\.?{PREFIX}0\d+")
 
 # Flags that may differ between a run and its resume: how long, how often to evaluate/log/save,
 # where outputs go, what the run is called, and tracking. Each changes neither the samples nor the
@@ -93,18 +97,36 @@ SHAPE_FLAGS = ("lora_rank", "lora_target", "full_finetune")
 
 
 # ---------------------------------------------------------------------------------------- RNG
+# Every RNG state as plain values (tuples of ints, tensors, numbers), so that trainer_state.pt loads
+# with torch.load(weights_only=True): numpy's state is an ndarray, which only pickle restores.
 def rng_state() -> dict:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     return dict(
         python=random.getstate(),
-        numpy=np.random.get_state(),
+        numpy=dict(
+            kind=str(kind),
+            keys=torch.from_numpy(keys.astype(np.int64)),
+            pos=int(pos),
+            has_gauss=int(has_gauss),
+            cached_gaussian=float(cached),
+        ),
         torch=torch.get_rng_state(),
         cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     )
 
 
 def set_rng_state(s: dict) -> None:
+    n = s["numpy"]
     random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
+    np.random.set_state(
+        (
+            n["kind"],
+            n["keys"].numpy().astype(np.uint32),
+            n["pos"],
+            n["has_gauss"],
+            n["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(s["torch"])
     if s.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
@@ -268,6 +290,7 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
     """
     state = dict(state)
     sharded = state.pop("sharded", None)
+    digests = state.pop("prompt_digests", None) or {}
     if sharded is not None:
         import torch.distributed as dist
 
@@ -306,7 +329,8 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
             "args": json.loads(json.dumps(state.get("args", {}), default=str)),
             # what each path flag pointed to: a resume from a clone whose old paths are gone
             # compares against these (same_path_meaning)
-            "path_fingerprints": path_fingerprints(state.get("args", {})),
+            # (the prompt files as this process read them: a pipe cannot be read again)
+            "path_fingerprints": {**path_fingerprints(state.get("args", {})), **digests},
             "files": files,
         }
         with open(os.path.join(tmp, MARKER), "w") as f:
@@ -398,8 +422,37 @@ def _out_of_space(e: BaseException, folder: str) -> bool:
 
 # ---------------------------------------------------------------------------------- verify and find
 def read_marker(folder: str) -> dict:
-    with open(os.path.join(folder, MARKER)) as f:
-        return json.load(f)
+    """A checkpoint's COMPLETE.json, checked field by field (it may come with a run folder from
+    someone else): ValueError saying what is wrong, which verify_checkpoint reports as the
+    checkpoint's problem (a resume of the run then falls back to the previous one)."""
+    marker = read_json(os.path.join(folder, MARKER))
+
+    def wrong(field, what):
+        got = kind_of(marker.get(field)) if field in marker else "missing"
+        return ValueError(f"its '{field}' is {got}, not {what}")
+
+    if not _is_count(marker.get("iteration")):
+        raise wrong("iteration", "an integer >= 0")
+    if not isinstance(marker.get("files"), dict):
+        raise wrong("files", "an object of file: {size, sha256}")
+    for rel, info in marker["files"].items():
+        # a relative path inside the folder: a marker names nothing outside its checkpoint
+        if os.path.isabs(rel) or ".." in rel.split("/") or not rel.strip("/"):
+            raise ValueError(f"it lists {rel!r}, not a file inside the checkpoint")
+        if not (
+            isinstance(info, dict)
+            and _is_count(info.get("size"))
+            and isinstance(info.get("sha256"), str)
+        ):
+            raise ValueError(f"its entry for {rel!r} is {kind_of(info)}, not {{size, sha256}}")
+    for field, kind in (("args", dict), ("path_fingerprints", dict), ("script", str)):
+        if marker.get(field) is not None and not isinstance(marker[field], kind):
+            raise wrong(field, kind_of(kind()))
+    return marker
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def verify_checkpoint(folder: str, quick: bool = False) -> str | None:
@@ -413,13 +466,22 @@ def verify_checkpoint(folder: str, quick: bool = False) -> str | None:
             "it, or it was written before checkpoints were checksummed)"
         )
     try:
-        files = read_marker(folder)["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{os.path.join(folder, MARKER)} is unreadable ({e.__class__.__name__})"
+        marker = read_marker(folder)
+    except (OSError, ValueError) as e:
+        return f"{os.path.join(folder, MARKER)} is unreadable ({e.__class__.__name__}: {e})"
+    files = marker["files"]
     if STATE_FILE not in files:
         return f"{os.path.join(folder, MARKER)} lists no {STATE_FILE}"
+    named = re.match(rf"^\.?{PREFIX}(\d+)", os.path.basename(folder.rstrip("/")))
+    if named and int(named.group(1)) != marker["iteration"]:
+        return (
+            f"{os.path.join(folder, MARKER)} is of iteration {marker['iteration']}, not the "
+            f"folder's {int(named.group(1))}"
+        )
     for rel, info in files.items():
         path = os.path.join(folder, rel)
+        if os.path.islink(path):
+            return f"{path} is a symbolic link, not a file of the checkpoint"
         if not os.path.isfile(path):
             return f"{path} is missing"
         size = os.path.getsize(path)
@@ -498,25 +560,36 @@ def find_resume_checkpoint(path: str, log=print) -> str:
     )
 
 
+def _listdir(folder: str) -> list[str]:
+    return os.listdir(folder) if os.path.isdir(folder) else []
+
+
 def resume_source(path: str, log=print) -> tuple[str | None, dict, dict]:
     """What --resume PATH continues: (its verified checkpoint, or None for a run folder that died
     before its first checkpoint, which restarts in place; the run's flags; their path fingerprints).
     A run folder without a checkpoint is known by its args.json."""
     p = os.path.abspath(path.rstrip("/") or "/")
     args_file = os.path.join(p, "args.json")
+    run = p if not re.match(rf"^\.?{PREFIX}", os.path.basename(p)) else os.path.dirname(p)
+    odd = sorted(n for n in _listdir(run) if _NONCANONICAL_RE.match(n))
+    if odd:
+        raise ConfigError(
+            f"--resume '{path}': {os.path.join(run, odd[0])} is not a checkpoint name this code "
+            "writes (checkpoint-N has no leading zeros), so which iteration it holds is ambiguous: "
+            "rename it to checkpoint-N, or move it out of the run folder"
+        )
     if (
         os.path.isdir(p)
         and not _CKPT_RE.match(os.path.basename(p))
         and not list_checkpoints(p, interrupted=True)
-        and os.path.isfile(args_file)
+        and os.path.lexists(args_file)
     ):
         try:
-            with open(args_file) as f:
-                return None, dict(json.load(f)), {}
+            return None, read_json(args_file), {}
         except (OSError, ValueError) as e:
             raise ConfigError(
-                f"--resume '{path}' holds no checkpoint and its args.json cannot be read ({e}): "
-                "start a new run without --resume"
+                f"--resume '{path}' holds no checkpoint and its args.json cannot be read "
+                f"({e.__class__.__name__}: {e}): start a new run without --resume"
             ) from None
     ckpt = find_resume_checkpoint(path, log)
     marker = read_marker(ckpt)
@@ -607,17 +680,24 @@ def same_path_meaning(a, b, saved_fingerprint: str | None = None) -> bool:
 
 
 def changed_flags(
-    saved: dict, now: dict, fingerprints: dict | None = None
+    saved: dict, now: dict, fingerprints: dict | None = None, digests: dict | None = None
 ) -> list[tuple[str, object, object]]:
     """(flag, value in the checkpoint, value now) for every experiment-defining argument that
     differs; path flags differ only when they point to different content (`same_path_meaning`,
-    with the checkpoint's recorded `fingerprints` for paths that are gone)."""
+    with the checkpoint's recorded `fingerprints` for paths that are gone). A prompt file read by
+    this process (`digests`: {flag: sha256 of the bytes read}) is compared by those bytes with
+    the recorded fingerprint whatever its path: the same path may now hold other prompts, and a
+    pipe (`<(...)`) has the same name every time and cannot be read twice."""
     saved, now, missing, fingerprints = _json(saved), _json(now), "(absent)", fingerprints or {}
+    digests = digests or {}
     keys = sorted((set(saved) | set(now)) - set(MAY_CHANGE_ON_RESUME) - DERIVED)
     out = []
     for k in keys:
         a, b = saved.get(k, missing), now.get(k, missing)
-        if a != b and not (k in PATH_FLAGS and same_path_meaning(a, b, fingerprints.get(k))):
+        if k in digests and fingerprints.get(k):
+            if digests[k] != fingerprints[k]:
+                out.append((k, a, f"{b} (other content)" if a == b else b))
+        elif a != b and not (k in PATH_FLAGS and same_path_meaning(a, b, fingerprints.get(k))):
             out.append((k, a, b))
     return out
 
@@ -664,13 +744,22 @@ def check_writable(folder: str, flag: str = "--output-dir") -> None:
     probe = os.path.join(folder, f".write_test_{os.getpid()}")
     try:
         os.makedirs(folder, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("ok")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(probe)  # a leftover of an earlier process (a link is removed, not followed)
+        # O_EXCL: a file of our own, never one a link points to
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        os.write(fd, b"ok")
+        os.close(fd)
         os.remove(probe)
     except OSError as e:
+        fix = (
+            "make it writable, or copy the run folder to a place you can write and resume the copy"
+            if flag == "--resume"
+            else "choose a folder you can write to, or free space"
+        )
         raise ConfigError(
             f"{flag}: cannot write the run folder {folder} ({e.__class__.__name__}: "
-            f"{e.strerror or e}): choose a folder you can write to, or free space"
+            f"{e.strerror or e}): {fix}"
         ) from None
 
 
@@ -702,7 +791,16 @@ def hold_run_folder(run_dir: str) -> None:
 
     if run_dir in _held:
         return
-    f = open(os.path.join(run_dir, LOCK_FILE), "a+")  # held open for the life of the run
+    refuse_links(run_dir)
+    path = os.path.join(run_dir, LOCK_FILE)
+    try:  # O_NOFOLLOW: a .lock link planted after the check above is refused, never truncated
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot open the run folder's lock {path} ({e.__class__.__name__}: "
+            f"{e.strerror or e}): {_LINK_FIX if e.errno == errno.ELOOP else 'remove it, or fix its permissions (a run creates its lock as a plain file)'}"
+        ) from None
+    f = os.fdopen(fd, "r+")  # held open for the life of the run
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -720,6 +818,41 @@ def hold_run_folder(run_dir: str) -> None:
     _held[run_dir] = f
 
 
+_LINK_FIX = (
+    "a run writes and deletes only its own files, never through a link: replace the link with a "
+    "copy of what it points to (or remove it), then run again; nothing was written"
+)
+
+
+def refuse_links(run_dir: str) -> None:
+    """A run folder holds no symbolic link where the run writes or deletes: its top level, samples/
+    and its checkpoint folders. A link there (in a folder someone else made) would make the run
+    write outside the folder, truncate the file it points to, or delete through it: one line,
+    before anything is written. (A link to the run folder itself, e.g. a runs/ folder on another
+    disk, is the user's choice and fine; wandb's own links inside wandb/ are not looked at.)"""
+    for name in sorted(_listdir(run_dir)):
+        path = os.path.join(run_dir, name)
+        if os.path.islink(path):
+            found = path
+        elif name == "samples" or name.startswith((PREFIX, "." + PREFIX)):
+            found = next(
+                (
+                    os.path.join(d, n)
+                    for d, dirs, files in os.walk(path)
+                    for n in dirs + files
+                    if os.path.islink(os.path.join(d, n))
+                ),
+                None,
+            )
+        else:
+            continue
+        if found:
+            raise ConfigError(
+                f"{found} is a symbolic link (to {os.readlink(found)}) inside the run folder "
+                f"{run_dir}: {_LINK_FIX}"
+            )
+
+
 def release_run_folder(run_dir: str) -> None:
     f = _held.pop(run_dir, None)
     if f is not None:
@@ -735,7 +868,12 @@ def run_outputs(run_dir: str) -> list[str]:
 
 
 def resolve_run_dir(
-    args, script_file: str, is_main: bool = True, source=None, given: frozenset = frozenset()
+    args,
+    script_file: str,
+    is_main: bool = True,
+    source=None,
+    given: frozenset = frozenset(),
+    digests: dict | None = None,
 ) -> tuple[str, str | None]:
     """(run folder, checkpoint folder to resume or None), checked before any model is loaded.
 
@@ -744,7 +882,8 @@ def resolve_run_dir(
     its run folder, unless the experiment-defining arguments differ: then one ConfigError line, or,
     with --resume-override, a NEW run folder (args.resumed_from records the checkpoint; the old run
     is untouched). Rank 0 holds the folder it will write (`hold_run_folder`) from here on: a second
-    process on it stops in one line.
+    process on it stops in one line. `digests` ({path flag: sha256 of the bytes the set-up read}):
+    the prompt files as read, compared with what the run recorded whatever their path (a pipe).
     """
     if not args.resume:
         run_dir = os.path.join(
@@ -774,7 +913,25 @@ def resolve_run_dir(
             f"--run-name {args.run_name} names a new run folder, which only --resume-override "
             f"starts: drop --run-name to continue {source_folder} in place"
         )
-    changes = changed_flags(saved, dataclasses.asdict(args), fingerprints)
+    script = os.path.basename(script_file)
+    saved = dict(saved)
+    written_by = saved.pop("script", None)  # args.json names its script (since 2026-12-05)
+    unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(args)})
+    if ckpt is None and (written_by not in (None, script) or unknown):
+        # a folder without a checkpoint is known by its args.json: by the script it names, else
+        # by the script whose flags it holds (folders written before args.json named it)
+        written_by = written_by or _script_with_flags(os.path.dirname(script_file), unknown)
+        if written_by is None:
+            raise ConfigError(
+                f"--resume {source_folder}: its args.json has flags {script} does not have "
+                f"({', '.join('--' + u.replace('_', '-') for u in unknown[:5])}): resume it with the "
+                "script that wrote it, or start a new run"
+            )
+        raise ConfigError(
+            f"--resume {source_folder} was written by {written_by}, not {script}: resume it with "
+            f"`python {written_by} --resume {source_folder}`"
+        )
+    changes = changed_flags(saved, dataclasses.asdict(args), fingerprints, digests)
     if ckpt is None:
         return _restart_in_place(args, changes, is_main)
     marker = read_marker(ckpt)
@@ -785,7 +942,7 @@ def resolve_run_dir(
             f"{saved.get('world_size')}` (or python alone for 1), or add --resume-override to start "
             "a new run folder from its weights"
         )
-    script, saved_script = os.path.basename(script_file), marker.get("script")
+    saved_script = marker.get("script")
     if saved_script and saved_script != script:
         raise ConfigError(
             f"--resume {ckpt} was written by {saved_script}, not {script}: resume it with "
@@ -819,6 +976,7 @@ def resolve_run_dir(
     args.resumed_from = ckpt
     if not args.resume_override:
         if is_main:
+            check_writable(source_run, "--resume")  # a read-only copy of a run: one line, now
             hold_run_folder(source_run)
             _note_deletions(args, saved, source_run)
         return source_run, ckpt
@@ -846,6 +1004,26 @@ def resolve_run_dir(
     return run_dir, ckpt
 
 
+def _script_with_flags(folder: str, names: list[str]) -> str | None:
+    """The training script beside this one (the project's own files, in `folder`) whose Args have
+    every one of `names`, if exactly one does."""
+    import runpy
+
+    found = []
+    for entry in sorted(_listdir(folder)):
+        path = os.path.join(folder, entry)
+        if not entry.endswith(".py") or not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            if "\nclass Args(" not in f.read():
+                continue
+        args_class = runpy.run_path(path, run_name="not_main").get("Args")
+        fields = {f.name for f in dataclasses.fields(args_class)} if args_class else set()
+        if set(names) <= fields:
+            found.append(entry)
+    return found[0] if len(found) == 1 else None
+
+
 def _restart_in_place(args, changes, is_main: bool) -> tuple[str, None]:
     """--resume of a run folder that died before its first checkpoint: the run starts again in its
     own folder from iteration 0 with its own flags. It samples what it sampled before (the seeds
@@ -862,12 +1040,12 @@ def _restart_in_place(args, changes, is_main: bool) -> tuple[str, None]:
             f"{_describe(changes)} would change them: drop them, or start a new run without --resume"
         )
     if is_main:
-        check_writable(run_dir)
-        hold_run_folder(run_dir)
+        check_writable(run_dir, "--resume")
+        hold_run_folder(run_dir)  # refuses links: what is deleted below is the run's own
         restarted = [n for n in run_outputs(run_dir) if n not in ("args.json", "wandb")]
         for name in restarted:
             path = os.path.join(run_dir, name)
-            if os.path.isdir(path):
+            if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)
             else:
                 os.remove(path)
@@ -893,14 +1071,190 @@ def _note_deletions(args, saved: dict, run_dir: str) -> None:
 
 # ---------------------------------------------------------------------------------------- load
 def load_checkpoint(folder: str) -> dict:
+    """trainer_state.pt, loaded without running anything: torch.load(weights_only=True) rebuilds only
+    tensors and plain values (dicts, lists, tuples, strings, numbers), never an object whose
+    unpickling could run code, so a run folder from someone else is safe to --resume (its layout
+    is checked by restore_checkpoint, `trainer_state_problem`)."""
+    import pickle
+
+    path = os.path.join(folder, STATE_FILE)
     try:
-        return torch.load(os.path.join(folder, STATE_FILE), weights_only=False, map_location="cpu")
-    except Exception as e:  # noqa: BLE001
-        # any unreadable pickle/zip is the same fault for the user
+        state = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        if pickled_global(e) is None:  # not a checkpoint at all: below
+            raise ConfigError(_unreadable(path, e)) from None
+        # weights_only refused a global: a checkpoint written before 2026-12-05 (numpy's RNG state
+        # was pickled as an ndarray), or a file built to run code; both are refused unloaded
         raise ConfigError(
-            f"--resume: {os.path.join(folder, STATE_FILE)} is unreadable ({e.__class__.__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}); resume from an older checkpoint-N folder"
+            f"--resume: {path} holds Python objects ({pickled_global(e)}) "
+            "that only pickle restores, and unpickling a file can run code, so it was not loaded; "
+            "a checkpoint this project wrote before 2026-12-05 is like that: if you trust where it "
+            f"came from, convert it once with `python -m common.checkpoint --convert-trusted "
+            f"{folder}`, else start a new run"
         ) from None
+    except Exception as e:  # noqa: BLE001 - any unreadable zip is the same fault for the user
+        raise ConfigError(_unreadable(path, e)) from None
+    return state
+
+
+def _unreadable(path: str, e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [""])[0][:160]
+    return (
+        f"--resume: {path} is unreadable ({e.__class__.__name__}: {first}); resume from an older "
+        "checkpoint-N folder"
+    )
+
+
+def _refuse_layout(folder: str, state) -> None:
+    problem = trainer_state_problem(state)
+    if problem:
+        raise ConfigError(
+            f"--resume: {os.path.join(folder, STATE_FILE)} is not a trainer state this code wrote "
+            f"({problem}); resume from an older checkpoint-N folder, or start a new run"
+        )
+
+
+def trainer_state_problem(state) -> str | None:
+    """What is wrong with the layout of a loaded trainer state (None: nothing): the types the
+    restore relies on, before it relies on them. Shapes are checked against the model by
+    `_check_tensors` during the restore."""
+    if not isinstance(state, dict):
+        return f"{type(state).__name__}, not a dict"
+    if not _is_count(state.get("iteration")):
+        return "its 'iteration' is not an integer >= 0"
+    counts = state.get("counts", {})
+    if not isinstance(counts, dict) or not all(
+        isinstance(v, (int, float)) for v in counts.values()
+    ):
+        return "its 'counts' are not a dict of numbers"
+    clocks = state.get("clocks", {})
+    if not isinstance(clocks, dict) or not all(
+        isinstance(v, (int, float)) for v in clocks.values()
+    ):
+        return "its 'clocks' are not a dict of numbers"
+    rngs = state.get("rng")
+    if not isinstance(rngs, list) or not rngs or not all(_rng_ok(r) for r in rngs):
+        return "its 'rng' is not a list of RNG states (python, numpy, torch)"
+    if "sharded_state" not in state:
+        if not _tensor_dict(state.get("params")):
+            return "its 'params' are not a dict of tensors"
+        optim = state.get("optimizer")
+        if not (
+            isinstance(optim, dict)
+            and isinstance(optim.get("state"), dict)
+            and isinstance(optim.get("param_groups"), list)
+            and all(isinstance(v, dict) for v in optim["state"].values())
+            and all(
+                isinstance(g, dict)
+                and isinstance(g.get("params"), list)
+                and all(_is_count(i) for i in g["params"])
+                for g in optim["param_groups"]
+            )
+        ):
+            return "its 'optimizer' is not an optimizer state_dict (state, param_groups)"
+    for name, ema in [("ema", state.get("ema")), *(state.get("extras") or {}).items()]:
+        if ema is None and name == "ema":
+            continue
+        if not (isinstance(ema, dict) and _is_count(ema.get("steps"))):
+            return f"its '{name}' is not an EMA state (shadow, steps)"
+        if "sharded_state" not in state and not _tensor_dict(ema.get("shadow")):
+            return f"its '{name}' shadow is not a dict of tensors"
+    if not isinstance(state.get("extras", {}), dict):
+        return "its 'extras' are not a dict"
+    return None
+
+
+def _tensor_dict(d) -> bool:
+    return isinstance(d, dict) and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in d.items()
+    )
+
+
+def _rng_ok(r) -> bool:
+    """One rank's RNG state as rng_state writes it (random.setstate and numpy check the values)."""
+    n = r.get("numpy") if isinstance(r, dict) else None
+    py = r.get("python") if isinstance(r, dict) else None
+    return (
+        isinstance(py, tuple)
+        and len(py) == 3
+        and isinstance(py[1], tuple)
+        and isinstance(n, dict)
+        and isinstance(n.get("keys"), torch.Tensor)
+        and n["keys"].shape == (624,)
+        and isinstance(r.get("torch"), torch.Tensor)
+        and r["torch"].dtype == torch.uint8
+    )
+
+
+def _check_tensors(folder: str, what: str, saved: dict, expected: dict) -> None:
+    """Every tensor of `expected` (name -> the model's tensor) is in `saved` with its shape: a
+    missing name or another shape is one line (copy_ would broadcast a (1,) tensor into a whole
+    weight without a word)."""
+    for n, p in expected.items():
+        got = saved.get(n)
+        if got is None or tuple(got.shape) != tuple(p.shape):
+            shown = "missing" if got is None else f"of shape {tuple(got.shape)}"
+            raise ConfigError(
+                f"--resume {folder}: {what} {n} is {shown} in the checkpoint, the model has "
+                f"{tuple(p.shape)}: resume with the model and LoRA flags it was trained with"
+            )
+
+
+def _check_optimizer(folder: str, saved: dict, optimizer) -> None:
+    """The optimizer state fits the optimizer: as many groups and parameters, and every per-
+    parameter tensor (Adam's moments) of its parameter's shape (load_state_dict checks only the
+    counts, with a traceback; a wrong moment shape was a traceback at the first step)."""
+    now = optimizer.param_groups
+    sizes = [len(g["params"]) for g in now]
+    got = [len(g.get("params", [])) if isinstance(g, dict) else -1 for g in saved["param_groups"]]
+    if got != sizes:
+        raise ConfigError(
+            f"--resume {folder}: its optimizer state has parameter groups of {got} parameters, "
+            f"this optimizer {sizes}: resume with the flags it was trained with"
+        )
+    params = [p for g in now for p in g["params"]]
+    ids = [i for g in saved["param_groups"] for i in g["params"]]
+    for index, p in zip(ids, params):
+        for key, v in (saved["state"].get(index) or {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) != tuple(p.shape):
+                raise ConfigError(
+                    f"--resume {folder}: its optimizer's {key} of parameter {index} has shape "
+                    f"{tuple(v.shape)}, the parameter {tuple(p.shape)}: resume with the flags it "
+                    "was trained with"
+                )
+
+
+def convert_trusted(folder: str) -> None:
+    """Rewrite the trainer_state.pt of a checkpoint written before 2026-12-05 (numpy's RNG state
+    pickled as an ndarray) into the plain form `load_checkpoint` reads, and re-seal its marker.
+    It unpickles the file: run it only on a file you trust (`python -m common.checkpoint
+    --convert-trusted FOLDER`)."""
+    from common.utils import atomic_file
+
+    problem = verify_checkpoint(folder)
+    if problem:
+        raise SystemExit(f"error: {problem}; nothing was converted")
+    path = os.path.join(folder, STATE_FILE)
+    state = torch.load(path, weights_only=False, map_location="cpu")  # the user trusts this file
+    for r in state.get("rng") or []:
+        n = r.get("numpy")
+        if isinstance(n, tuple):  # (kind, keys ndarray, pos, has_gauss, cached)
+            r["numpy"] = dict(
+                kind=str(n[0]),
+                keys=torch.from_numpy(np.asarray(n[1]).astype(np.int64)),
+                pos=int(n[2]),
+                has_gauss=int(n[3]),
+                cached_gaussian=float(n[4]),
+            )
+    atomic_file(path, lambda tmp: torch.save(state, tmp))
+    marker = read_marker(folder)
+    marker["files"][STATE_FILE] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+    atomic_file(
+        os.path.join(folder, MARKER),
+        lambda tmp: open(tmp, "w").write(json.dumps(marker, indent=1)),  # noqa: SIM115
+    )
+    load_checkpoint(folder)  # what a resume will do: it must load now
+    print(f"converted {path}: it loads with weights_only=True")
 
 
 def restore_checkpoint(
@@ -923,6 +1277,8 @@ def restore_checkpoint(
     from common.parallel import is_sharded
 
     state = load_checkpoint(folder)
+    if not isinstance(state, dict):
+        _refuse_layout(folder, state)
     saved_as, now = (
         ("fsdp" if "sharded_state" in state else "ddp"),
         ("fsdp" if is_sharded(params) else "ddp"),
@@ -940,35 +1296,64 @@ def restore_checkpoint(
             f"--resume {folder} holds no {', '.join(missing)} (a checkpoint of another script or "
             "an older one): resume it with the script that wrote it, or start a new run"
         )
+    _refuse_layout(folder, state)  # (a checkpoint of another script is named as such above)
+    scaling = loss_scaling_state(folder, state)  # checked before anything is copied in
     if now == "fsdp":
         _restore_sharded(folder, state, params, optimizer, ema, model, extras)
     else:
-        _restore_whole(folder, state, params, optimizer, ema)
-        for k, x in extras.items():
-            x.load_state_dict(state["extras"][k])
-    scaling = state.get("loss_scaling") or {}  # none before 2026-12-05 (no fp16 run scaled)
+        _restore_whole(folder, state, params, optimizer, ema, extras)
     if scaler is not None and scaler.is_enabled() and scaling.get("scaler"):
         scaler.load_state_dict(scaling["scaler"])
     rngs = state["rng"]
-    # fewer ranks saved: only with --resume-override
-    set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
+    try:  # fewer ranks saved: only with --resume-override
+        set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
+    except (TypeError, ValueError, KeyError, RuntimeError) as e:
+        raise ConfigError(
+            f"--resume {folder}: its RNG state is not one this code wrote ({e.__class__.__name__}: "
+            f"{str(e).splitlines()[0][:160] if str(e) else ''}); resume from an older checkpoint"
+        ) from None
     # the clocks apart from the counts: a resume replays the iterations after the checkpoint, so
     # only the counts are reproduced exactly; checkpoints before 2026-12-03 have no clocks
     skips = {"skips_in_a_row": int(scaling.get("skips_in_a_row", 0))}
     return state["iteration"], {**state["counts"], **state.get("clocks", {}), **skips}
 
 
-def _restore_whole(folder: str, state: dict, params: dict, optimizer, ema) -> None:
+def loss_scaling_state(folder: str, state: dict) -> dict:
+    """fp16's loss scaler state and its skips in a row, checked (plain numbers only): {} for a
+    checkpoint from before 2026-12-05, when no run scaled its loss."""
+    scaling = state.get("loss_scaling") or {}
+    scaler = scaling.get("scaler", {}) if isinstance(scaling, dict) else None
+    skips = scaling.get("skips_in_a_row", 0) if isinstance(scaling, dict) else None
+    numbers = isinstance(scaler, dict) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        for v in scaler.values()
+    )
+    if not numbers or not isinstance(skips, int) or isinstance(skips, bool) or skips < 0:
+        raise ConfigError(
+            f"--resume {folder}: its loss_scaling state is not one this code wrote (expected "
+            "plain numbers: the scaler's scale and growth tracker, the skips in a row); resume "
+            "from an older checkpoint"
+        )
+    return scaling
+
+
+def _restore_whole(
+    folder: str, state: dict, params: dict, optimizer, ema, extras: dict | None = None
+) -> None:
+    """Every saved state is checked against the model before any of it is copied in, so a
+    refused checkpoint leaves the model as it was."""
     saved = state["params"]
+    _check_tensors(folder, "trained weight", saved, params)
+    _check_optimizer(folder, state["optimizer"], optimizer)
+    if ema is not None and state.get("ema") is not None:
+        _check_tensors(folder, "EMA weight", state["ema"]["shadow"], ema.shadow)
+    for k, x in (extras or {}).items():
+        _check_tensors(folder, f"{k} weight", state["extras"][k]["shadow"], x.shadow)
     for n, p in params.items():
-        if n not in saved or saved[n].shape != p.shape:
-            got = "missing" if n not in saved else f"of shape {tuple(saved[n].shape)}"
-            raise ConfigError(
-                f"--resume {folder}: trained weight {n} is {got} in the checkpoint, the model has "
-                f"{tuple(p.shape)}: resume with the model and LoRA flags it was trained with"
-            )
         p.data.copy_(saved[n])
     optimizer.load_state_dict(state["optimizer"])
+    for k, x in (extras or {}).items():
+        x.load_state_dict(state["extras"][k])
     if ema is not None:
         if state.get("ema") is not None:
             ema.load_state_dict(state["ema"])
@@ -999,6 +1384,7 @@ def _restore_sharded(
         "ema": dict(ema.shadow) if had_ema else {},
         "extras": {k: dict(x.shadow) for k, x in extras.items()},
     }
+    check_sharded_metadata(os.path.join(folder, SHARDED_DIR))
     try:
         dcp.load(box, checkpoint_id=os.path.join(folder, SHARDED_DIR))
     except Exception as e:  # noqa: BLE001 - a missing key or shape is the same fault for the user
@@ -1023,3 +1409,53 @@ def _restore_sharded(
             # the EMA starts now (--resume-override of a run without one): from the resumed weights
             for n, p in params.items():
                 ema.shadow[n].copy_(p.detach())
+
+
+# torch.distributed.checkpoint reads its .metadata with plain pickle.load, which would run whatever a
+# received file asks for: it is first read here by an unpickler that builds only what a metadata
+# file holds (the classes of torch.distributed.checkpoint's metadata, torch.Size, dtypes, paths).
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_DCP_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout")}
+_DCP_GLOBALS |= {("pathlib", n) for n in ("Path", "PosixPath", "PurePosixPath")}
+
+
+def check_sharded_metadata(dcp_dir: str) -> None:
+    """Every *.metadata file of a trainer_state.dcp/ folder unpickles with the allow-list above;
+    anything else is refused in one line before torch.distributed.checkpoint opens it."""
+    import pickle
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module, name):
+            obj = None
+            if module in _DCP_MODULES or (module, name) in _DCP_GLOBALS or module == "torch":
+                obj = super().find_class(module, name)
+            allowed = (
+                (module in _DCP_MODULES and isinstance(obj, type))
+                or (module, name) in _DCP_GLOBALS
+                or (module == "torch" and isinstance(obj, torch.dtype))
+            )
+            if not allowed:
+                raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+            return obj
+
+    for name in sorted(_listdir(dcp_dir)):
+        if not name.endswith(".metadata"):
+            continue
+        path = os.path.join(dcp_dir, name)
+        try:
+            with open(path, "rb") as f:
+                Restricted(f).load()
+        except Exception as e:  # noqa: BLE001 - whatever it is, it is not loaded
+            raise ConfigError(
+                f"--resume: {path} is not a torch.distributed.checkpoint metadata file "
+                f"({e.__class__.__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); it "
+                "was not loaded (unpickling it could run code): resume from an older checkpoint"
+            ) from None
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=convert_trusted.__doc__)
+    ap.add_argument("--convert-trusted", metavar="CHECKPOINT_FOLDER", required=True)
+    convert_trusted(ap.parse_args().convert_trusted)

@@ -17,6 +17,8 @@ from its Args, so the message is right in every script). Floats must also be fin
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -158,9 +160,8 @@ def check_flag(args, name: str, rule: Rule) -> None:
     values = value if isinstance(value, (tuple, list)) else (value,)
     if all(rule.ok(v) for v in values) and (value is not None or rule.optional):
         return
-    default = next(
-        (f.default for f in dataclasses.fields(args) if f.name == name), dataclasses.MISSING
-    )
+    fields = dataclasses.fields(args) if dataclasses.is_dataclass(args) else ()  # or argparse's
+    default = next((f.default for f in fields if f.name == name), dataclasses.MISSING)
     usual = "" if default is dataclasses.MISSING else f"; the default is {_show(default)}"
     kind = "an integer " if rule.integer else "a finite number " if not rule.allow_inf else ""
     why = f" ({rule.why})" if rule.why else ""
@@ -202,33 +203,163 @@ def check_sde_type(args, trains_last_step: bool, which: str) -> None:
         )
 
 
+# A run folder's name is one entry of a directory: most file systems take 255 bytes.
+MAX_NAME_BYTES = 255
+
+
 def check_run_name(args) -> None:
-    """--run-name is one plain folder name inside --output-dir (not '.', '..', a path or empty)."""
+    """--run-name is one plain folder name inside --output-dir (not '.', '..', a path, empty, a
+    control character such as a newline, or longer than a file system takes)."""
     name = args.run_name
-    if name is not None and (
-        name in ("", ".", "..") or os.sep in name or (os.altsep or os.sep) in name
-    ):
+    if name is None:
+        return
+    if name in ("", ".", "..") or os.sep in name or (os.altsep or os.sep) in name:
         raise ConfigError(
             f"--run-name {name!r}: give one plain folder name (no '/', not '.' or '..'); the run "
             "folder is {output_dir}/{run_name}, so use --output-dir for where it goes"
         )
+    if any(ord(c) < 32 or ord(c) == 127 for c in name) or len(name.encode()) > MAX_NAME_BYTES:
+        raise ConfigError(
+            f"--run-name {name[:80]!r}{'...' if len(name) > 80 else ''}: give one plain folder "
+            f"name of printable characters (no newline or other control character), at most "
+            f"{MAX_NAME_BYTES} bytes"
+        )
 
 
-def read_prompt_file(path: str, flag: str) -> list[str]:
-    """The prompts of a --prompts-file / --eval-prompts file; a missing, unreadable or empty one
-    names its flag."""
+# A prompt longer than this is not a prompt: the text encoders read at most 512 T5 tokens (about
+# 2,500 characters; CLIP 77 tokens) and cut the rest, and an evaluation grid captions every prompt.
+MAX_PROMPT_CHARS = 4096
+MAX_PROMPT_FILE_BYTES = 64 * 2**20
+
+
+def read_prompt_file(path: str, flag: str, digests: dict | None = None) -> list[str]:
+    """The prompts of a --prompts-file / --eval-prompts file; a missing, unreadable, empty or
+    oversized one names its flag. The file is read once (it may be a pipe, `<(...)`): `digests`,
+    when given, receives the sha256 of the bytes read (under the flag's field name,
+    e.g. eval_prompts), which a checkpoint records and a resume compares."""
     from common import toyworld
 
     try:
-        return toyworld.load_prompts(path)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_PROMPT_FILE_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(
             f"{flag} '{path}' does not exist: give a text file with one prompt per line"
         ) from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
+        raise ConfigError(
+            f"{flag} '{path}' cannot be read ({e.__class__.__name__}: {e.strerror or e}): give a "
+            "text file with one prompt per line"
+        ) from None
+    if len(raw) > MAX_PROMPT_FILE_BYTES:
+        raise ConfigError(
+            f"{flag} '{path}' is larger than {MAX_PROMPT_FILE_BYTES // 2**20} MiB: give a text "
+            "file with one prompt per line"
+        )
+    try:
+        prompts = toyworld.prompts_from_text(raw.decode("utf-8-sig"), path)
+    except UnicodeDecodeError as e:
         raise ConfigError(
             f"{flag} '{path}' cannot be read ({e.__class__.__name__}: {e}): give a text file with "
             "one prompt per line"
         ) from None
     except ValueError as e:
         raise ConfigError(f"{flag}: {e}") from None
+    for k, p in enumerate(prompts):
+        if len(p) > MAX_PROMPT_CHARS:
+            raise ConfigError(
+                f"{flag} '{path}': prompt {k + 1} is {len(p):,} characters long, at most "
+                f"{MAX_PROMPT_CHARS} (the text encoders read about 2,500 characters and cut the "
+                "rest): one prompt per line"
+            )
+    if digests is not None:  # by the flag's field name, as a checkpoint's fingerprints are
+        digests[flag.lstrip("-").replace("-", "_")] = hashlib.sha256(raw).hexdigest()
+    return prompts
+
+
+# One evaluation's images: its job list is built up front (and every image is scored), so a size
+# past this is a typo, not an experiment (GenEval: 553 prompts x 4 seeds).
+MAX_EVAL_IMAGES = 1_000_000
+
+
+def check_eval_size(args, eval_prompts: list[str]) -> None:
+    """len(eval prompts) x seeds per prompt, at every evaluation and the final one, is bounded."""
+    for name in ("eval_seeds_per_prompt", "final_eval_seeds_per_prompt"):
+        seeds = getattr(args, name, None) or 0
+        if len(eval_prompts) * seeds > MAX_EVAL_IMAGES:
+            raise ConfigError(
+                f"{_flag(name)} {seeds}: {len(eval_prompts)} evaluation prompts x {seeds} seeds = "
+                f"{len(eval_prompts) * seeds:,} images per evaluation, at most {MAX_EVAL_IMAGES:,}; "
+                f"pass at most {max(1, MAX_EVAL_IMAGES // len(eval_prompts))}"
+            )
+
+
+# ------------------------------------------------------------------------------- files read back
+# JSON the project reads back (args.json, COMPLETE.json, metrics rows, psi.json, the benchmarks'
+# files) is at most a few levels deep; anything deeper is not one of them, and Python's parser
+# would run out of stack on it (RecursionError) long before it ran out of memory.
+MAX_JSON_DEPTH = 32
+
+
+def kind_of(value) -> str:
+    """'an object', 'a list', 'a number', ... : what a JSON value is, for a message."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {dict: "an object", list: "a list", str: "a string"}.get(type(value), "a number")
+
+
+def _depth(value) -> int:
+    """How deep a parsed JSON value nests (iterative: the value may be deep)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        deepest = max(deepest, d)
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v)
+    return deepest
+
+
+def parse_json(text: str, expect: type = dict):
+    """A JSON text, parsed and checked at its top: `expect` (dict: an object; list: a list), at
+    most MAX_JSON_DEPTH deep. Raises ValueError saying what it is instead (one line)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    # (json.JSONDecodeError, a ValueError, goes up as it is: its message says where the text breaks)
+    if not isinstance(value, expect):
+        raise ValueError(f"{kind_of(value)}, not {kind_of(expect())}")
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+def read_json(path: str, expect: type = dict):
+    """A JSON file (see parse_json); a folder, an unreadable file or one that is not UTF-8 raise
+    ValueError too, so that a caller's one `except ValueError` names every way it can be wrong.
+    (A missing file stays FileNotFoundError: callers say what to do about that.)"""
+    if os.path.isdir(path):
+        raise ValueError("a folder, not a file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"unreadable ({e.__class__.__name__}: {getattr(e, 'strerror', e)})"
+        ) from None
+    return parse_json(text, expect)
+
+
+def pickled_global(e: BaseException) -> str | None:
+    """The Python object a torch.load(weights_only=True) refused to rebuild ('numpy...._reconstruct'),
+    or None when the error is of another kind (a file that is not a checkpoint at all)."""
+    import re
+
+    found = re.search(r"GLOBAL (\S+)", str(e))
+    return found.group(1) if found else None

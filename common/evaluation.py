@@ -99,10 +99,11 @@ class Panel:
 
     @classmethod
     def load(cls, path: str) -> "Panel":
-        import json
+        from common.checks import parse_json
 
-        with np.load(path) as z:
-            return cls(images=z["images"], **json.loads(str(z["meta"])))
+        # allow_pickle=False: an object array (which only pickle restores) is refused, not loaded
+        with np.load(path, allow_pickle=False) as z:
+            return cls(images=z["images"], **parse_json(str(z["meta"])))
 
 
 def panel_jobs(prompts: list[str], per_category: int = 4, other: int = 16) -> list[int]:

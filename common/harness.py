@@ -48,11 +48,11 @@ from common.checkpoint import (
     resume_source,
     writing,
 )
-from common.checks import ConfigError, check_run_name, read_prompt_file
+from common.checks import ConfigError, check_eval_size, check_run_name, read_prompt_file
 from common.parallel import parallelize
 from common.policy import EMA, Trainable, ema_weights
 from common.rewards import check_rewards, load_rewards
-from common.run import Run
+from common.run import Run, setup_reached, stop_on_signals_in_setup
 from common.utils import RunLogger, seed_everything, setup_distributed, truncate_metrics
 
 TOY_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toyworld", "model")
@@ -221,6 +221,7 @@ class Harness:
     trainable: Trainable
     policy: torch.nn.Module  # the trained module, wrapped for DDP or FSDP2
     logger: RunLogger
+    prompt_digests: dict = field(default_factory=dict)  # {path flag: sha256 of the file as read}
 
     @property
     def is_main(self) -> bool:
@@ -302,6 +303,7 @@ class Harness:
         )
         run.scaler, run.skips_in_a_row = scaler, counts.pop("skips_in_a_row", 0) if counts else 0
         run.first_row = dict(first_row or {})
+        run.prompt_digests = dict(self.prompt_digests)
         run.stop_on_signals()
         return run
 
@@ -317,14 +319,16 @@ def given_flags(argv: list[str]) -> set[str]:
     return names
 
 
+@stop_on_signals_in_setup
 def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = None) -> Harness:
     """Everything before the optimizer, cheapest first, so bad input costs one line, not a model load:
     prompt files, reward names, the model folder, the flags (the script's own `check_args`), the run
     folder (or the checkpoint a resume verifies); then the rewards, the
     backbone, the trained weights (LoRA or full, the KL reference), DDP or FSDP2, the logger. A
     resume first takes the run's own value of every flag not on the command line (`argv`, default
-    sys.argv)."""
+    sys.argv). SIGINT and SIGTERM stop it from its first line in one line, exit 128 + signal."""
     check_run_name(args)
+    check_tracking(args)
     given = given_flags(sys.argv[1:] if argv is None else argv)
     source = None
     if args.resume:  # the checkpoint (or a run folder without one) and the run's flags
@@ -332,8 +336,10 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
         source = resume_source(args.resume, log)
         legacy_precision(source[1])
         adopt_run_flags(args, source[1], source[2], given)
-    train_prompts = read_prompt_file(args.prompts_file, "--prompts-file")
-    eval_prompts = read_prompt_file(args.eval_prompts, "--eval-prompts")
+    digests = {}  # the prompt files as read: a checkpoint records them, a resume compares them
+    train_prompts = read_prompt_file(args.prompts_file, "--prompts-file", digests)
+    eval_prompts = read_prompt_file(args.eval_prompts, "--eval-prompts", digests)
+    check_eval_size(args, eval_prompts)
     prompt_files = {"--prompts-file": train_prompts, "--eval-prompts": eval_prompts}
     check_rewards(args.reward, args.guard_rewards, args.reward_model_paths, prompt_files)
     check_model_flags(args.model_path, check_model_path(args.model_path), args)
@@ -350,7 +356,10 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
     args.train_batch_size = args.train_batch_size or args.rollout_batch_size
     check_args(args, world_size)
     seed_everything(args.seed, args.torch_deterministic)
-    run_dir, resume_dir = resolve_run_dir(args, script, rank == 0, source, frozenset(given))
+    run_dir, resume_dir = resolve_run_dir(
+        args, script, rank == 0, source, frozenset(given), digests
+    )
+    setup_reached(run_dir)
     if rank == 0:
         print("batch arithmetic: " + batch_arithmetic(args))
     reward_model, guard_model = load_rewards(
@@ -379,12 +388,12 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
             run_dir,
             rank == 0,
             args.track,
-            asdict(args),
+            {"script": os.path.basename(script), **asdict(args)},  # a resume names the script
             args.wandb_project_name,
             args.wandb_entity,
             os.path.basename(run_dir),
         )
-    return Harness(
+    h = Harness(
         args,
         script,
         rank,
@@ -400,7 +409,52 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
         trainable,
         policy,
         logger,
+        digests,
     )
+    setup_reached(run_dir)  # a stop whose exit a library swallowed ends here
+    return h
+
+
+def check_tracking(args: HarnessArgs) -> None:
+    """--track: what can be known before any model loads, in one line: wandb installed, a project
+    name wandb takes, and (online) an API key wandb will find. What cannot be known here (the
+    network, the key's validity) is bounded by RunLogger's timeout."""
+    if not args.track:
+        return
+    project = args.wandb_project_name
+    bad = sorted(set("/\\#?%:") & set(project)) + [c for c in project if not c.isprintable()]
+    if not project.strip() or len(project) > 128 or bad:
+        raise ConfigError(
+            f"--wandb-project-name {project[:80]!r}: wandb takes 1 to 128 printable characters "
+            "without / \\ # ? % :; pass another name"
+        )
+    try:
+        from wandb.sdk import wandb_setup
+    except ImportError:
+        raise ConfigError(
+            "--track needs wandb: pip install -r requirements.txt, or drop --track"
+        ) from None
+    settings = wandb_setup.singleton().settings  # reads WANDB_* from the environment
+    if settings.mode in ("offline", "dryrun", "disabled"):
+        return
+    try:
+        from wandb.sdk.lib.wbauth import authenticate, host_url
+
+        host = host_url.HostUrl(settings.base_url, app_url=settings.app_url)
+        auth = authenticate._use_system_auth(host=host, source="--track", update_session=False)
+    except (ImportError, AttributeError, TypeError):
+        return  # another wandb release: its own login is checked by wandb.init (bounded)
+    except Exception as e:  # noqa: BLE001 - wandb's AuthenticationError: a malformed key
+        raise ConfigError(
+            f"--track: wandb's credentials are unusable ({' '.join(str(e).split())[:160]}): fix "
+            "WANDB_API_KEY (or `wandb login`), or log offline with WANDB_MODE=offline"
+        ) from None
+    if auth is None:
+        raise ConfigError(
+            f"--track logs online to {settings.base_url}, and no wandb API key is set: export "
+            "WANDB_API_KEY (or run `wandb login`), or log offline with WANDB_MODE=offline (then "
+            "`wandb sync`), or drop --track"
+        )
 
 
 def legacy_precision(saved: dict) -> None:

@@ -160,8 +160,16 @@ class EMA:
         return {"shadow": {n: t.cpu() for n, t in self.shadow.items()}, "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
+        """Every shadow tensor must be present with its weight's shape, checked before any is
+        copied (copy_ would broadcast a (1,) tensor into a whole weight without a word)."""
+        saved = state["shadow"]
+        for n, t in self.shadow.items():
+            got = saved.get(n)
+            if got is None or tuple(got.shape) != tuple(t.shape):
+                shown = "missing" if got is None else f"of shape {tuple(got.shape)}"
+                raise ValueError(f"EMA weight {n} is {shown}, the weight has {tuple(t.shape)}")
         for n in self.shadow:
-            self.shadow[n].copy_(state["shadow"][n])
+            self.shadow[n].copy_(saved[n])
         self.steps = state["steps"]
 
 

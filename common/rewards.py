@@ -57,13 +57,14 @@ import math
 import os
 import pickle
 import re
-import warnings
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch import nn
+
+from common.checks import pickled_global
 
 REWARD_NAMES: tuple[str, ...] = (
     "toyworld",
@@ -278,13 +279,32 @@ def _from_pretrained(name: str, cls, path: str, hint: str):
         ) from None
 
 
-def _torch_load(path: str):
+def _torch_load(path: str, name: str):
+    """A reward's weight file, loaded without running anything (weights_only=True: tensors and
+    plain values only). A file that needs pickle is refused, never loaded: unpickling a file
+    someone else made can run code."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        # old checkpoints pickle more than tensors; trust the user's file
-        warnings.warn(f"{path}: not a plain tensor file, loading it with weights_only=False")
-        return torch.load(path, map_location="cpu", weights_only=False)
+    except pickle.UnpicklingError as e:
+        if pickled_global(e) is not None:
+            raise RewardLoadError(_needs_pickle(name, path)) from None
+        raise RewardLoadError(
+            f"{name}: '{path}' is not a weight file torch can read ({_first_line(e)})"
+        ) from None
+    except (OSError, RuntimeError, EOFError, ValueError) as e:  # a truncated or corrupt file
+        raise RewardLoadError(
+            f"{name}: '{path}' is not a weight file torch can read ({_first_line(e)})"
+        ) from None
+
+
+def _needs_pickle(name: str, path: str) -> str:
+    return (
+        f"{name}: '{path}' holds Python objects besides tensors, which only pickle loads, and "
+        "unpickling can run code, so it was not loaded; if you trust where it came from, re-save "
+        "its tensors once: python -c \"import torch; p = '" + path.replace("'", "\\'") + "'; "
+        "s = torch.load(p, weights_only=False); s = s.get('state_dict', s) if isinstance(s, dict) "
+        'else s.state_dict(); torch.save({k: v for k, v in s.items() if torch.is_tensor(v)}, p)"'
+    )
 
 
 def _hub_hint(what: str, hub_id: str, key: str, files: str = "") -> str:
@@ -459,7 +479,7 @@ class Aesthetic:
         )
         if not folder:
             raise RewardLoadError(f"aesthetic: no weights given: expected {hint}")
-        state = _torch_load(_find_file("aesthetic", folder, AESTHETIC_MLP_FILE, hint))
+        state = _torch_load(_find_file("aesthetic", folder, AESTHETIC_MLP_FILE, hint), "aesthetic")
         if not isinstance(state, dict) or "layers.0.weight" not in state:
             raise RewardLoadError(
                 f"aesthetic: '{folder}' is not the LAION MLP state dict (no layers.0.weight)"
@@ -492,8 +512,14 @@ class HPSv2:
         hint = _hub_hint(f"{HPSV2_FILE} or a folder holding it", "xswu/HPSv2", "hpsv2")
         ckpt = _find_file("hpsv2", paths["hpsv2"], HPSV2_FILE, hint)
         self.model = open_clip.create_model(HPSV2_ARCH, pretrained=None)
-        try:
-            open_clip.load_checkpoint(self.model, ckpt)
+        try:  # weights_only: open_clip 3.3's default, said here (a pickled file is refused)
+            open_clip.load_checkpoint(self.model, ckpt, weights_only=True)
+        except pickle.UnpicklingError as e:
+            if pickled_global(e) is None:
+                raise RewardLoadError(
+                    f"hpsv2: '{ckpt}' is not a weight file ({_first_line(e)})"
+                ) from None
+            raise RewardLoadError(_needs_pickle("hpsv2", ckpt)) from None
         except (RuntimeError, KeyError) as e:
             msg = f"hpsv2: '{ckpt}' is not an open_clip {HPSV2_ARCH} checkpoint ({_first_line(e)})"
             raise RewardLoadError(msg) from None
@@ -632,10 +658,10 @@ class ImageRewardScore:
         )
         # as init_tokenizer(): 30522, 30523
         self.tokenizer.add_tokens(["[DEC]", "[ENC]"], special_tokens=True)
+        state = _torch_load(ckpt, "imagereward")  # a file that needs pickle: its own line
         try:
             with open(med_path) as f:
                 med = json.load(f)
-            state = _torch_load(ckpt)
             if not isinstance(state, dict):
                 raise ValueError(f"a {type(state).__name__}, not a state dict")
             parts = _imagereward_state_dicts(state)

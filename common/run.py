@@ -136,6 +136,8 @@ class Run:
         self.wall_start = time.time() - saved.get("time/elapsed_s", 0.0)
         self.cpu_start = time.process_time() - saved.get("time/cpu_s", 0.0)
         self.pictures = None  # this iteration's evaluation grid and panel, for wandb
+        # {path flag: sha256 of the prompt file as the set-up read it}, recorded by each checkpoint
+        self.prompt_digests: dict[str, str] = {}
         self.last_eval = ""
         self.bar = tqdm(  # on stdout: stderr carries nothing but a stop's one line
             file=sys.stdout,
@@ -346,6 +348,7 @@ class Run:
         if self.is_main or is_sharded(self.params):
             state = {
                 **trainer_state(self.params, self.optimizer, self.ema, self.policy, self.extras),
+                "prompt_digests": self.prompt_digests,  # recorded in the marker, not the state
                 "iteration": iteration,
                 "counts": self.counts,
                 "clocks": self._clocks(),
@@ -365,7 +368,8 @@ class Run:
     def stop_on_signals(self) -> None:
         """SIGINT (Ctrl-C) and SIGTERM stop the run with one line: the iteration reached, the last
         complete checkpoint and the command that continues. A write in progress is abandoned whole
-        (every write goes to a temporary name first); `finish` puts the old handlers back."""
+        (every write goes to a temporary name first); `finish` puts back the handlers the process
+        had before its set-up (`stop_on_signals_in_setup`)."""
 
         def stop(signum, frame):
             if self.is_main:
@@ -377,7 +381,10 @@ class Run:
                 )
             raise SystemExit(128 + signum)
 
-        self._handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self._handlers = {}
+        for sig in SIGNALS:
+            previous = signal.signal(sig, stop)
+            self._handlers[sig] = _before_setup.pop(sig, previous)
 
     def _save_files(self, folder: str) -> None:
         """Into a checkpoint folder: the trained weights, and the script's own files."""
@@ -410,6 +417,72 @@ class Run:
             dist.destroy_process_group()
 
 
+# ------------------------------------------------------------------------------ signals in set-up
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# the handlers the process had before the set-up installed its own (Run.finish puts them back)
+_before_setup: dict = {}
+# where the set-up stands, for the line a signal prints: the run folder once it is known, and the
+# signal that stopped it (a library that swallows the SystemExit does not make the run go on)
+_setup_state: dict = {"run_dir": None, "signal": None}
+
+
+def stop_on_signals_in_setup(setup):
+    """Decorates the set-up: SIGINT and SIGTERM from its first line (checks, reward and model loads)
+    stop the process with one line and exit code 128 + the signal, as they do during training
+    (where `Run.stop_on_signals` takes over). A second signal while the first unwinds leaves at
+    once. A set-up that stops (bad input, a signal) puts the previous handlers back, for a process
+    that goes on (a test runner, a notebook)."""
+    import functools
+    import threading
+
+    def stop(signum, frame):
+        if _setup_state["signal"] is not None:
+            os._exit(128 + signum)
+        _setup_state["signal"] = signum
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"stopped by {signal.Signals(signum).name} during the set-up, before training "
+                f"started; {_setup_hint()}",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise SystemExit(128 + signum)
+
+    @functools.wraps(setup)
+    def guarded(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            return setup(*args, **kwargs)  # signal handlers belong to the main thread
+        _setup_state.update(run_dir=None, signal=None)
+        for sig in SIGNALS:
+            _before_setup.setdefault(sig, signal.signal(sig, stop))
+        try:
+            return setup(*args, **kwargs)
+        except BaseException:
+            for sig in SIGNALS:
+                if sig in _before_setup:
+                    signal.signal(sig, _before_setup.pop(sig))
+            raise
+
+    return guarded
+
+
+def setup_reached(run_dir: str) -> None:
+    """The set-up knows its run folder (a signal's line names it), and has not been stopped: a
+    stop whose SystemExit some library caught is raised again here."""
+    _setup_state["run_dir"] = run_dir
+    if _setup_state["signal"] is not None:
+        raise SystemExit(128 + _setup_state["signal"])
+
+
+def _setup_hint() -> str:
+    from common.checkpoint import run_outputs
+
+    run_dir = _setup_state["run_dir"]
+    if run_dir and run_outputs(run_dir):
+        return continue_hint(run_dir)
+    return "nothing was written: run the same command again"
+
+
 def run_pictures(run_dir: str, history: list[dict], title: str) -> list[str]:
     """The end-of-run pictures, from what the run wrote: learning_curve.png (metrics),
     steps_heatmap.png (when a `steps/...` metric differs between steps) and before_after.png (the first and the
@@ -424,8 +497,16 @@ def run_pictures(run_dir: str, history: list[dict], title: str) -> list[str]:
         written.append(heatmap)
     panels = sorted(glob.glob(os.path.join(run_dir, "samples", "eval_*.npz")))
     if len(panels) >= 2:
+        try:
+            first, last = Panel.load(panels[0]), Panel.load(panels[-1])
+        except (OSError, ValueError, TypeError, KeyError) as e:  # not a panel this code wrote
+            print(
+                f"warning: before_after.png not drawn: {panels[0]} or {panels[-1]} is not an "
+                f"evaluation panel ({e.__class__.__name__}: {str(e)[:160]})"
+            )
+            return written
         written.append(os.path.join(run_dir, "before_after.png"))
-        before_after(Panel.load(panels[0]), Panel.load(panels[-1]), written[-1], title)
+        before_after(first, last, written[-1], title)
     return written
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 import time
 
@@ -127,6 +128,11 @@ def seed_everything(seed: int, deterministic: bool = True) -> None:
 
 
 # ---------------------------------------------------------------------------------------- logging
+# How long wandb.init may take before the run stops in one line (wandb's own default is 90 s, and
+# with a key but no network it hung past that); WANDB_INIT_TIMEOUT overrides it.
+WANDB_INIT_TIMEOUT_S = 30.0
+
+
 class RunLogger:
     """metrics.jsonl (one JSON object per iteration) and, with --track, the same numbers to wandb.
     Rank 0 only."""
@@ -146,13 +152,35 @@ class RunLogger:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        atomic_write(os.path.join(run_dir, "args.json"), json.dumps(config, indent=1, default=str))
+        args_file, wandb_dir = os.path.join(run_dir, "args.json"), os.path.join(run_dir, "wandb")
+        new = [p for p in (args_file, wandb_dir) if not os.path.lexists(p)]
+        atomic_write(args_file, json.dumps(config, indent=1, default=str))
         if track:
             import wandb  # lazy: only runs that ask for wandb pay for it (WANDB_MODE=offline works)
 
-            self.wandb = wandb.init(
-                project=project, entity=entity, name=name, config=config, dir=run_dir
-            )
+            timeout = float(os.environ.get("WANDB_INIT_TIMEOUT", WANDB_INIT_TIMEOUT_S))
+            try:
+                self.wandb = wandb.init(
+                    project=project,
+                    entity=entity,
+                    name=name,
+                    config=config,
+                    dir=run_dir,
+                    settings=wandb.Settings(init_timeout=timeout),
+                )
+            except Exception as e:  # noqa: BLE001 - no network, a refused key, a timeout: one line
+                from common.checks import ConfigError
+
+                # a run that failed here wrote nothing else: leave no run behind (a resumed run's
+                # own args.json and wandb/ stay)
+                for path in new:
+                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+                first = " ".join(str(e).split())[:200] or e.__class__.__name__
+                raise ConfigError(
+                    f"--track: wandb did not start ({e.__class__.__name__}: {first}; it waits "
+                    f"{timeout:g} s, WANDB_INIT_TIMEOUT): check the network and the API key, or "
+                    "log offline with WANDB_MODE=offline (then `wandb sync`), or drop --track"
+                ) from None
 
     def log(self, metrics: dict, images: dict | None = None) -> None:
         if not self.enabled:
@@ -187,6 +215,8 @@ def atomic_file(path: str, write) -> None:
     root, ext = os.path.splitext(path)
     tmp = f"{root}.tmp{os.getpid()}{ext}"
     try:
+        if os.path.lexists(tmp):  # an earlier process's leftover, or a link: removed, not followed
+            os.remove(tmp)
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -214,7 +244,10 @@ def append_line(path: str, line: str) -> None:
     old length, so no half row is ever left."""
     size = os.path.getsize(path) if os.path.exists(path) else 0
     try:
-        with open(path, "a") as f:
+        # O_NOFOLLOW: a metrics.jsonl that is a link (even a dangling one) is refused, never
+        # written through to the file it points to
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "a") as f:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
@@ -228,17 +261,36 @@ def append_line(path: str, line: str) -> None:
 
 def read_metrics_lines(path: str) -> tuple[list[dict], int]:
     """(the rows of a metrics.jsonl, how many lines could not be read): a kill or a full disk in the
-    middle of an append leaves a cut last line, which is not a row."""
+    middle of an append leaves a cut last line, which is not a row. A line that is JSON but not a
+    row (an object with an integer "iteration"), or a metrics.jsonl that is not a file, was not
+    written by a run: ConfigError naming the file, the line and what to do."""
+    from common.checks import ConfigError, kind_of, parse_json
+
     rows, bad = [], 0
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    bad += 1
+    if not os.path.lexists(path):
+        return rows, bad
+    if os.path.islink(path) or not os.path.isfile(path):
+        raise ConfigError(
+            f"{path} is {'a symbolic link' if os.path.islink(path) else 'not a file'}: a run's "
+            "metrics.jsonl is a file of one JSON row per line; move it out of the run folder"
+        )
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = parse_json(line, object)
+            except ValueError:
+                bad += 1  # cut mid-write (or not JSON at all): not a row, dropped
+                continue
+            it = row.get("iteration") if isinstance(row, dict) else None
+            if not isinstance(it, int) or isinstance(it, bool):
+                what = f"{kind_of(row)} without an integer 'iteration'"
+                raise ConfigError(
+                    f"{path}: line {number} is {what}, not a metrics row (a JSON object with an "
+                    "integer 'iteration'); remove that line (or restore the file), then run again"
+                )
+            rows.append(row)
     return rows, bad
 
 

@@ -370,6 +370,123 @@ def test_a_checkpoint_that_passes_its_checksum_but_will_not_unpickle_is_one_line
     )
 
 
+# ============================================================ loaded structures checked before use (issue #57)
+def _write_marker(folder, edit):
+    path = os.path.join(folder, ck.MARKER)
+    marker = json.load(open(path))
+    text = edit(marker)
+    with open(path, "w") as f:
+        f.write(text if isinstance(text, str) else json.dumps(marker))
+
+
+MARKER_DAMAGE = {
+    "files a list": lambda m: m.update(files=list(m["files"])),
+    "a null file entry": lambda m: m["files"].update({ck.STATE_FILE: None}),
+    "a size as text": lambda m: m["files"][ck.STATE_FILE].update(size="12"),
+    "iteration as text": lambda m: m.update(iteration="2"),
+    "another iteration": lambda m: m.update(iteration=7),
+    "a file outside": lambda m: m["files"].update({"../../outside": {"size": 1, "sha256": "x"}}),
+    "args a list": lambda m: m.update(args=[1, 2]),
+    "a list": lambda m: "[1, 2]",
+    "deep nesting": lambda m: "[" * 200_000 + "]" * 200_000,
+    "nested 40 deep": lambda m: json.dumps({**m, "args": json.loads("[" * 40 + "]" * 40)}),
+}
+
+
+@pytest.mark.parametrize("how", list(MARKER_DAMAGE))
+def test_a_complete_json_of_the_wrong_shape_falls_back_to_the_previous_checkpoint(tmp_path, how):
+    """Valid JSON of the wrong shape in COMPLETE.json (or JSON too deep to parse) is the checkpoint's problem, in one
+    warning line naming the file: the resume of the run uses the previous checkpoint, as for a damaged file (it was
+    a KeyError / TypeError / RecursionError traceback)."""
+    run = str(tmp_path / "run")
+    for i in (1, 2):
+        ck.save_checkpoint(run, tiny_state(i), tiny_weights(i))
+    c1, c2 = ck.checkpoint_dir(run, 1), ck.checkpoint_dir(run, 2)
+    _write_marker(c2, MARKER_DAMAGE[how])
+    said = []
+    assert ck.find_resume_checkpoint(run, log=said.append) == c1
+    assert len(said) == 1 and said[0].startswith(f"warning: {c2}/COMPLETE.json is "), said
+    assert "\n" not in said[0] and said[0].endswith(
+        f"resuming from {c1}, the latest complete checkpoint, instead"
+    )
+
+
+def _tiny_model(seed=0):
+    """A trained state as a script holds it: params, AdamW after a step, an EMA and an old policy (DiffusionNFT)."""
+    from common.policy import EMA
+
+    torch.manual_seed(seed)
+    params = {"w": torch.nn.Parameter(torch.randn(4, 3)), "b": torch.nn.Parameter(torch.randn(3))}
+    opt = torch.optim.AdamW(params.values(), lr=0.1)
+    sum((p**2).sum() for p in params.values()).backward()
+    opt.step()
+    ema, old = EMA(params, 0.9), EMA(params, 0.5)
+    return params, opt, ema, {"old_policy": old}
+
+
+def _save_tiny(run, edit=None):
+    params, opt, ema, extras = _tiny_model()
+    state = {
+        **ck.trainer_state(params, opt, ema, extras=extras),
+        "iteration": 1,
+        "counts": {},
+        "rng": [ck.rng_state()],
+        "args": {},
+        "script": "x.py",
+    }
+    if edit:
+        edit(state)
+    return ck.save_checkpoint(run, state, lambda folder: None)
+
+
+STATE_DAMAGE = {
+    "EMA weight of shape (1,)": lambda s: s["ema"]["shadow"].update(w=torch.zeros(1)),
+    "old policy of shape (1,)": lambda s: s["extras"]["old_policy"]["shadow"].update(
+        w=torch.zeros(1)
+    ),
+    "old policy without a weight": lambda s: s["extras"]["old_policy"]["shadow"].pop("b"),
+    "trained weight of shape (1,)": lambda s: s["params"].update(w=torch.zeros(1)),
+    "Adam moment of another shape": lambda s: s["optimizer"]["state"][0].update(
+        exp_avg=torch.zeros(1)
+    ),
+    "optimizer with a parameter less": lambda s: s["optimizer"]["param_groups"][0]["params"].pop(),
+    "rng not a list": lambda s: s.update(rng={"python": 1}),
+    "counts not numbers": lambda s: s.update(counts={"trajectories": "many"}),
+    "params a list": lambda s: s.update(params=[1, 2]),
+}
+
+
+@pytest.mark.parametrize("how", list(STATE_DAMAGE))
+def test_every_restored_state_is_checked_before_any_is_copied(tmp_path, how):
+    """Weights, EMA, old policy, optimizer, RNG and counters of a checkpoint are checked against the model before
+    anything is copied in: a (1,) EMA or old-policy tensor was broadcast by copy_ into the whole weight and training
+    went on; now each is one line, and the model keeps its own values."""
+    folder = _save_tiny(str(tmp_path / "run"), STATE_DAMAGE[how])
+    params, opt, ema, extras = _tiny_model(seed=1)
+    before = {k: p.detach().clone() for k, p in params.items()}
+    shadow = {k: t.clone() for k, t in extras["old_policy"].shadow.items()}
+    with pytest.raises(ConfigError) as e:
+        ck.restore_checkpoint(folder, 0, params, opt, ema, extras=extras)
+    msg = str(e.value.code)
+    assert msg.startswith("error: --resume") and folder in msg and "\n" not in msg, msg
+    assert all(torch.equal(before[k], params[k]) for k in params)
+    assert all(torch.equal(shadow[k], extras["old_policy"].shadow[k]) for k in shadow)
+    # and the undamaged checkpoint restores
+    good = _save_tiny(str(tmp_path / "good"))
+    assert ck.restore_checkpoint(good, 0, params, opt, ema, extras=extras)[0] == 1
+
+
+def test_the_ema_refuses_a_shadow_of_another_shape():
+    from common.policy import EMA
+
+    ema = EMA({"w": torch.zeros(4, 3)}, 0.9)
+    with pytest.raises(
+        ValueError, match=r"EMA weight w is of shape \(1,\), the weight has \(4, 3\)"
+    ):
+        ema.load_state_dict({"shadow": {"w": torch.ones(1)}, "steps": 3})
+    assert ema.shadow["w"].abs().sum() == 0 and ema.steps == 0
+
+
 # ============================================================ the scripts: resume, flags, bad input, NaN
 @pytest.fixture
 def no_model_load(monkeypatch):
@@ -507,6 +624,103 @@ def test_resume_problems_from_the_script_are_one_line(base_run, tmp_path, no_mod
         f"error: --resume {ck.checkpoint_dir(run, 1)} was written by flowgrpo_baseline.py, not g2rpo.py: "
         "resume it with `python flowgrpo_baseline.py --resume ...`"
     )
+
+
+@pytest.mark.parametrize(
+    "row,what",
+    [
+        ("3", "a number without an integer 'iteration'"),
+        ("[1, 2]", "a list without an integer 'iteration'"),
+        ('{"note": "hand-written"}', "an object without an integer 'iteration'"),
+        ('{"iteration": "1"}', "an object without an integer 'iteration'"),
+    ],
+)
+def test_a_metrics_row_that_is_not_a_row_is_one_line_before_the_model_loads(
+    base_run, tmp_path, no_model_load, row, what
+):
+    run, flags = copy_run(base_run, tmp_path)
+    path = os.path.join(run, "metrics.jsonl")
+    lines = open(path).read().splitlines()
+    before = "\n".join([lines[0], row, *lines[1:]]) + "\n"
+    open(path, "w").write(before)
+    msg = script_error(*flags, "--num-iterations", "3", "--resume", run)
+    assert msg == (
+        f"error: {path}: line 2 is {what}, not a metrics row (a JSON object with an integer 'iteration'); "
+        "remove that line (or restore the file), then run again"
+    )
+    assert open(path).read() == before  # nothing rewritten
+
+
+def test_run_files_of_the_wrong_kind_are_one_line(base_run, tmp_path, no_model_load):
+    """metrics.jsonl a folder; a run folder without a checkpoint whose args.json is a list, or too deep (they were
+    IsADirectoryError / TypeError / RecursionError tracebacks)."""
+    run, flags = copy_run(base_run, tmp_path)
+    os.remove(os.path.join(run, "metrics.jsonl"))
+    os.mkdir(os.path.join(run, "metrics.jsonl"))
+    msg = script_error(*flags, "--num-iterations", "3", "--resume", run)
+    assert msg.startswith(
+        f"error: {run}/metrics.jsonl is not a file: a run's metrics.jsonl is a file"
+    ), msg
+    for text, what in (
+        ("[1, 2]", "a list, not an object"),
+        ("[" * 100_000, "nested deeper than 32 levels"),
+    ):
+        early = tmp_path / "early"
+        early.mkdir(exist_ok=True)
+        (early / "args.json").write_text(text)
+        msg = script_error(*flags, "--resume", str(early))
+        assert msg == (
+            f"error: --resume '{early}' holds no checkpoint and its args.json cannot be read (ValueError: "
+            f"{what}): start a new run without --resume"
+        )
+
+
+@pytest.mark.parametrize(
+    "text,what",
+    [
+        ("[" * 200_000 + "]" * 200_000, "nested deeper than 32 levels"),
+        ('{"psi": 3}', "its 'psi' is a number, not a list of numbers"),
+        ('{"psi": []}', "its 'psi' is a list, not a list of numbers"),
+        ("[0.5]", "a list, not an object"),
+    ],
+)
+def test_a_psi_file_of_the_wrong_shape_is_one_line(tmp_path, tiny_sd3, no_model_load, text, what):
+    """A 200k-deep --psi-file was a RecursionError traceback."""
+    prompts = write_prompts(tmp_path / "p.txt", PROMPTS)
+    (tmp_path / "psi.json").write_text(text)
+    msg = script_error(
+        *tiny_flags(tiny_sd3, tmp_path, prompts),
+        "--psi-file",
+        str(tmp_path / "psi.json"),
+        script="densegrpo.py",
+    )
+    assert msg.startswith(
+        f"error: --psi-file '{tmp_path}/psi.json' is not a psi.json (ValueError: {what}): "
+    ), msg
+
+
+def test_inputs_too_large_to_be_meant_are_one_line_before_any_work(
+    tmp_path, tiny_sd3, no_model_load
+):
+    """--eval-seeds-per-prompt 200000000 (a MemoryError building the job list), a 10 MB prompt line (a 10.5 MB
+    error line), a run name with a newline: one short line each, nothing written."""
+    prompts = write_prompts(tmp_path / "p.txt", PROMPTS)
+    flags = tiny_flags(tiny_sd3, tmp_path / "out", prompts)
+    msg = script_error(*flags, "--eval-seeds-per-prompt", "200000000")
+    assert msg == (
+        "error: --eval-seeds-per-prompt 200000000: 2 evaluation prompts x 200000000 seeds = 400,000,000 images per "
+        "evaluation, at most 1,000,000; pass at most 500000"
+    )
+    huge = write_prompts(tmp_path / "huge.txt", ["a photo of a red circle", "x" * 10_000_000])
+    msg = script_error(*flags, "--eval-prompts", huge)
+    assert len(msg) < 300 and msg.startswith(
+        f"error: --eval-prompts '{huge}': prompt 2 is 10,000,000 characters long, at most 4096"
+    ), msg[:300]
+    msg = script_error(*flags, "--run-name", "two\nlines")
+    assert msg.startswith(
+        "error: --run-name 'two\\nlines': give one plain folder name of printable characters"
+    )
+    assert not os.path.exists(tmp_path / "out")
 
 
 def test_unwritable_output_folder_is_one_line_before_the_model_loads(

@@ -273,3 +273,117 @@ def test_every_write_on_a_full_disk_is_one_line_and_leaves_no_partial_file(small
         "metrics.jsonl",
     ]  # nothing partial, no temp file
     assert json.load(open(os.path.join(run, "args.json"))) == {"seed": 1}
+
+
+# ============================================================ signals from the first line, services bounded (#57)
+SLOW_LOAD = """
+import runpy, sys, time
+sys.path.insert(0, sys.argv[1])
+import common.harness as harness
+
+def slow_load(*a, **k):  # the model load, long enough to be interrupted
+    print("loading", flush=True)
+    time.sleep(120)
+
+harness.load_backbone = slow_load
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_the_model_load_is_one_line_and_128_plus_the_signal(
+    tiny_sd3, tmp_path, prompts_file, sig
+):
+    """Ctrl-C during the model load was an 18-frame traceback (once swallowed, with exit 0); SIGTERM exited 143
+    without a word. Real process, real signal, at the model load."""
+    flags = tiny_flags(tiny_sd3, tmp_path, prompts_file)
+    p = subprocess.Popen(
+        [sys.executable, "-c", SLOW_LOAD, ROOT, os.path.join(ROOT, SCRIPT), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=script_env(1),
+        cwd=ROOT,
+    )
+    for line in p.stdout:
+        if line.strip() == "loading":
+            break
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + sig, (p.returncode, err[-2000:])
+    assert err.strip() == (
+        f"stopped by {signal.Signals(sig).name} during the set-up, before training started; nothing was written: "
+        "run the same command again"
+    ), err[-2000:]
+    assert os.listdir(tmp_path / "run") == [".lock"]  # no run output: the same command runs
+
+
+def test_the_set_up_puts_the_signal_handlers_back_when_it_stops(tmp_path, prompts_file):
+    """A set-up refused in one line leaves the process's own handlers (a test runner's, a notebook's) in place."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with pytest.raises(ConfigError):
+        run_main(
+            SCRIPT, "--output-dir", str(tmp_path), "--eval-prompts", str(tmp_path / "missing.txt")
+        )
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+@pytest.fixture
+def wandb_online(monkeypatch, tmp_path):
+    """wandb online, with no key anywhere it looks (environment, ~/.netrc, its settings file)."""
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home"))
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "NETRC"):
+        monkeypatch.delenv(var, raising=False)
+    import wandb.sdk.wandb_setup as ws
+
+    ws.singleton().settings.mode = (
+        "online"  # the singleton read WANDB_MODE=disabled at its first use
+    )
+    yield
+    ws.singleton().settings.mode = "disabled"
+
+
+def test_track_without_a_key_or_with_a_bad_project_is_one_line_before_the_model_loads(
+    tiny_sd3, tmp_path, prompts_file, monkeypatch, wandb_online
+):
+    """--track online without a key, or with a project name wandb refuses: a traceback after the model load, with
+    args.json left behind; now one line before it, nothing written."""
+    import common.harness
+
+    monkeypatch.setattr(
+        common.harness, "load_backbone", lambda *a, **k: pytest.fail("the model was loaded")
+    )
+    flags = [*tiny_flags(tiny_sd3, tmp_path / "out", prompts_file), "--track"]
+    with pytest.raises(ConfigError) as e:
+        run_main(SCRIPT, *flags)
+    assert "no wandb API key is set" in str(e.value.code) and "WANDB_MODE=offline" in str(
+        e.value.code
+    )
+    with pytest.raises(ConfigError) as e:
+        run_main(SCRIPT, *flags, "--wandb-project-name", "team/project")
+    assert str(e.value.code).startswith(
+        "error: --wandb-project-name 'team/project': wandb takes 1 to 128"
+    )
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_wandb_without_a_network_is_bounded_and_leaves_no_run(tmp_path, monkeypatch, wandb_online):
+    """A key but no server: wandb.init waited 109 s, then a traceback, args.json left behind. Now it waits
+    WANDB_INIT_TIMEOUT (here 2 s), says what to do in one line and removes what this run wrote."""
+    from common.utils import RunLogger
+
+    monkeypatch.setenv("WANDB_API_KEY", "a" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "2")
+    run = tmp_path / "run"
+    run.mkdir()
+    t = time.time()
+    with pytest.raises(ConfigError) as e:
+        RunLogger(str(run), True, True, {"seed": 1}, "flow-rl", None, "run")
+    msg = str(e.value.code)
+    assert msg.startswith("error: --track: wandb did not start (") and "\n" not in msg, msg
+    assert "WANDB_MODE=offline" in msg and "WANDB_INIT_TIMEOUT" in msg
+    assert time.time() - t < 60 and os.listdir(run) == []

@@ -2,6 +2,7 @@
 a run holds its folder with an exclusive lock, so two processes never write one folder. Real processes throughout:
 two training scripts started together on one folder, a holder killed with SIGKILL, a second run on a finished one."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,6 +23,16 @@ HOLD = textwrap.dedent("""
     print("held", flush=True)
     time.sleep(120)
 """)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    import common.backbones
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the bad input was refused")
+
+    monkeypatch.setattr(common.backbones, "load_backbone", refuse)
 
 
 @pytest.fixture
@@ -277,3 +288,130 @@ def test_a_run_started_in_one_clone_resumes_from_another(tmp_path):
     rows = read_metrics(str(run_dir))
     assert [r["iteration"] for r in rows] == [0, 1, 2] and rows[-1]["final"]
     assert json.loads((run_dir / "args.json").read_text())["model_path"].startswith(str(clones[1]))
+
+
+# ============================================================ what a resume knows about the folder (issue #57)
+@pytest.fixture(scope="module")
+def finished(tiny_sd3, tmp_path_factory):
+    """A finished 1-iteration flowgrpo run whose evaluation prompts came from a pipe (`<(...)`, /dev/fd/63)."""
+    out = tmp_path_factory.mktemp("finished")
+    prompts = write_prompts(
+        out / "p.txt", ["a photo of a red circle", "a photo of two blue squares"]
+    )
+    flags = [
+        *tiny_flags(tiny_sd3, out, prompts),
+        "--num-iterations",
+        "1",
+        "--eval-prompts",
+        pipe(PIPED),
+    ]
+    run_main(SCRIPT, *flags)
+    return {"run": str(out / "run"), "flags": flags}
+
+
+PIPED = ["a photo of a red circle", "a photo of a blue square"]
+
+
+def pipe(prompts, fd=63) -> str:
+    """What bash's `<(printf ...)` gives a script: /dev/fd/63, a pipe that holds `prompts` and is read once."""
+    r, w = os.pipe()
+    os.write(w, ("\n".join(prompts) + "\n").encode())
+    os.close(w)
+    os.dup2(r, fd)
+    os.close(r)
+    return f"/dev/fd/{fd}"
+
+
+def test_a_resume_compares_piped_evaluation_prompts_by_content(finished, no_model_load):
+    """The run read its --eval-prompts from a pipe, and so does the resume: the same name (/dev/fd/63) with other
+    prompts is a changed flag (it was not compared: the resume trained on and wrote rows on other prompts); the same
+    prompts pass the check (the run is then refused only because it asks for no more iterations)."""
+    run, flags = finished["run"], list(finished["flags"])
+    before = open(os.path.join(run, "metrics.jsonl")).read()
+    flags[-1] = pipe(["a photo of two green triangles", "a photo of a red circle"])
+    with pytest.raises(SystemExit) as e:
+        run_main(SCRIPT, *flags, "--num-iterations", "2", "--resume", run)
+    assert str(e.value.code) == (
+        f"error: --resume {run}/checkpoint-1 was trained with other experiment-defining flags: --eval-prompts "
+        "'/dev/fd/63' -> '/dev/fd/63 (other content)'; drop them to continue that run with its own values, or add "
+        "--resume-override to start a new run folder from its weights"
+    )
+    flags[-1] = pipe(PIPED)
+    with pytest.raises(
+        SystemExit, match="is at iteration 1 and --num-iterations 1 asks for no more"
+    ):
+        run_main(SCRIPT, *flags, "--resume", run)
+    assert open(os.path.join(run, "metrics.jsonl")).read() == before
+
+
+def test_a_checkpoint_name_with_leading_zeros_is_refused_not_guessed(
+    finished, tmp_path, no_model_load
+):
+    """checkpoint-02 beside checkpoint-2 silently resumed from another iteration; now it is named in one line."""
+    run = str(tmp_path / "run")
+    shutil.copytree(finished["run"], run)
+    shutil.copytree(os.path.join(run, "checkpoint-1"), os.path.join(run, "checkpoint-01"))
+    for target in (run, os.path.join(run, "checkpoint-01")):
+        with pytest.raises(SystemExit) as e:
+            run_main(SCRIPT, *finished["flags"], "--num-iterations", "2", "--resume", target)
+        assert str(e.value.code) == (
+            f"error: --resume '{target}': {run}/checkpoint-01 is not a checkpoint name this code writes "
+            "(checkpoint-N has no leading zeros), so which iteration it holds is ambiguous: rename it to "
+            "checkpoint-N, or move it out of the run folder"
+        )
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_a_folder_of_another_script_without_a_checkpoint_names_that_script(
+    tmp_path, no_model_load, named
+):
+    """A DenseGRPO run folder that died before its first checkpoint, resumed with diffusionnft.py: the line names
+    densegrpo.py (by args.json's `script`, or for older folders by the flags only densegrpo.py has), instead of
+    listing ~30 flags to drop."""
+    import runpy
+
+    mod = runpy.run_path(os.path.join(ROOT, "densegrpo.py"), run_name="not_main")
+    saved = json.loads(json.dumps(dataclasses.asdict(mod["Args"]()), default=str))
+    if named:
+        saved = {"script": "densegrpo.py", **saved}
+    early = tmp_path / "early"
+    early.mkdir()
+    (early / "args.json").write_text(json.dumps(saved))
+    with pytest.raises(SystemExit) as e:
+        run_main("diffusionnft.py", "--resume", str(early))
+    assert str(e.value.code) == (
+        f"error: --resume {early} was written by densegrpo.py, not diffusionnft.py: resume it with "
+        f"`python densegrpo.py --resume {early}`"
+    )
+    assert os.listdir(early) == ["args.json"]
+
+
+def test_a_read_only_run_folder_is_one_line_on_resume(finished, tmp_path, no_model_load):
+    """The resume path skipped the write probe: a read-only copy of a run was an OSError traceback."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if r.returncode:
+        pytest.skip("cannot mount a tmpfs here: needs root")
+    try:
+        run = str(mnt / "run")
+        shutil.copytree(finished["run"], run)
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        with pytest.raises(SystemExit) as e:
+            run_main(
+                SCRIPT,
+                *finished["flags"][:-1],
+                pipe(PIPED),
+                "--num-iterations",
+                "2",
+                "--resume",
+                run,
+            )
+        assert str(e.value.code) == (
+            f"error: --resume: cannot write the run folder {run} (OSError: Read-only file system): make it "
+            "writable, or copy the run folder to a place you can write and resume the copy"
+        )
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

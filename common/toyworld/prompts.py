@@ -271,7 +271,11 @@ def write_prompt_files(directory: str | Path = PROMPT_DIR) -> None:
 
 def load_prompts(path: str | Path) -> list[str]:
     """Read one prompt per line, skipping blank lines (a UTF-8 byte-order mark is not a prompt)."""
-    text = Path(path).read_text(encoding="utf-8-sig")
+    return prompts_from_text(Path(path).read_text(encoding="utf-8-sig"), path)
+
+
+def prompts_from_text(text: str, path: str | Path) -> list[str]:
+    """The prompts of a prompt file's text (`path` names it in the error of an empty one)."""
     prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"prompt file {path} is empty: expected one prompt per line")
