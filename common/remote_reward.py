@@ -362,7 +362,8 @@ class RemoteReward:
                     f"a reply that is not JSON ({_excerpt(reply)})"
                     if self.spec.wire == "json"
                     else f"a pickle that was refused: {e}; only dict, list, str, int, float, "
-                    "bool and None are accepted, since anything else could run code on loading"
+                    "bool and None are accepted, since anything else could run code on loading "
+                    "(a server that sends numpy numbers: have it send .tolist())"
                 )
                 raise RemoteRewardError(f"{self._where()} sent {what}") from None
             try:

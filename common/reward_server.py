@@ -164,7 +164,8 @@ def make_server(
                     seconds = time.perf_counter() - start
                 if len(scores) != len(images):
                     raise _Refused(
-                        500, f"scorer {name!r} returned {len(scores)} scores for {len(images)} images"
+                        500,
+                        f"scorer {name!r} returned {len(scores)} scores for {len(images)} images",
                     )
                 self.log_message("%s: %d images in %.3f s", name, len(images), seconds)
                 self._reply(200, {"scores": scores})

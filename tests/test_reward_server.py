@@ -297,7 +297,7 @@ def test_a_reply_pickle_that_would_run_code_is_refused_and_nothing_runs(tmp_path
     assert one_line(e) == (
         f"error: remote reward 'remote:geneval' at {url} sent a pickle that was refused: UnpicklingError: "
         "it needs the global 'io.open'; only dict, list, str, int, float, bool and None are accepted, since "
-        "anything else could run code on loading"
+        "anything else could run code on loading (a server that sends numpy numbers: have it send .tolist())"
     )
     assert not target.exists()
     # the same bytes, loaded the usual way, do run: this test would fail if the client loaded them so
