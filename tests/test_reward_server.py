@@ -22,7 +22,7 @@ from helpers import ROOT, read_metrics, run_main, script_env, write_prompts
 from PIL import Image
 from reward_stub import brightness_of
 
-import common.backbones
+import common.harness
 from common.checks import ConfigError
 from common.remote_reward import RemoteReward, parse_remote, safe_unpickle
 from common.rewards import build_reward, check_rewards, parse_model_paths, parse_reward_spec
@@ -129,7 +129,7 @@ def no_model_load(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the bad input was refused")
 
-    monkeypatch.setattr(common.backbones, "load_backbone", refuse)
+    monkeypatch.setattr(common.harness, "load_backbone", refuse)  # the name setup() calls
 
 
 def test_a_server_down_at_start_is_one_line_in_seconds_before_the_model_loads(
