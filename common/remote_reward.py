@@ -11,9 +11,10 @@ format (docs/usage.md, "Rewards from a server"):
 - `http://` (or https): this project's, common/reward_server.py: JSON both ways, PNG images in
   base64. A reply is data only: it can give wrong scores, never run code here.
 - `flowgrpo+http://`: flow_grpo's reward-server (github.com/yifan123/reward-server, app_geneval.py
-  and app_deqa.py at 7131478; its client is flow_grpo/rewards.py `geneval_score`): one POST to the
-  URL of a pickled {"images": [JPEG bytes], "meta_datas": [...], "only_strict": ...}, answered with
-  a pickled dict whose "scores" (GenEval) or "outputs" (DeQA) holds one score per image. The server
+  and app_deqa.py at 7131478; its client, github.com/yifan123/flow_grpo flow_grpo/rewards.py
+  `geneval_score` at 54809b5): one POST to the URL of a pickled {"images": [JPEG bytes],
+  "meta_datas": [...], "only_strict": ...} (plus "prompts", which those servers ignore), answered
+  with a pickled dict whose "scores" (GenEval) or "outputs" (DeQA) holds one score per image. The server
   unpickles what it is sent, so it must trust every client that can reach it; the reply is decoded
   here by an unpickler that resolves no global at all (`safe_unpickle`), so it can hold only plain
   dicts, lists, strings, numbers, booleans and None: anything else, and any pickle that would run
