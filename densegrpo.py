@@ -291,6 +291,7 @@ def dense_rollout(
     args,
     gen,
     upto: int | None = None,
+    run_dir: str | None = None,
 ) -> dict:
     """Sample one SDE trajectory per prompt and score every latent of it (Eq. 8-9).
 
@@ -301,7 +302,8 @@ def dense_rollout(
     column) are scored: scores [n, >= L+2, R]. Returns latents, log_prob, mean, scores [n, T+1, R]
     (upto None), and the NFE and sequential transformer calls of sampling and of the completions:
     nfe / calls = {"rollout": .., "completion": ..} (a CFG pair is one). Completion NFE per
-    trajectory: sum_k (len(grid_k) - 1) - T (first steps reused)."""
+    trajectory: sum_k (len(grid_k) - 1) - T (first steps reused). `run_dir`: the run folder that
+    a failing reward server's one line names the checkpoint of."""
     n, T = len(prompts), len(sigmas) - 1
     latents, log_prob, velocity, mean = sample_trajectories(
         backbone,
@@ -342,15 +344,15 @@ def dense_rollout(
     )
     # last: the SDE image (index T)
     clean = torch.cat([clean.view(len(completed), *latents.shape[1:]), latents[T:]])
-    images = torch.cat(
-        [
-            backbone.decode(c, args.resolution, args.resolution)
-            for c in clean.flatten(0, 1).split(args.rollout_batch_size)
-        ]
-    )
-    # k-major
-    scores = reward_model(images, list(prompts) * (len(completed) + 1))
-    scores = scores.view(len(completed) + 1, n, -1)
+    bs, job_prompts = args.rollout_batch_size, list(prompts) * (len(completed) + 1)  # k-major
+    # decoded and submitted chunk by chunk: a remote reward scores one while the next decodes
+    pending = [
+        reward_model.submit(
+            backbone.decode(c, args.resolution, args.resolution), job_prompts[i : i + bs]
+        )
+        for i, c in zip(range(0, len(job_prompts), bs), clean.flatten(0, 1).split(bs))
+    ]
+    scores = reward_model.gather(pending, run_dir).view(len(completed) + 1, n, -1)
     row = {T: len(completed)}  # row of scores holding R_k
     for k in reversed(need[:-1]):
         row[k] = row[k + 1] if same[k] else completed.index(k)
@@ -634,6 +636,7 @@ def rollout(
             args,
             gen,
             upto=args.trained_steps,
+            run_dir=h.run_dir,
         )
     with timer("reward"):
         all_scores = all_gather_cat(dense["scores"].to(h.device), h.world_size).cpu()  # [N, L+2, R]

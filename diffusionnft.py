@@ -187,7 +187,7 @@ def rollout(
         gen = torch.Generator(h.device).manual_seed(
             args.seed * 1_000_003 + iteration * 1009 + h.rank
         )
-        latents, images = [], []
+        latents, pending = [], []
         with torch.no_grad(), old.swapped():  # (N1): the old policy samples
             for b in range(0, args.images_per_rank, args.rollout_batch_size):
                 x = h.backbone.initial_noise(
@@ -203,9 +203,11 @@ def rollout(
                     else:  # the Euler ODE (E1)
                         x = ode_step(v, x, sigmas[j], sigmas[j + 1])
                 latents.append(x)
-                images.append(h.backbone.decode(x, args.resolution, args.resolution))
+                # a remote reward scores this batch while the next one samples
+                image = h.backbone.decode(x, args.resolution, args.resolution)
+                pending.append(h.reward_model.submit(image, prompts[b : b + len(x)]))
     with timer("reward"):
-        scores = h.reward_model(torch.cat(images), prompts)  # [n, R]: one column per reward
+        scores = h.reward_model.gather(pending, h.run_dir)  # [n, R]: one column per reward
         all_scores = all_gather_cat(scores.to(h.device), h.world_size).cpu()  # rank-major = global
         check_finite_rewards(all_scores, iteration, h.run_dir)
         mixed = h.reward_model.mix(all_scores)

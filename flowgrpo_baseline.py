@@ -153,7 +153,7 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
         gen = torch.Generator(h.device).manual_seed(
             args.seed * 1_000_003 + iteration * 1009 + h.rank
         )
-        steps, images = [], []  # per rollout batch: (x, x_next, log_prob, mean) of trained steps
+        steps, pending = [], []  # per rollout batch: trained (x, x_next, log_prob, mean), scoring
         with torch.no_grad():
             for b in range(0, args.images_per_rank, args.rollout_batch_size):
                 x = h.backbone.initial_noise(
@@ -180,9 +180,11 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
                         chain.append((x, x_next, log_prob, mean))
                     x = x_next
                 steps.append([torch.stack(f) for f in zip(*chain)])  # each [trained steps, B, ...]
-                images.append(h.backbone.decode(x, args.resolution, args.resolution))
+                # a remote reward scores this batch while the next one samples
+                image = h.backbone.decode(x, args.resolution, args.resolution)
+                pending.append(h.reward_model.submit(image, prompts[b : b + len(x)]))
     with timer("reward"):
-        scores = h.reward_model(torch.cat(images), prompts)  # [n, R]: one column per reward
+        scores = h.reward_model.gather(pending, h.run_dir)  # [n, R]: one column per reward
         all_scores = all_gather_cat(scores.to(h.device), h.world_size).cpu()  # rank-major = global
         check_finite_rewards(all_scores, iteration, h.run_dir)
         # A_i = (r_i - mean of i's group) / (std of all rewards + eps) (common/rewards.py)

@@ -309,14 +309,16 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
         clean = branches["final"].flatten(0, 3)  # one clean latent per (prompt, k, λ, member)
         job_prompts = [p for p in prompts for _ in range(len(M) * len(Lam) * G)]
         bs = args.rollout_batch_size
-        scores = torch.cat(  # [n, R]: one column per reward
-            [
-                h.reward_model(
+        # chunk by chunk: a remote reward scores one while the next decodes
+        scores = h.reward_model.score_batches(  # [n, R]: one column per reward
+            (
+                (
                     h.backbone.decode(clean[b : b + bs], args.resolution, args.resolution),
                     job_prompts[b : b + bs],
                 )
                 for b in range(0, len(clean), bs)
-            ]
+            ),
+            h.run_dir,
         )
         all_scores = all_gather_cat(scores.to(h.device), h.world_size).cpu()  # global prompt order
         check_finite_rewards(all_scores, iteration, h.run_dir)

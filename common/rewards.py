@@ -7,6 +7,8 @@
                                                A = norm(s_k) @ w
     --guard-rewards "pickscore,aesthetic"      same registry, logged beside the target at evaluation
     --reward-model-paths "pickscore=/ckpt/PickScore_v1,aesthetic=/ckpt/aesthetic"
+    --reward "toyworld,remote:geneval@http://127.0.0.1:8000:0.5"   a reward scored by a server
+                                               (common/remote_reward.py, docs/usage.md)
 
 Each reward maps (images [B,3,H,W] float in [0,1], prompts) to one float per image:
 
@@ -46,6 +48,11 @@ side to the processor's size, centre crop to its crop size, normalise with its m
 CLIPImageProcessor recipe without the uint8/PIL round trip, so scores differ slightly from those of
 PIL-preprocessed images. Models load lazily (nothing heavy is imported before a reward is built),
 once per (name, device, paths): guard rewards reuse the target's instances.
+
+A remote reward (`remote:NAME@URL`) mixes, weighs, guards and evaluates like any other; it scores
+the 8-bit image ((x * 255).round()), which changes nothing for the rewards that quantise first
+(toyworld, jpeg_*). `RewardModel.submit` starts it on a batch in the background, so the scripts
+sample their next rollout batch while the server scores this one (`gather` waits for the scores).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ import math
 import os
 import pickle
 import re
+import threading
 
 import numpy as np
 import torch
@@ -65,6 +73,13 @@ from PIL import Image
 from torch import nn
 
 from common.checks import pickled_global
+from common.remote_reward import (
+    RemoteReward,
+    RemoteRewardError,
+    is_remote,
+    load_metadata,
+    parse_remote,
+)
 
 REWARD_NAMES: tuple[str, ...] = (
     "toyworld",
@@ -122,24 +137,28 @@ class MissingRewardPackage(ImportError):
 
 # ----------------------------------------------------------------------------- parsing
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
-    """'pickscore:1.0,clipscore:0.5' or 'pickscore' (weight 1) -> [(name, weight), ...]. No
-    imports."""
+    """'pickscore:1.0,clipscore:0.5' or 'pickscore' (weight 1) -> [(name, weight), ...]; a remote
+    reward's name is its item without the weight ('remote:geneval@http://h:8000'). No imports."""
     choices = (
-        f"choose from {', '.join(REWARD_NAMES)}; or a weighted mix like "
-        "'pickscore:1.0,clipscore:0.5'"
+        f"choose from {', '.join(REWARD_NAMES)}, or remote:NAME@http://HOST:PORT (a reward "
+        "server); or a weighted mix like 'pickscore:1.0,clipscore:0.5'"
     )
     items = [s.strip() for s in spec.split(",") if s.strip()]
     if not items:
         raise ValueError(f"empty reward spec {spec!r}: {choices}")
     out: list[tuple[str, float]] = []
     for item in items:
-        name, _, weight = (p.strip() for p in item.partition(":"))
-        if name not in REWARD_NAMES:
-            raise ValueError(f"unknown reward '{name}': {choices}")
-        if name in (n for n, _ in out):
-            raise ValueError(f"reward '{name}' appears twice in {spec!r}")
+        if is_remote(item):  # its name: the item as spelled, without the weight
+            remote, weight = parse_remote(item)
+            name, given = remote.text, weight is not None
+        else:
+            name, given, weight = (p.strip() for p in item.partition(":"))
+            if name not in REWARD_NAMES:
+                raise ValueError(f"unknown reward '{name}': {choices}")
+        if reward_name(name) in (reward_name(n) for n, _ in out):
+            raise ValueError(f"reward '{reward_name(name)}' appears twice in {spec!r}")
         try:
-            w = float(weight) if ":" in item else 1.0
+            w = float(weight) if given else 1.0
         except ValueError:
             w = float("nan")
         with np.errstate(over="ignore"):
@@ -159,6 +178,15 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     return out
 
 
+def reward_name(name: str) -> str:
+    """A reward's name in metrics and RewardModel.names: a remote one's is 'remote:NAME'."""
+    return name.partition("@")[0]
+
+
+def _path_key(key: str) -> bool:
+    return key in PATH_KEYS or re.fullmatch(r"remote:[\w.-]+", key) is not None
+
+
 def parse_model_paths(s: str) -> dict[str, str]:
     """'pickscore=/x/y,clipscore=/z' -> {'pickscore': '/x/y', 'clipscore': '/z'}; '' -> {}."""
     out = {}
@@ -166,9 +194,10 @@ def parse_model_paths(s: str) -> dict[str, str]:
         if not item:
             continue
         key, eq, path = (p.strip() for p in item.partition("="))
-        if not eq or not path or key not in PATH_KEYS:
+        if not eq or not path or not _path_key(key):
             raise ValueError(
-                f"bad model path '{item}': expected KEY=PATH with KEY one of {', '.join(PATH_KEYS)}"
+                f"bad model path '{item}': expected KEY=PATH with KEY one of {', '.join(PATH_KEYS)}, "
+                "or remote:NAME (a remote reward's prompt metadata, JSON lines)"
             )
         out[key] = path
     return out
@@ -178,7 +207,8 @@ def check_rewards(
     spec: str, guard_spec: str, model_paths: str, prompt_files: dict[str, list[str]]
 ) -> None:
     """All that can be checked about the rewards before any model loads, as one line (ConfigError):
-    both specs and their weights, the --reward-model-paths keys, the optional packages, and every
+    both specs and their weights, the --reward-model-paths keys, the optional packages, that every
+    reward server answers (and has the metadata of every prompt, if it is given some), and every
     prompt a toy-world reward will score (it scores only prompts of its grammar). prompt_files:
     {flag: its prompts}."""
     from common.checks import ConfigError
@@ -187,9 +217,18 @@ def check_rewards(
         # --reward is required (an empty one trains on nothing); --guard-rewards may be empty
         specs = [spec, guard_spec] if guard_spec else [spec]
         names = [n for s in specs for n, _ in parse_reward_spec(s)]
-        parse_model_paths(model_paths)
+        paths = parse_model_paths(model_paths)
         for name in (n for n in names if n in OPTIONAL):
             _require(name)
+        remotes = [n for n in names if is_remote(n)]
+        for key in (k for k in paths if k.startswith("remote:")):
+            if key not in map(reward_name, remotes):
+                raise ValueError(
+                    f"--reward-model-paths {key}=...: no reward {key}@URL in --reward or "
+                    "--guard-rewards to send this metadata to"
+                )
+        for name in dict.fromkeys(remotes):  # the servers answer, each once
+            _remote(name, paths).check(prompt_files)
     except (ValueError, ImportError) as e:
         raise ConfigError(str(e)) from None
     if {"toyworld", "toyworld_coverage"} & set(names):
@@ -734,33 +773,109 @@ def _load(name: str, device: torch.device, paths: dict):
     return _CACHE[key]
 
 
+def _remote(name: str, paths: dict) -> RemoteReward:
+    """A remote reward's client, once per (spelling, metadata file): one thread per server."""
+    spec, _ = parse_remote(name)
+    metadata_path = paths.get(spec.name)
+    key = (spec.text, metadata_path)
+    if key not in _CACHE:
+        metadata = load_metadata(metadata_path) if metadata_path else None
+        _CACHE[key] = RemoteReward(spec, metadata)
+    return _CACHE[key]
+
+
 # ----------------------------------------------------------------------------- combined model
+class Pending:
+    """One batch handed to RewardModel.submit: a Future of the scores of each remote reward (under
+    way in the background) and, for the local rewards, the images they score in gather."""
+
+    def __init__(self, images, prompts: list[str], futures: dict, cancel: threading.Event):
+        self.images, self.prompts, self.futures, self.cancel = images, prompts, futures, cancel
+
+    def stop(self) -> None:
+        """Drop the remote requests not sent yet; one under way stops before its next try."""
+        self.cancel.set()
+        for future in self.futures.values():
+            future.cancel()
+
+
 class RewardModel:
     """Several rewards scored together. `__call__` gives raw scores [B, K]; `mix` the weighted sum
-    [B]."""
+    [B]. A loop that has other work between batches (the next batch to sample) scores them with
+    `submit` per batch and `gather` once, or with `score_batches`."""
 
     def __init__(self, names: list[str], weights: torch.Tensor, fns: list, device, batch_size: int):
         self.names, self.weights, self.fns = names, weights, fns
         self.device, self.batch_size = device, batch_size
+        self.remote = [k for k, fn in enumerate(fns) if isinstance(fn, RemoteReward)]
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         """images [B,3,H,W] float in [0,1] (any device/dtype) -> float32 CPU scores [B, K], chunked
         by batch_size."""
+        return self.gather([self.submit(images, prompts)])
+
+    def submit(self, images: torch.Tensor, prompts: list[str]) -> Pending:
+        """Start scoring a batch: each remote reward sends its 8-bit pixels now and is scored in
+        the background, while the caller goes on (samples the next batch); the local rewards score
+        it in `gather`, in the caller's thread, so their time stays the reward phase's."""
         if images.ndim != 4 or images.shape[1] != 3 or len(prompts) != len(images):
             raise ValueError(
                 f"expected images [B,3,H,W] and B prompts, got {tuple(images.shape)} and "
                 f"{len(prompts)}"
             )
-        prompts, rows = list(prompts), []
-        with torch.inference_mode():
-            for i in range(0, len(images), self.batch_size):
-                chunk = images[i : i + self.batch_size].to(self.device, torch.float32)
-                chunk_prompts = prompts[i : i + self.batch_size]
-                rows.append(
-                    torch.stack([fn(chunk, chunk_prompts).float().cpu() for fn in self.fns], dim=1)
-                )
-        # clone outside inference mode: a normal tensor, usable in autograd
-        return torch.cat(rows).clone()
+        prompts, cancel, futures = list(prompts), threading.Event(), {}
+        if self.remote:
+            with torch.no_grad():
+                pixels = (images.float() * 255).round().clamp(0, 255).to(torch.uint8).cpu()
+            futures = {k: self.fns[k].submit(pixels, prompts, cancel) for k in self.remote}
+        # held only if a local reward will score them
+        held = images if len(self.remote) < len(self.fns) else None
+        return Pending(held, prompts, futures, cancel)
+
+    def gather(self, pending: list[Pending], run_dir: str | None = None) -> torch.Tensor:
+        """The float32 CPU scores [n, K] of the submitted batches, in order. The local rewards score
+        all their images as one call would (chunks of batch_size over the concatenation); the
+        remote ones wait for their replies. A server that fails stops the rest and raises its one
+        line (RemoteRewardError), naming the checkpoint to go on from when given the run folder."""
+        columns: dict[int, torch.Tensor] = {}
+        local = [k for k in range(len(self.fns)) if k not in self.remote]
+        if local:
+            images = torch.cat([p.images for p in pending])
+            prompts = [q for p in pending for q in p.prompts]
+            rows = []
+            with torch.inference_mode():
+                for i in range(0, len(images), self.batch_size):
+                    chunk = images[i : i + self.batch_size].to(self.device, torch.float32)
+                    chunk_prompts = prompts[i : i + self.batch_size]
+                    rows.append(
+                        torch.stack(
+                            [self.fns[k](chunk, chunk_prompts).float().cpu() for k in local], 1
+                        )
+                    )
+            # clone outside inference mode: a normal tensor, usable in autograd
+            columns.update(zip(local, torch.cat(rows).clone().unbind(1)))
+        try:
+            for k in self.remote:
+                columns[k] = torch.cat([p.futures[k].result() for p in pending])
+        except RemoteRewardError as e:
+            for p in pending:
+                p.stop()
+            raise e.stopping(run_dir) from None
+        return torch.stack([columns[k] for k in range(len(self.fns))], 1)
+
+    def score_batches(self, batches, run_dir: str | None = None) -> torch.Tensor:
+        """The scores [n, K] of an iterable of (images, prompts) batches, each gathered once the
+        next one is made: a remote reward scores batch i while batch i + 1 is made (decoded), the
+        local ones score each batch on its own, and no more than two batches are held."""
+        out, held = [], None
+        for images, prompts in batches:
+            made = self.submit(images, prompts)
+            if held is not None:
+                out.append(self.gather([held], run_dir))
+            held = made
+        if held is not None:
+            out.append(self.gather([held], run_dir))
+        return torch.cat(out) if out else torch.zeros(0, len(self.fns))
 
     def mix(self, scores: torch.Tensor) -> torch.Tensor:
         """'score' mix mode (Flow-GRPO): [B, K] raw scores -> [B] weighted sum."""
@@ -786,7 +901,7 @@ def build_reward(
     pairs = parse_reward_spec(spec)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    bad = set(model_paths or {}) - set(PATH_KEYS)
+    bad = {k for k in model_paths or {} if not _path_key(k)}
     if bad:
         raise ValueError(
             f"unknown model path keys {sorted(bad)}: expected some of {', '.join(PATH_KEYS)}"
@@ -795,9 +910,9 @@ def build_reward(
     device = torch.device(device)
     for name in (n for n, _ in pairs if n in OPTIONAL):
         _require(name)  # a missing optional package fails before any model is loaded
-    fns = [_load(name, device, paths) for name, _ in pairs]
+    fns = [_remote(n, paths) if is_remote(n) else _load(n, device, paths) for n, _ in pairs]
     return RewardModel(
-        [n for n, _ in pairs],
+        [reward_name(n) for n, _ in pairs],
         torch.tensor([w for _, w in pairs], dtype=torch.float32),
         fns,
         device,

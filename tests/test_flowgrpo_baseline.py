@@ -332,12 +332,12 @@ def test_non_finite_reward_stops_and_keeps_checkpoint(
 
     def build(spec, *a, **k):
         model = real_build(spec, *a, **k)
-        base_call = model.__call__
+        base_gather = model.gather
 
         class Poisoned(type(model)):
-            def __call__(self, images, prompts):
-                out = base_call(images, prompts)
-                if len(images) == 4:  # rollout batches (eval batches have 2 images here)
+            def gather(self, pending, run_dir=None):  # every scoring ends here, __call__'s too
+                out = base_gather(pending, run_dir)
+                if len(out) == 4:  # rollout batches (eval batches have 2 images here)
                     calls["n"] += 1
                     if calls["n"] >= 3:
                         out = out * float("nan")
