@@ -423,6 +423,10 @@ OTHER_CODE = {
     "pickscore_sd3_fast_nocfg": "Flow-GRPO config/grpo.py",
     "pickscore_sd3_fast": "Flow-GRPO config/grpo.py",
     "flow_grpo_step": "G²RPO's official code",
+    "create_app": "yifan123/reward-server app_geneval.py (flow_grpo's GenEval server)",
+    "geneval_score": "yifan123/flow_grpo flow_grpo/rewards.py",
+    # a placeholder the usage page's `--scorer NAME=MODULE:FACTORY` spelling names
+    "FACTORY": "docs/usage.md's placeholder for a user's own function",
     # a former name of ours, said as such ("until 2026-12-01 ... `ode_complete`")
     "ode_complete": "g2rpo.md's history of the batched completions",
 }

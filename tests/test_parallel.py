@@ -292,15 +292,70 @@ def lora_weights(folder):
     return load_file(os.path.join(folder, "pytorch_lora_weights.safetensors"))
 
 
+def update_cosine(a: dict, b: dict, base: dict) -> tuple[float, float]:
+    """(cosine of the two runs' updates from `base`, share of entries whose updates differ by more than 1e-3, a
+    tenth of the learning rate: Adam's first steps move an entry by about +-lr whatever its gradient's size, so
+    an entry whose gradient is ~0 flips with the order of a sum and differs by up to 2 lr)."""
+    da = torch.cat([(a[k] - base[k]).flatten() for k in sorted(a)]).double()
+    db = torch.cat([(b[k] - base[k]).flatten() for k in sorted(a)]).double()
+    cos = float(torch.nn.functional.cosine_similarity(da, db, dim=0))
+    return cos, float(((da - db).abs() > 1e-3).double().mean())
+
+
 def test_a_lora_trains_in_the_same_precision_under_ddp_and_fsdp(two_nodes):
     """--mixed-precision bf16, 2 ranks: the frozen base computes in bf16 and the LoRA in fp32 under both engines
-    (FSDP2's param_dtype is None for a LoRA: each weight is gathered in its own dtype), so the LoRA after 2 iterations
-    is DDP's within float tolerance (the ranks' gradients are summed in another order)."""
+    (FSDP2's param_dtype is None for a LoRA: each weight is gathered in its own dtype; test_fsdp_gathers_a_lora_in_fp32
+    checks the dtype), and after 2 iterations the two LoRAs' updates agree: cosine 0.99999 and 0.07 % of the entries
+    apart (measured 2026-12-05; the ranks' gradients are summed in another order)."""
     out, names, res = two_nodes
     ddp, fsdp = (lora_weights(out / f"lora-bf16-{p}" / "checkpoint-2") for p in ("ddp", "fsdp"))
-    assert_close(
-        ddp, fsdp, {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in ddp.items()}
+    b = [k for k in ddp if "lora_B" in k]  # B starts at 0; A has no gradient until B has moved
+    cos, apart = update_cosine(
+        {k: ddp[k] for k in b}, {k: fsdp[k] for k in b}, {k: 0 * ddp[k] for k in b}
     )
+    assert cos > 0.9999 and apart < 0.005, (cos, apart)
+
+
+def test_fsdp_gathers_a_lora_in_fp32_and_full_finetuning_in_the_compute_dtype(
+    tiny_sd3, monkeypatch
+):
+    """What each forward computes with, seen from inside it (one rank, in this process): under --parallel fsdp in bf16
+    a LoRA's weights arrive in fp32 beside the bf16 base weight, as under DDP; full fine-tuning's arrive in bf16."""
+    import torch.distributed as dist
+
+    from common.backbones import LORA_TARGETS, load_backbone
+    from common.parallel import parallelize
+    from common.policy import Trainable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        seen = {}
+        for full in (False, True):
+            bb = load_backbone(tiny_sd3, "cpu", precision="bf16", max_sequence_length=8)
+            trainable = Trainable(bb, full, 4, 4, LORA_TARGETS["attention"], need_reference=False)
+            policy = parallelize(trainable, "fsdp", 1)
+            layer = bb.transformer.transformer_blocks[0].attn.to_q
+            lora = layer.lora_A["default"] if not full else layer
+
+            def hook(module, args, full=full):
+                seen[full] = (module.weight.dtype, args[0].dtype)
+
+            handle = lora.register_forward_pre_hook(hook)
+            emb = bb.encode(["a photo of a red circle"])
+            bb.velocity(torch.randn(1, 4, 32, 32), 0.5, emb, model=policy)
+            handle.remove()
+        # LoRA: fp32 weights (peft casts the bf16 input to them); full: the gathered bf16 weight
+        assert seen[False][0] == torch.float32 and seen[True][0] == torch.bfloat16, seen
+        assert (
+            bb.transformer.transformer_blocks[0].attn.to_k.weight.dtype == torch.float32
+        )  # the fp32 master
+    finally:
+        dist.destroy_process_group()
 
 
 def test_full_finetuning_in_bf16_differs_between_ddp_and_fsdp_by_the_documented_rounding(
@@ -308,16 +363,16 @@ def test_full_finetuning_in_bf16_differs_between_ddp_and_fsdp_by_the_documented_
 ):
     """Full fine-tuning in bf16: DDP keeps fp32 masters and computes under autocast, FSDP2 gathers the masters in bf16
     (half the gathered memory). The matmuls see the same bf16 weights; what autocast runs in fp32 (the norms, with
-    their fp32 weights) sees bf16-rounded weights under FSDP. Measured: the two runs end within 2 % of the distance
-    they moved (docs/design.md, "Sharding with FSDP2"), and each engine's ranks agree."""
+    their fp32 weights) sees bf16-rounded weights under FSDP. Measured 2026-12-05: after 2 iterations the updates'
+    cosine is 0.9998 with 0.26 % of the entries apart (a LoRA: 0.99999 and 0.07 %; docs/design.md, "Sharding with
+    FSDP2"), and each engine's ranks agree."""
     out, names, res = two_nodes
     base = transformer_weights(tiny_sd3)
     ddp, fsdp = (
         transformer_weights(out / f"full-bf16-{p}" / "checkpoint-2") for p in ("ddp", "fsdp")
     )
-    moved = max((ddp[k] - base[k]).abs().max().item() for k in ddp)
-    diff = max((ddp[k] - fsdp[k]).abs().max().item() for k in ddp)
-    assert 0 < diff < 0.02 * moved, (diff, moved)
+    cos, apart = update_cosine(ddp, fsdp, base)
+    assert 0.999 < cos < 1 and apart < 0.01, (cos, apart)
     for p in ("ddp", "fsdp"):
         i = names.index(f"full-bf16-{p}")
         assert res[i, 0]["digest"] == res[i, 1]["digest"]
@@ -337,7 +392,8 @@ def test_fp16_scales_the_loss_under_ddp_and_fsdp(two_nodes, kind, par):
     assert len(rows) == 2 and all(
         r["train/optimizer_steps"] + r["train/skipped_steps"] > 0 for r in rows
     )
-    assert all(r["train/grad_zero_fraction"] < 0.1 for r in rows), rows
+    # at B = 0 (iteration 0) a LoRA's A has no gradient in any precision: the last row, after B moved
+    assert rows[-1]["train/grad_zero_fraction"] < 0.1, rows
 
 
 # ============================================================ DDP (the default) in each script, from the same launch

@@ -246,6 +246,7 @@ def test_run_logger_sends_captioned_panels_to_wandb(tmp_path, monkeypatch):
     logged = {}
     fake = types.ModuleType("wandb")
     fake.Image = lambda im, caption=None: ("Image", im.size, caption)
+    fake.Settings = lambda **kw: kw  # RunLogger bounds wandb.init with init_timeout
     fake.init = lambda **kw: types.SimpleNamespace(
         log=lambda d, step: logged.update(d, step=step), finish=lambda: 0
     )

@@ -114,8 +114,8 @@ def test_fp16_learns_on_the_toy_world(tmp_path):
     """flowgrpo_baseline.py with --mixed-precision fp16 on the shipped toy model (the learning test of
     tests/test_flowgrpo_baseline.py: 3 iterations, JPEG compressibility): the held-out reward rises by more than 0.1,
     the loss scale is logged, no step is skipped and, once the LoRA's B has moved off zero, no gradient entry is lost
-    to underflow. With the advantages' sign flipped in the rollout the same run falls instead (measured 2026-12-05,
-    issue #55's note: the check fails when fp16 training is broken); without loss scaling it would not move."""
+    to underflow. The same run in fp32 falls with the advantages' sign flipped (tests/test_flowgrpo_baseline.py's
+    mutation check); the fp16 flip has not been run."""
     prompts = write_prompts(tmp_path / "p.txt", TOY_PROMPTS)
     run_main(
         SCRIPT,

@@ -37,6 +37,6 @@ def test_the_checker_sees_a_changed_line():
     text = read("flowgrpo_baseline.py")
     changed = text.replace("    s, r = mb.states, mb.rows\n", "    s, r = mb.rows, mb.rows\n")
     assert changed != text and log_prob_block(changed) != log_prob_block(text)
-    assert training_tail(text.replace("loss.backward()", "(2 * loss).backward()")) != training_tail(
-        text
-    )
+    assert training_tail(
+        text.replace("scaler.scale(loss).backward()", "scaler.scale(2 * loss).backward()")
+    ) != training_tail(text)
