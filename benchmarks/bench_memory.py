@@ -720,16 +720,18 @@ def vae(spec: ModelSpec, images: int, resolution: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def reward(name: str, batch: int = REWARD_BATCH) -> tuple[int, int]:
+def reward(name: str, batch: int = REWARD_BATCH, config: str | None = None) -> tuple[int, int]:
     """(fp32 weights, the transient of one scoring call of `batch` images) of a reward model; rewards without
-    weights (toyworld, JPEG) are 0."""
+    weights (toyworld, JPEG) are 0. config: a CLIPModel config (JSON) instead of the published one (a run's own
+    reward folder)."""
     if name in NO_WEIGHTS:
         return 0, 0
     if name not in REWARD_MODELS:
         raise ValueError(
             f"reward '{name}': the memory model knows {', '.join(REWARD_MODELS)} and {', '.join(NO_WEIGHTS)}"
         )
-    model = _meta_model("transformers", "CLIPModel", REWARD_MODELS[name])
+    config = REWARD_MODELS[name] if config is None else _thaw(config)
+    model = _meta_model("transformers", "CLIPModel", config)
     size = model.config.vision_config.image_size
 
     def score():
@@ -911,9 +913,12 @@ def setting(
     )
 
 
-def estimate(spec: ModelSpec, s: Setting, vae_dtype_bytes: int = 4) -> dict:
+def estimate(
+    spec: ModelSpec, s: Setting, vae_dtype_bytes: int = 4, reward_configs: dict | None = None
+) -> dict:
     """The peak bytes per GPU of a run (the module docstring), by component: resident terms, each phase's
-    transient, and `peak` = the resident sum + the largest phase (`phase` names it)."""
+    transient, and `peak` = the resident sum + the largest phase (`phase` names it). reward_configs: {name: its
+    CLIPModel config} of a run's own reward folders."""
     tokens = ((s.resolution // 16) ** 2, _text_tokens(spec.kind, s.msl))
     t = transformer_terms(
         spec,
@@ -930,7 +935,8 @@ def estimate(spec: ModelSpec, s: Setting, vae_dtype_bytes: int = 4) -> dict:
     vae_weights, decode = vae(spec, s.decode_batch, s.resolution)
     vae_weights = vae_weights * vae_dtype_bytes // 4
     decode = decode * vae_dtype_bytes // 4
-    scored = [reward(n) for n in s.rewards]
+    own = {n: _freeze(c) for n, c in (reward_configs or {}).items()}
+    scored = [reward(n, REWARD_BATCH, own.get(n)) for n in s.rewards]
     reward_weights = sum(w for w, _ in scored)
     scoring = max((x for _, x in scored), default=0)
     image = 3 * s.resolution**2 * 4
