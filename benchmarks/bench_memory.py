@@ -1013,18 +1013,18 @@ COMPONENTS = ("text_encoders", "vae", "reward", "transformer", "optimizer")
 
 
 def preset_table(rows: list[dict], short: bool = False) -> str:
-    """The preset table of docs/results.md (short: docs/usage.md's), GiB per GPU."""
-    if short:
-        out = [
-            "| preset | model, training | GPUs | estimated peak per GPU | fits |",
-            "|---|---|---|---|---|",
-        ]
-    else:
-        out = [
-            "| preset | model, training | GPUs | text encoders | VAE | reward | transformer | Adam, copies, "
-            "buckets | largest phase | estimated peak | fits (10 % free) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
+    """The preset table of docs/results.md (short: docs/usage.md's), GiB per GPU: the components, the largest phase,
+    the peak, and the share of each card it leaves free (the GPU the preset names in bold)."""
+    cards = " | ".join(f"{g} ({GPUS[g] / GiB:.1f} GiB)" for g in GPUS)
+    parts = (
+        ""
+        if short
+        else "text encoders | VAE | reward | transformer | Adam, copies, buckets | largest phase | "
+    )
+    out = [
+        f"| preset | setting | GPUs | {parts}estimated peak | {cards} |",
+        "|---|---|---|" + "---|" * (len(GPUS) + 1 + (0 if short else 6)),
+    ]
     for r in rows:
         s = r["setting"]
         train = "full" if s.full else f"LoRA r {s.rank} {s.lora_target}"
@@ -1032,23 +1032,30 @@ def preset_table(rows: list[dict], short: bool = False) -> str:
             f"{s.resolution} px {s.precision}, {train}"
             f"{', ckpt' if s.checkpointing else ''}, micro-batch {s.train_rows // s.cfg}"
         )
-        gpus = f"{s.world_size} x {r['gpu']}, {s.parallel}"
-        verdict = "yes" if fits(r["peak"], r["gpu"]) else "**no**"
-        room = f"{r['peak'] / GiB:.1f} GiB of {GPUS[r['gpu']] / GiB:.1f}"
-        if short:
-            out.append(f"| {r['name']} | {what} | {gpus} | {room} | {verdict} |")
-            continue
-        comp = " | ".join(f"{r['resident'][c] / GiB:.1f}" for c in COMPONENTS)
+        free = []
+        for g in GPUS:
+            cell = f"{'fits' if fits(r['peak'], g) else 'does not fit'}, {1 - r['peak'] / GPUS[g]:.0%} free"
+            free.append(f"**{cell}**" if g == r["gpu"] else cell)
+        comp = (
+            ""
+            if short
+            else (
+                " | ".join(f"{r['resident'][c] / GiB:.1f}" for c in COMPONENTS)
+                + f" | {r['phase']} {r['phases'][r['phase']] / GiB:.1f} | "
+            )
+        )
         out.append(
-            f"| {r['name']} | {what} | {gpus} | {comp} | {r['phase']} {r['phases'][r['phase']] / GiB:.1f} "
-            f"| {room} | {verdict} |"
+            f"| {r['name']} | {what} | {s.world_size}, {s.parallel} | {comp}{r['peak'] / GiB:.1f} | "
+            + " | ".join(free)
+            + " |"
         )
     return "\n".join(out)
 
 
 # ------------------------------------------------------------------------------------------- the measured H200 runs
-# docs/results.md's compute table (2026-11-29, H200, torch 2.11): benchmarks/bench_gpu_throughput.py's runs, one
-# process each script, peak of torch.cuda.max_memory_allocated. Its folders had the real transformer and VAE and
+# docs/results.md's compute table (2026-11-29, H200, torch 2.11): the runs of benchmarks/bench_gpu_throughput.py
+# (retired 2026-12-05 for gpu_first_run.py; `git show a217521:benchmarks/bench_gpu_throughput.py`), one
+# process, peak of torch.cuda.max_memory_allocated. Its folders had the real transformer and VAE and
 # small text encoders of the real widths (CLIP: 2 layers, 4 heads; T5: 1 layer, 4 heads, d_kv 8, d_ff 128; tiny
 # vocabularies), a bf16 VAE (the fp32 VAE came later), the JPEG reward (no model), one evaluation image.
 MEASURED = {
@@ -1074,7 +1081,7 @@ MEASURED = {
 @functools.lru_cache(maxsize=None)
 def measured_spec(kind: str) -> ModelSpec:
     """The 2026-11-29 folders: the published transformer and VAE, the small text encoders of common/tiny.py's
-    builders at the real widths (the sizes bench_gpu_throughput.py passed)."""
+    builders at the real widths (the sizes the retired bench_gpu_throughput.py passed)."""
     from common.tiny import clip_text_config, make_clip_tokenizer, make_t5_tokenizer, t5_config
 
     clip_dim = 1024 if kind == "sd3" else 768
@@ -1170,13 +1177,13 @@ def table() -> str:
         for full in (True, False):
             act, act_ck = activations(name, 1, full, False), activations(name, 1, full, True)
             for parallel, offload, counts in (
-                ("ddp", False, ("any",)),
+                ("ddp", False, ("2+",)),
                 ("fsdp", False, (1, 2, 4, 8)),
                 ("fsdp", True, (1, 8)),
             ):
                 for n in counts:
                     b = per_gpu(
-                        dict(m, T=m["T_lora"]), full, parallel, 2 if n == "any" else n, offload
+                        dict(m, T=m["T_lora"]), full, parallel, 2 if n == "2+" else n, offload
                     )
                     weights = b["weights"] + b["autocast"]
                     grads = b["grads"] + b["buckets"]

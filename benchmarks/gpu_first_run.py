@@ -509,11 +509,48 @@ def judge(r: dict) -> list[str]:
     return why
 
 
+def output_root(out: str, need: float) -> str | None:
+    """Where a run's folder goes: {out}/runs, or /dev/shm when the disk lacks `need` bytes (a full fine-tuning
+    checkpoint of SD3.5-M is about 36 GB: fp32 weights, Adam's two moments and the saved transformer, beside the
+    model folders on a 64 GB disk); None when neither has room."""
+    for root in (os.path.join(out, "runs"), "/dev/shm/gpu_first_run"):
+        parent = root if os.path.isdir(root) else os.path.dirname(root)
+        if os.path.isdir(parent) and shutil.disk_usage(parent).free > need:
+            return root
+    return None
+
+
 def run_one(row, folders: dict, out: str, tiny: bool, timeout: float) -> dict:
     """One run in a fresh torchrun process; its result row (read back from its files)."""
+    from benchmarks import bench_memory as bm
+
     name, script, _, model, precision, parallel, _ = row
     flags, eval_images = run_flags(row, folders, out, tiny)
-    run_dir = os.path.join(out, "runs", name.replace(" ", "_"))
+    r = dict(
+        name=name,
+        script=script,
+        model=model,
+        precision=precision,
+        parallel=parallel,
+        flags=" ".join(flags),
+    )
+    try:
+        with open(os.path.join(folders["reward"], "config.json")) as f:
+            reward = json.load(f)
+        e = estimate_for(script, flags, bm.from_folder(folders[model]), reward, eval_images)
+        r.update(estimate=e["peak"], estimate_phase=e["phase"])
+        # a checkpoint: 16 bytes per weight with full fine-tuning, a LoRA's is small
+        need = (16 * e["P"] if "--full-finetune" in flags else 0) + 2 * GiB
+    except Exception as err:  # noqa: BLE001 -- a run's report must not be lost to its estimate
+        r.update(estimate=float("nan"), estimate_phase=f"estimate failed: {err}")
+        need = 2 * GiB
+    root = output_root(out, need)
+    if root is None:
+        return dict(r, skipped=True, fail=[f"no disk for its {need / 1e9:.0f} GB checkpoint"])
+    os.makedirs(root, exist_ok=True)
+    run_name = name.replace(" ", "_")
+    flags = override(flags, {"--output-dir": [root], "--run-name": [run_name]})
+    run_dir = os.path.join(root, run_name)
     shutil.rmtree(run_dir, ignore_errors=True)
     peak_json = os.path.join(out, "peak.json")
     if os.path.exists(peak_json):
@@ -536,15 +573,11 @@ def run_one(row, folders: dict, out: str, tiny: bool, timeout: float) -> dict:
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
         rc, stdout, stderr = p.returncode, p.stdout, p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, stdout, stderr = (
-            -9,
-            e.stdout or "",
-            (e.stderr or "") + f"\ntimed out after {timeout:.0f} s",
-        )
-        stdout, stderr = (s.decode() if isinstance(s, bytes) else s for s in (stdout, stderr))
+    except subprocess.TimeoutExpired as err:
+        text = [x.decode() if isinstance(x, bytes) else x or "" for x in (err.stdout, err.stderr)]
+        rc, stdout, stderr = -9, text[0], text[1] + f"\ntimed out after {timeout:.0f} s"
     wall = time.perf_counter() - t0
-    with open(os.path.join(out, name.replace(" ", "_") + ".log"), "w") as f:
+    with open(os.path.join(out, run_name + ".log"), "w") as f:
         f.write(" ".join(cmd) + "\n\n" + stdout + "\n" + stderr)
     seen = {}
     if os.path.exists(peak_json):
@@ -553,13 +586,7 @@ def run_one(row, folders: dict, out: str, tiny: bool, timeout: float) -> dict:
     rows = [m for m in read_rows(run_dir) if not m.get("final")]
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
     errors = [line for line in lines if "Error" in line or "error" in line]
-    r = dict(
-        name=name,
-        script=script,
-        model=model,
-        precision=precision,
-        parallel=parallel,
-        flags=" ".join(flags),
+    r.update(
         rc=rc,
         wall_s=wall,
         oom="out of memory" in stderr.lower() or "OutOfMemoryError" in stderr,
@@ -571,17 +598,8 @@ def run_one(row, folders: dict, out: str, tiny: bool, timeout: float) -> dict:
         decode_max=seen.get("decode_max", 0),
         decode_calls=seen.get("decode_calls", 0),
     )
-    try:
-        from benchmarks import bench_memory as bm
-
-        with open(os.path.join(folders["reward"], "config.json")) as f:
-            reward = json.load(f)
-        e = estimate_for(script, flags, bm.from_folder(folders[model]), reward, eval_images)
-        r.update(estimate=e["peak"], estimate_phase=e["phase"])
-    except Exception as e:  # noqa: BLE001 -- a run's report must not be lost to its estimate
-        r.update(estimate=float("nan"), estimate_phase=f"estimate failed: {e}")
     r["fail"] = judge(r)
-    shutil.rmtree(run_dir, ignore_errors=True)  # checkpoints: a full fine-tuning one is 36 GB
+    shutil.rmtree(run_dir, ignore_errors=True)  # its checkpoints
     return r
 
 
@@ -638,6 +656,8 @@ def run_lines(k: int, n: int, r: dict) -> list[str]:
     """What the job prints for one run (docs/usage.md, "Your first GPU run", explains each line)."""
     if r["name"] == "cudnn":
         return [f"[{k}/{n}] cudnn probe ({r['wall_s']:.0f} s): {r['verdict']}"]
+    if r.get("skipped"):
+        return [f"[{k}/{n}] {r['name']}: FAIL: {'; '.join(r['fail'])}"]
     status = "PASS" if not r["fail"] else "FAIL: " + "; ".join(r["fail"])
     out = [f"[{k}/{n}] {r['name']}: {status} ({r['wall_s']:.0f} s)"]
     it0, it1 = r["iteration0"] or {}, r["iteration1"] or {}
