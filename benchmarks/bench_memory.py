@@ -3,7 +3,7 @@ every paper preset's peak against the GPU it names.
 
     python benchmarks/bench_memory.py                 # docs/results.md: the preset table, then DDP against FSDP
     python benchmarks/bench_memory.py --check         # only the model against the measured H200 peaks
-    python benchmarks/bench_memory.py --decode-check  # the decode term against a real CPU decode (about 30 s)
+    python benchmarks/bench_memory.py --decode-check  # the decode term against a real CPU decode (about 15 s)
 
 Every model is built on the meta device (shapes, no memory) from its published config: the transformers (FLUX.1-dev:
 FluxTransformer2DModel's defaults with guidance_embeds; SD3.5-M: its transformer/config.json), the text encoders
@@ -23,7 +23,7 @@ A run's peak per GPU is what stays for the whole run plus the largest transient 
   + the largest of these phases:
     encode      the text encoders' forward on the most prompts encoded at once (a rank's rollout prompts, or one
                 evaluation batch); SD3 keeps every CLIP layer's output (diffusers asks for the hidden states)
-    rollout     what the rollout keeps (latents of the trained steps, decoded images; `held`) + the largest of the
+    rollout     what the rollout keeps and holds (latents, decoded images: `held_by_rollout`) + the largest of the
                 no-grad transformer forward at --rollout-batch-size (CFG: 2 rows; DenseGRPO's completions at
                 --completion-batch-size), one VAE decode of --decode-batch-size images, one reward batch
     train       what the rollout keeps + the trained weights' gradients + the activations one micro-batch saves for
@@ -57,7 +57,8 @@ saved outside the blocks + every block's inputs + the largest block.
 Transients of no-grad forwards (text encoders, rollout and evaluation forwards, VAE decode, reward) are COMPUTED the
 same way: the forward runs on the meta device under `PeakLive`, a dispatch mode that adds up the bytes of every tensor
 made inside the forward while it is alive (a weak reference to its storage says when it is freed) and keeps the
-largest sum. Checked against a real decode on CPU (`--decode-check`, tests/test_memory_model.py): the same count on
+largest sum. A transformer (or text encoder, or reward) runs two of its blocks of each kind, which stand for the
+rest (`distinct_blocks`: exact, and several times faster). Checked against a real decode on CPU (`--decode-check`, tests/test_memory_model.py): the same count on
 real tensors, and the process's peak resident memory. The VAE decode's peak is 3 tensors of 256 channels at the full
 resolution in fp32 (the last up-block's first resnet: its input, the group norm's output, the SiLU's output):
 3 x 256 x H x W x 4 bytes per image, 0.75 GiB at 512 px, 1.48 GiB at 720 px.

@@ -509,6 +509,29 @@ def judge(r: dict) -> list[str]:
     return why
 
 
+def run_process(cmd: list[str], env: dict, timeout: float) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `cmd` in a process group of its own: at the timeout the whole group is killed,
+    torchrun's worker too, so that no process of this run keeps GPU memory for the next."""
+    import signal
+
+    p = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        out, err = p.communicate(timeout=timeout)
+        return p.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        return -9, out, err + f"\ntimed out after {timeout:.0f} s"
+
+
 def output_root(out: str, need: float) -> str | None:
     """Where a run's folder goes: {out}/runs, or /dev/shm when the disk lacks `need` bytes (a full fine-tuning
     checkpoint of SD3.5-M is about 36 GB: fp32 weights, Adam's two moments and the saved transformer, beside the
@@ -570,12 +593,7 @@ def run_one(row, folders: dict, out: str, tiny: bool, timeout: float) -> dict:
     ]
     env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
-        rc, stdout, stderr = p.returncode, p.stdout, p.stderr
-    except subprocess.TimeoutExpired as err:
-        text = [x.decode() if isinstance(x, bytes) else x or "" for x in (err.stdout, err.stderr)]
-        rc, stdout, stderr = -9, text[0], text[1] + f"\ntimed out after {timeout:.0f} s"
+    rc, stdout, stderr = run_process(cmd, env, timeout)
     wall = time.perf_counter() - t0
     with open(os.path.join(out, run_name + ".log"), "w") as f:
         f.write(" ".join(cmd) + "\n\n" + stdout + "\n" + stderr)
@@ -629,13 +647,8 @@ def cudnn_probe(flux: str, timeout: float) -> dict:
 
     t0 = time.perf_counter()
     code = CUDNN_PROBE.format(root=ROOT, path=flux)
-    try:
-        p = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
-        )
-        rc, out, err = p.returncode, p.stdout, p.stderr
-    except subprocess.TimeoutExpired:
-        rc, out, err = -9, "", f"timed out after {timeout:.0f} s"
+    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
+    rc, out, err = run_process([sys.executable, "-c", code], env, timeout)
     lines = [line for line in err.strip().splitlines() if line.strip()]
     ok = rc == 0 and '"ok": true' in out
     if ok:
@@ -704,6 +717,21 @@ def write_report(out: str, header: list[str], results: list[dict], lines: list[s
     )
 
 
+def gpu_name() -> str:
+    """The GPU's name from nvidia-smi: asking torch would open a CUDA context in this process, whose memory the runs
+    then lack."""
+    try:
+        names = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+        return names.splitlines()[0] if names else "CUDA device"
+    except (OSError, subprocess.SubprocessError):
+        return "CUDA device"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -727,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t_start = time.perf_counter()
     os.makedirs(a.out, exist_ok=True)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (--tiny)"
+    device = gpu_name() if torch.cuda.is_available() else "CPU (--tiny)"
     header = [
         f"# First GPU job: {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}",
         "",
