@@ -50,9 +50,10 @@ def size(n: float) -> str:
 # FAIL when: the process exits non-zero (an out-of-memory error named as such), iteration 1 has no finite loss, its
 # trained weights' gradient has more than ZERO_LIMIT exact zeros after unscaling (an fp16 underflow gives ~0.9; a
 # LoRA's first step has 0.5 by construction: B starts at 0, so A's gradient is 0, which is why iteration 0 is not
-# read), fp16 skipped every optimizer step of iteration 1, a VAE decode call took more than --decode-batch-size
-# images, or the peak passes the memory model's estimate by more than PEAK_TOLERANCE (the model leaves out the
-# cuDNN/cuBLAS workspaces and the allocator's rounding: it was within -1 % / +4 % of the H200's peaks, `--check`).
+# read), fp16 skipped every optimizer step of iteration 1 (train/optimizer_steps counts the steps taken), a VAE
+# decode call took more than --decode-batch-size images, or the peak passes the memory model's estimate by more than
+# PEAK_TOLERANCE (the model leaves out the cuDNN/cuBLAS workspaces and the allocator's rounding: it was within
+# -1 % / +4 % of the H200's peaks, `bench_memory.py --check`).
 ZERO_LIMIT = 0.5
 PEAK_TOLERANCE = 0.15
 T5_LAYERS = 2
@@ -494,9 +495,9 @@ def judge(r: dict) -> list[str]:
         why.append(
             f"{zero:.0%} of the gradient's entries are exactly zero (limit {ZERO_LIMIT:.0%})"
         )
-    steps = it.get("train/optimizer_steps", 0)
-    if r["precision"] == "fp16" and steps and it.get("train/skipped_steps", 0) >= steps:
-        why.append(f"fp16: all {steps} optimizer steps of iteration 1 skipped")
+    skipped = it.get("train/skipped_steps", 0)
+    if r["precision"] == "fp16" and skipped and not it.get("train/optimizer_steps", 0):
+        why.append(f"fp16: all {skipped} optimizer steps of iteration 1 skipped")
     if r["decode_max"] > DECODE_BATCH:
         why.append(
             f"a VAE decode call took {r['decode_max']} images (--decode-batch-size {DECODE_BATCH})"
@@ -695,10 +696,11 @@ def run_lines(k: int, n: int, r: dict) -> list[str]:
             f"{zero:.1%} of its entries exactly zero (iteration 1)" if zero is not None else "n/a"
         )
         if r["precision"] == "fp16":
+            skipped = it1.get("train/skipped_steps", 0)
+            steps = skipped + it1.get("train/optimizer_steps", 0)
             line += (
                 f"; fp16 loss scale {it1.get('train/loss_scale', float('nan')):g}, "
-                f"{it1.get('train/skipped_steps', 'n/a')} of {it1.get('train/optimizer_steps', 'n/a')} "
-                "optimizer steps skipped"
+                f"{skipped} of {steps} optimizer steps skipped"
             )
         out.append(line)
     out.append(f"    decode: at most {r['decode_max']} images per call ({r['decode_calls']} calls)")

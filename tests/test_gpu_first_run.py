@@ -88,7 +88,7 @@ def verdict(**changes):
         ({"rc": 1, "last_error": "ValueError: x"}, "exit 1: ValueError: x"),
         ({"train/grad_zero_fraction": 0.93}, "exactly zero"),
         ({"policy_loss": float("nan")}, "no finite loss"),
-        ({"train/skipped_steps": 2}, "optimizer steps of iteration 1 skipped"),
+        ({"train/skipped_steps": 2, "train/optimizer_steps": 0}, "steps of iteration 1 skipped"),
         ({"decode_max": 64}, "decode call took 64 images"),
         ({"peak": 60 * job.GiB}, "above the estimate"),
         ({"peak": None}, None),  # CPU: no peak to compare
