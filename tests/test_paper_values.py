@@ -21,9 +21,10 @@ import ast
 import importlib
 import os
 import re
-import shlex
 
 import pytest
+
+from benchmarks.presets import DOCS, PRESET, preset_command, read
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -240,21 +241,6 @@ def test_clause_values():
 
 
 # ------------------------------------------------- issue #37.4: one docstring per shared flag, paper values in docs
-DOCS = {
-    "flowgrpo_baseline.py": "docs/flowgrpo.md",
-    "g2rpo.py": "docs/g2rpo.md",
-    "densegrpo.py": "docs/densegrpo.md",
-    "diffusionnft.py": "docs/diffusionnft.md",
-}
-PRESET = re.compile(r"^## Paper preset\n(?P<body>.*?)(?=^## |\Z)", re.S | re.M)
-BASH = re.compile(r"```bash\n(?P<code>.*?)```", re.S)
-
-
-def read(path: str) -> str:
-    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
-        return f.read()
-
-
 def args_fields(source: str) -> list[str]:
     """The field names of the `Args` dataclass, in order."""
     cls = next(
@@ -299,27 +285,6 @@ def test_every_shared_flag_has_one_help_in_common():
     assert len(shared) >= 40, f"only {len(shared)} flags in common/harness.py: parsing broke?"
     errors = [f"{s}: {e}" for s in SCRIPTS for e in redeclared_help(read(s), shared)]
     assert not errors, "\n  ".join(["a shared flag's help is in common/harness.py only:"] + errors)
-
-
-def preset_command(doc_text: str, script: str) -> tuple[list[str], int]:
-    """(the arguments after `script` in the first bash block of the doc's "## Paper preset" section, the world size
-    its torchrun asks for: --nnodes x --nproc_per_node). Comments and line continuations are the shell's."""
-    section = PRESET.search(doc_text)
-    assert section, 'no "## Paper preset" section'
-    block = BASH.search(section["body"])
-    assert block, '"## Paper preset" has no ```bash block'
-    tokens = shlex.split(block["code"].replace("\\\n", " "), comments=True)
-    assert tokens and tokens[0] == "torchrun" and script in tokens, (
-        f"the block is not `torchrun ... {script} ...`"
-    )
-    launcher, argv = tokens[: tokens.index(script)], tokens[tokens.index(script) + 1 :]
-
-    def launcher_flag(*names, default=1):
-        found = [int(launcher[i + 1]) for i, t in enumerate(launcher[:-1]) if t in names]
-        return found[0] if found else default
-
-    world_size = launcher_flag("--nnodes") * launcher_flag("--nproc_per_node", "--nproc-per-node")
-    return argv, world_size
 
 
 def preset_errors(script: str, doc_text: str, table: dict) -> list[str]:
