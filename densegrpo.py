@@ -345,14 +345,14 @@ def dense_rollout(
     # last: the SDE image (index T)
     clean = torch.cat([clean.view(len(completed), *latents.shape[1:]), latents[T:]])
     bs, job_prompts = args.rollout_batch_size, list(prompts) * (len(completed) + 1)  # k-major
-    # decoded and submitted chunk by chunk: a remote reward scores one while the next decodes
-    pending = [
-        reward_model.submit(
-            backbone.decode(c, args.resolution, args.resolution), job_prompts[i : i + bs]
-        )
-        for i, c in zip(range(0, len(job_prompts), bs), clean.flatten(0, 1).split(bs))
-    ]
-    scores = reward_model.gather(pending, run_dir).view(len(completed) + 1, n, -1)
+    # chunk by chunk: a remote reward scores one while the next decodes
+    scores = reward_model.score_batches(
+        (
+            (backbone.decode(c, args.resolution, args.resolution), job_prompts[i : i + bs])
+            for i, c in zip(range(0, len(job_prompts), bs), clean.flatten(0, 1).split(bs))
+        ),
+        run_dir,
+    ).view(len(completed) + 1, n, -1)
     row = {T: len(completed)}  # row of scores holding R_k
     for k in reversed(need[:-1]):
         row[k] = row[k + 1] if same[k] else completed.index(k)
@@ -457,11 +457,10 @@ def load_psi(path: str, num_steps: int, psi_scale: str, sde_type: str = "sde") -
     another noise)."""
     try:
         info = read_json(path)  # an object, not nested deeper than a psi.json is
-        if "psi" not in info:
-            raise KeyError("psi")
-        if not isinstance(info["psi"], list) or not info["psi"]:
-            raise ValueError(f"its 'psi' is {kind_of(info.get('psi'))}, not a list of numbers")
-        psi = [float(p) for p in info["psi"]]
+        psi = info["psi"]
+        if not isinstance(psi, list) or not psi:
+            raise ValueError(f"its 'psi' is {kind_of(psi)}, not a list of numbers")
+        psi = [float(p) for p in psi]
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise ConfigError(
             f"--psi-file '{path}' is not a psi.json ({e.__class__.__name__}: {e}): expected JSON "

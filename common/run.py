@@ -372,14 +372,12 @@ class Run:
         had before its set-up (`stop_on_signals_in_setup`)."""
 
         def stop(signum, frame):
-            if self.is_main:
-                print(
-                    f"stopped by {signal.Signals(signum).name} at iteration {self.iteration}; "
-                    f"{continue_hint(self.dir)}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            raise SystemExit(128 + signum)
+            stop_by_signal(
+                signum,
+                f"at iteration {self.iteration}",
+                lambda: continue_hint(self.dir),
+                self.is_main,
+            )
 
         self._handlers = {}
         for sig in SIGNALS:
@@ -426,6 +424,18 @@ _before_setup: dict = {}
 _setup_state: dict = {"run_dir": None, "signal": None}
 
 
+def stop_by_signal(signum: int, when: str, hint, show: bool) -> None:
+    """The one line a signal stops the process with (rank 0 prints it; `hint()` names what exists
+    to go on from), and exit code 128 + the signal."""
+    if show:
+        print(
+            f"stopped by {signal.Signals(signum).name} {when}; {hint()}",
+            file=sys.stderr,
+            flush=True,
+        )
+    raise SystemExit(128 + signum)
+
+
 def stop_on_signals_in_setup(setup):
     """Decorates the set-up: SIGINT and SIGTERM from its first line (checks, reward and model loads)
     stop the process with one line and exit code 128 + the signal, as they do during training
@@ -439,14 +449,12 @@ def stop_on_signals_in_setup(setup):
         if _setup_state["signal"] is not None:
             os._exit(128 + signum)
         _setup_state["signal"] = signum
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(
-                f"stopped by {signal.Signals(signum).name} during the set-up, before training "
-                f"started; {_setup_hint()}",
-                file=sys.stderr,
-                flush=True,
-            )
-        raise SystemExit(128 + signum)
+        stop_by_signal(
+            signum,
+            "during the set-up, before training started",
+            _setup_hint,
+            int(os.environ.get("RANK", "0")) == 0,
+        )
 
     @functools.wraps(setup)
     def guarded(*args, **kwargs):

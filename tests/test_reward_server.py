@@ -426,23 +426,10 @@ TOY = [
     "--eval-every",
     "100",
 ]
+TWO_BY_TWO = ["--groups-per-iteration", "2", "--group-size", "2", "--rollout-batch-size", "2"]
 SCRIPT_FLAGS = {
-    "flowgrpo_baseline.py": [
-        "--groups-per-iteration",
-        "2",
-        "--group-size",
-        "2",
-        "--rollout-batch-size",
-        "2",
-    ],
-    "diffusionnft.py": [
-        "--groups-per-iteration",
-        "2",
-        "--group-size",
-        "2",
-        "--rollout-batch-size",
-        "2",
-    ],
+    "flowgrpo_baseline.py": TWO_BY_TWO,
+    "diffusionnft.py": TWO_BY_TWO,
     "g2rpo.py": [
         *("--groups-per-iteration", "2", "--group-size", "3", "--rollout-batch-size", "4"),
         *("--branch-steps", "0", "1", "--granularities", "1", "2", "--noise-level", "1.0"),
