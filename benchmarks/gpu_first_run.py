@@ -346,7 +346,7 @@ EVAL_64 = {
     "g2rpo FLUX.1-dev LoRA 720 px bf16 fsdp eval 64",
     "diffusionnft SD3.5-M fp16 fsdp eval 64",
 }
-# --tiny: the same runs scaled to the tiny models on CPU (32 px, 4 steps); the test runs two of them
+# --tiny: the same runs scaled to the tiny models on CPU (32 px, 4 steps); the test runs one of them
 TINY = {
     "--resolution": [32],
     "--num-steps": [4],

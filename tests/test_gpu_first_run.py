@@ -20,39 +20,29 @@ def test_without_cuda_it_skips_with_one_line(capsys, monkeypatch, tmp_path):
     assert not list(tmp_path.iterdir())  # nothing built, nothing written
 
 
-def test_the_tiny_job_runs_ddp_and_fsdp_in_fp16_and_bf16(tmp_path, capsys):
-    """Two rows of the job, tiny, on CPU: Flow-GRPO's SD3.5-M preset in fp16 under DDP, and G²RPO's FLUX.1-dev run
-    in bf16 under FSDP2 with 64 evaluation images per batch. Both PASS: iteration 1 has a finite loss and few exact
-    zeros in its gradient, fp16 logs its loss scale, no VAE call decodes more than 8 images."""
+def test_the_tiny_job_runs_fp16_under_fsdp_with_a_64_image_evaluation(tmp_path, capsys):
+    """One row of the job, tiny, on CPU, the one that combines the most: DiffusionNFT's SD3.5-M preset in fp16 with
+    loss scaling under FSDP2, evaluating 64 images per batch. It PASSES: iteration 1 has a finite loss and few exact
+    zeros in its gradient, the loss scale is logged, no VAE call decodes more than 8 images. (Every row runs through
+    the same run_one and judge; the rows differ in their flags, whose DDP, bf16 and FLUX paths
+    tests/test_parallel.py runs. One torchrun launch is ~9 s of imports on 2 cores, so the test runs one.)"""
     out = tmp_path / "out"
-    rc = job.main(
-        [
-            "--tiny",
-            "--out",
-            str(out),
-            "--cache",
-            str(tmp_path / "cache"),
-            "--only",
-            "flowgrpo SD3.5-M fp16 ddp",
-            "g2rpo FLUX.1-dev",
-        ]
-    )
+    name = "diffusionnft SD3.5-M fp16 fsdp eval 64"
+    rc = job.main(["--tiny", "--out", str(out), "--cache", str(tmp_path / "cache"), "--only", name])
     printed = capsys.readouterr().out
     results = json.loads((out / "gpu_first_run.json").read_text())
     assert rc == 0, printed
-    assert [r["name"] for r in results] == [job.RUNS[0][0], job.RUNS[1][0]]
-    fp16, fsdp = results
-    assert (fp16["precision"], fp16["parallel"]) == ("fp16", "ddp")
-    assert (fsdp["precision"], fsdp["parallel"]) == ("bf16", "fsdp")
-    for r in results:
-        assert r["fail"] == [] and r["rc"] == 0, r
-        assert r["iteration1"]["train/grad_zero_fraction"] <= job.ZERO_LIMIT
-        assert 0 < r["decode_max"] <= 8 and r["estimate"] > 0
-    assert "train/loss_scale" in fp16["iteration1"]
+    assert [r["name"] for r in results] == [name]
+    (r,) = results
+    assert (r["precision"], r["parallel"]) == ("fp16", "fsdp")
+    assert r["fail"] == [] and r["rc"] == 0, r
+    assert r["iteration1"]["train/grad_zero_fraction"] <= job.ZERO_LIMIT
+    assert 0 < r["decode_max"] <= 8 and r["estimate"] > 0
+    assert "train/loss_scale" in r["iteration1"]
     # the 64-image evaluation decodes in chunks of 8: two evaluations, at least 8 calls each
-    assert fsdp["decode_calls"] >= 16
+    assert r["decode_calls"] >= 16
     text = (out / "gpu_first_run.md").read_text()
-    assert "[1/2] flowgrpo SD3.5-M fp16 ddp: PASS" in text and "2 of 2 passed" in text
+    assert f"[1/1] {name}: PASS" in text and "1 of 1 passed" in text
     assert "seconds: rollout" in printed and "memory: no CUDA peak on CPU" in printed
 
 
