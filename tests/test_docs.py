@@ -562,3 +562,28 @@ if (
         )
         for e in errors:
             print("  " + e)
+
+
+def test_the_readmes_two_timings_are_its_logged_solo_runs():
+    """README's "about N minutes" for the main command and for pytest are the logged solo runs its link names
+    (docs/data/readme_timings_*/: /usr/bin/time's elapsed time of `python flowgrpo_baseline.py`, pytest's own
+    total), to the nearest minute; the exact figures in its sentence are those logs' too."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    folder = re.search(r"\]\((docs/data/readme_timings_[0-9-]+)/?\)", readme).group(1)
+    main_log = open(os.path.join(ROOT, folder, "main_command.txt")).read()
+    m, s = re.search(
+        r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\d+):([\d.]+)", main_log
+    ).groups()
+    main_s = 60 * int(m) + float(s)
+    pytest_s = float(
+        re.search(r"passed.* in ([\d.]+)s", open(os.path.join(ROOT, folder, "pytest.txt")).read())[
+            1
+        ]
+    )
+    said_main = int(re.search(r"30 iterations, about (\d+) minutes on 2 CPU cores", readme)[1])
+    said_tests = int(
+        re.search(r"The tests \(offline, CPU, about (\d+) minutes on 2 cores\)", readme)[1]
+    )
+    assert (said_main, said_tests) == (round(main_s / 60), round(pytest_s / 60))
+    exact = [f"{int(t // 60)} min {round(t % 60)} s" for t in (main_s, pytest_s)]
+    assert f"{exact[0]} and {exact[1]}" in " ".join(readme.split()), exact
