@@ -25,7 +25,7 @@ def test_the_tiny_job_runs_fp16_under_fsdp_with_a_64_image_evaluation(tmp_path, 
     loss scaling under FSDP2, evaluating 64 images per batch. It PASSES: iteration 1 has a finite loss and few exact
     zeros in its gradient, the loss scale is logged, no VAE call decodes more than 8 images. (Every row runs through
     the same run_one and judge; the rows differ in their flags, whose DDP, bf16 and FLUX paths
-    tests/test_parallel.py runs. One torchrun launch is ~9 s of imports on 2 cores, so the test runs one.)"""
+    tests/test_parallel.py runs. A row takes ~9 s on 2 cores, nearly all of it the launch's imports, so the test runs one.)"""
     out = tmp_path / "out"
     name = "diffusionnft SD3.5-M fp16 fsdp eval 64"
     rc = job.main(["--tiny", "--out", str(out), "--cache", str(tmp_path / "cache"), "--only", name])
