@@ -128,8 +128,10 @@ def seed_everything(seed: int, deterministic: bool = True) -> None:
 
 
 # ---------------------------------------------------------------------------------------- logging
-# How long wandb.init may take before the run stops in one line (wandb's own default is 90 s, and
-# with a key but no network it hung past that); WANDB_INIT_TIMEOUT overrides it.
+# How long wandb.init may take to start the run before the run stops in one line (wandb's own
+# default is 90 s, and with a key but no network it hung past that); WANDB_INIT_TIMEOUT overrides
+# it. wandb's identity lookups come on top (5 s each when the server does not answer them); a
+# server nothing answers at is refused before the model loads (harness.check_reachable).
 WANDB_INIT_TIMEOUT_S = 30.0
 
 
@@ -159,6 +161,7 @@ class RunLogger:
             import wandb  # lazy: only runs that ask for wandb pay for it (WANDB_MODE=offline works)
 
             timeout = float(os.environ.get("WANDB_INIT_TIMEOUT", WANDB_INIT_TIMEOUT_S))
+            start = time.monotonic()
             try:
                 self.wandb = wandb.init(
                     project=project,
@@ -177,8 +180,9 @@ class RunLogger:
                     shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
                 first = " ".join(str(e).split())[:200] or e.__class__.__name__
                 raise ConfigError(
-                    f"--track: wandb did not start ({e.__class__.__name__}: {first}; it waits "
-                    f"{timeout:g} s, WANDB_INIT_TIMEOUT): check the network and the API key, or "
+                    f"--track: wandb did not start in {time.monotonic() - start:.0f} s "
+                    f"({e.__class__.__name__}: {first}; the run's start may take WANDB_INIT_TIMEOUT="
+                    f"{timeout:g} s): check the network and the API key, or "
                     "log offline with WANDB_MODE=offline (then `wandb sync`), or drop --track"
                 ) from None
 

@@ -372,20 +372,92 @@ def test_track_without_a_key_or_with_a_bad_project_is_one_line_before_the_model_
     assert not os.path.exists(tmp_path / "out")
 
 
-def test_wandb_without_a_network_is_bounded_and_leaves_no_run(tmp_path, monkeypatch, wandb_online):
-    """A key but no server: wandb.init waited 109 s, then a traceback, args.json left behind. Now it waits
-    WANDB_INIT_TIMEOUT (here 2 s), says what to do in one line and removes what this run wrote."""
+def test_track_to_a_server_nothing_answers_at_is_one_line_before_the_model_loads(
+    tiny_sd3, tmp_path, prompts_file, monkeypatch, wandb_online
+):
+    """A key but no network (here: a port nothing listens on): wandb spent 5 s on each of its two identity lookups,
+    then WANDB_INIT_TIMEOUT on the run, after the model load. Now one line before the model loads, nothing written;
+    behind a proxy the check is left to wandb (the proxy is what would have to answer)."""
+    import wandb.sdk.wandb_setup as ws
+
+    import common.harness
+
+    monkeypatch.setattr(
+        common.harness, "load_backbone", lambda *a, **k: pytest.fail("the model was loaded")
+    )
+    monkeypatch.setenv("WANDB_API_KEY", "a" * 40)
+    # the singleton read WANDB_BASE_URL at its first use; a run reads it at its start
+    monkeypatch.setattr(ws.singleton().settings, "base_url", "http://127.0.0.1:9")
+    flags = [*tiny_flags(tiny_sd3, tmp_path / "out", prompts_file), "--track"]
+    t = time.time()
+    with pytest.raises(ConfigError) as e:
+        run_main(SCRIPT, *flags)
+    msg = str(e.value.code)
+    assert msg.startswith(
+        "error: --track logs online to http://127.0.0.1:9, and this machine cannot"
+    )
+    assert "ConnectionRefusedError" in msg and "WANDB_MODE=offline" in msg and "\n" not in msg
+    assert time.time() - t < common.harness.REACH_TIMEOUT_S and not os.path.exists(tmp_path / "out")
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    common.harness.check_reachable("http://127.0.0.1:9", None)  # through a proxy: not probed
+
+
+@pytest.fixture
+def wandb_server(monkeypatch):
+    """A wandb server on loopback that says whose key it is (the identity lookups) and then never answers the
+    run's creation: what a server that accepts a connection and stalls looks like to wandb.init."""
+    import http.server
+    import threading
+
+    release = threading.Event()
+
+    class Stall(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if b"viewer" not in body:
+                release.wait(60)  # the run's creation: no reply while the test runs
+                return
+            who = {"id": "1", "entity": "e", "username": "u", "flags": "{}", "teams": {"edges": []}}
+            reply = json.dumps({"data": {"viewer": who}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stall)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    import wandb.sdk.wandb_setup as ws
+
+    # the singleton read WANDB_BASE_URL at its first use
+    monkeypatch.setattr(
+        ws.singleton().settings, "base_url", f"http://127.0.0.1:{server.server_address[1]}"
+    )
+    yield
+    release.set()
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_wandb_server_that_never_starts_the_run_is_bounded_and_leaves_no_run(
+    tmp_path, monkeypatch, wandb_online, wandb_server
+):
+    """A key, a server that answers and then stalls: wandb.init waited 109 s, then a traceback, args.json left
+    behind. Now it waits WANDB_INIT_TIMEOUT (here 1 s), says what to do in one line and removes what this run
+    wrote."""
     from common.utils import RunLogger
 
     monkeypatch.setenv("WANDB_API_KEY", "a" * 40)
-    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there
-    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "2")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "1")
     run = tmp_path / "run"
     run.mkdir()
     t = time.time()
     with pytest.raises(ConfigError) as e:
         RunLogger(str(run), True, True, {"seed": 1}, "flow-rl", None, "run")
     msg = str(e.value.code)
-    assert msg.startswith("error: --track: wandb did not start (") and "\n" not in msg, msg
-    assert "WANDB_MODE=offline" in msg and "WANDB_INIT_TIMEOUT" in msg
-    assert time.time() - t < 60 and os.listdir(run) == []
+    assert msg.startswith("error: --track: wandb did not start in ") and "\n" not in msg, msg
+    assert "WANDB_MODE=offline" in msg and "WANDB_INIT_TIMEOUT=1 s" in msg
+    assert time.time() - t < 10 and os.listdir(run) == []
