@@ -35,7 +35,6 @@ import math
 
 import numpy as np
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 
 def _per_sample(x, like: torch.Tensor) -> torch.Tensor:
@@ -280,6 +279,10 @@ def _nonzero(t):
 
 def _sample_if_missing(prev_sample, mean, step_std, generator):
     if prev_sample is None:
+        # diffusers' draw (a generator per sample, as the stock pipelines draw), imported here: importing diffusers
+        # takes 1.4 s, and a script checks its flags and its files before it loads anything heavy
+        from diffusers.utils.torch_utils import randn_tensor
+
         eps = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
         prev_sample = mean + step_std * eps
     return prev_sample.float()
