@@ -106,8 +106,9 @@ def test_a_run_that_died_before_its_first_checkpoint_restarts_in_place(
 def test_a_huge_learning_rate_stops_in_one_line(tiny_sd3, tmp_path, prompts_file):
     """An update that overflows the weights stops the run in one line, naming what exists to go on from, and no
     non-finite weight is saved. The check is not an assert, so `python -O` keeps it: tests/test_training.py finds no
-    assert or __debug__ in common/ or the scripts and runs a check compiled as -O compiles it. (This run under -O took 11 s where it takes 4: with
-    PYTHONDONTWRITEBYTECODE set, as on the 2-core machine, -O compiles torch's and diffusers' sources at every start.)"""
+    assert or __debug__ in common/ or the scripts and runs a check compiled as -O compiles it. (This run under -O
+    took 11 s where it takes 4: with PYTHONDONTWRITEBYTECODE set, as on the 2-core machine, -O compiles torch's and
+    diffusers' sources at every start.)"""
     flags = tiny_flags(tiny_sd3, tmp_path, prompts_file)
     env = script_env()
     cmd = [sys.executable, os.path.join(ROOT, SCRIPT), *flags, "--num-iterations", "3"]

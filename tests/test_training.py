@@ -217,9 +217,8 @@ def test_no_runtime_check_is_an_assert_so_python_O_keeps_them(monkeypatch):
 
     path = os.path.join(ROOT, "common", "training.py")
     module = types.ModuleType("training_as_python_O")
-    monkeypatch.setitem(
-        sys.modules, module.__name__, module
-    )  # its dataclasses look their module up
+    # the module's dataclasses look their module up in sys.modules
+    monkeypatch.setitem(sys.modules, module.__name__, module)
     exec(compile(open(path).read(), path, "exec", optimize=1), module.__dict__)
     with pytest.raises(module.TransitionsError, match="missing fields"):
         module.check_transitions({"advantage": torch.zeros(2)}, torch.ones(3), 1)
