@@ -15,7 +15,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One torch thread per process. pytest runs two workers (pyproject.toml: `-n 2`, one per core of the 2-core
+# machine the suite is sized for); two threads each made them spin against each other (measured 2026-12-06: user
+# time 652 s against 389 s with one). A script a test starts inherits the one thread through OMP_NUM_THREADS, so
+# weights that a test compares bit for bit between this process and a child are summed in the same order.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 
 def pytest_configure(config):

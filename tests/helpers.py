@@ -8,12 +8,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def script_env(threads: int = 2) -> dict:
-    """The environment a script runs in as a subprocess of the tests: offline, no wandb, this repo."""
+def script_env() -> dict:
+    """The environment a script runs in as a subprocess of the tests: offline, no wandb, this repo, and the one
+    torch thread of the test process that starts it (tests/conftest.py)."""
     return {
         **os.environ,
         "PYTHONPATH": ROOT,
-        "OMP_NUM_THREADS": str(threads),
         "HF_HUB_OFFLINE": "1",
         "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled"),
     }
@@ -21,7 +21,7 @@ def script_env(threads: int = 2) -> dict:
 
 def run_script(script: str, *flags: str, nproc: int = 1, check: bool = True, timeout: int = 300):
     """Run `script` with `flags` in a subprocess (1 process, or `nproc` ranks under torchrun); return the result."""
-    env = script_env(1 if nproc > 1 else 2)
+    env = script_env()
     if nproc > 1:
         cmd = [
             sys.executable,

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 from fault_worker import save_loop, tiny_state, tiny_weights
-from helpers import ROOT, read_metrics, run_main, tiny_flags, write_prompts
+from helpers import ROOT, read_metrics, run_main, script_env, tiny_flags, write_prompts
 from safetensors.torch import load_file
 
 import common.checkpoint as ck
@@ -119,7 +119,7 @@ def test_a_real_run_killed_at_random_instants_resumes_to_the_uninterrupted_weigh
     run_main("densegrpo.py", *flags("straight"))
     digest = [ln for ln in capsys.readouterr().out.splitlines() if "sha256" in ln][-1].split()[-1]
     run, rng = tmp_path / "killed", random.Random(0)
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2"}
+    env = script_env()  # this process's one thread: the weights compared bit for bit come from both
     cmd = [sys.executable, os.path.join(ROOT, "densegrpo.py"), *flags("killed")]
     kills = 0
 
@@ -940,12 +940,7 @@ def test_bad_number_from_the_shell_exits_fast_without_traceback(tmp_path):
 
 # ============================================================ a rank that dies or hangs under torchrun (gloo)
 def _torchrun(mode: str, timeout_s: float):
-    env = {
-        **os.environ,
-        "PYTHONPATH": ROOT,
-        "OMP_NUM_THREADS": "1",
-        "FLOW_RL_DIST_TIMEOUT": str(timeout_s),
-    }
+    env = {**script_env(), "FLOW_RL_DIST_TIMEOUT": str(timeout_s)}
     t = time.time()
     r = subprocess.run(
         [

@@ -20,7 +20,15 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, read_metrics, run_main, stock_pipeline_image, tiny_flags, write_prompts
+from helpers import (
+    ROOT,
+    read_metrics,
+    run_main,
+    script_env,
+    stock_pipeline_image,
+    tiny_flags,
+    write_prompts,
+)
 
 from common.checks import ConfigError
 
@@ -57,13 +65,7 @@ def launch(runs, tmp_path, nodes: int = 1, timeout: int = 600) -> dict:
     into other advantages). Returns {(run, rank): RESULT}."""
     spec = tmp_path / f"runs{nodes}.json"
     spec.write_text(json.dumps(runs))
-    env = {
-        **os.environ,
-        "PYTHONPATH": ROOT,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "WANDB_MODE": "disabled",
-    }
+    env = script_env()
     worker = [os.path.join(ROOT, "tests", "parallel_worker.py"), str(spec), "--smooth-reward"]
     run = [sys.executable, "-m", "torch.distributed.run"]
     if nodes == 1:

@@ -293,7 +293,8 @@ def test_auto_precision_is_bf16_on_cuda_and_fp32_on_cpu_and_an_explicit_one_is_k
 def test_an_explicit_precision_is_honoured_on_the_cpu(tiny_sd3):
     """bf16 and fp16 on the CPU are real (slow, but the path a GPU run takes): the transformer and text encoders hold
     that dtype, the VAE stays fp32, and decoding in chunks gives the images of one call (to float rounding: a
-    convolution's kernel may sum in another order at another batch size)."""
+    convolution's kernel may sum in another order at another batch size: 1.1e-6 seen on one thread; images out of
+    order or a lost chunk would differ by tenths)."""
     for precision, dtype in (
         ("bf16", torch.bfloat16),
         ("fp16", torch.float16),
@@ -307,4 +308,4 @@ def test_an_explicit_precision_is_honoured_on_the_cpu(tiny_sd3):
     latents = torch.randn(5, 4, 32, 32, generator=torch.Generator().manual_seed(0))
     chunked = bb.decode(latents, 64, 64)
     bb.decode_batch_size = 5
-    torch.testing.assert_close(chunked, bb.decode(latents, 64, 64), rtol=0, atol=1e-6)
+    torch.testing.assert_close(chunked, bb.decode(latents, 64, 64), rtol=0, atol=1e-5)

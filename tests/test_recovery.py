@@ -306,7 +306,7 @@ def test_a_signal_during_the_model_load_is_one_line_and_128_plus_the_signal(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=script_env(1),
+        env=script_env(),
         cwd=ROOT,
     )
     for line in p.stdout:

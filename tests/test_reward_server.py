@@ -42,7 +42,7 @@ def server(*cmd, env=None, wait_s=60):
         stderr=err,
         text=True,
         cwd=ROOT,
-        env={**script_env(1), **(env or {})},
+        env={**script_env(), **(env or {})},
     )
     try:
         sel = selectors.DefaultSelector()

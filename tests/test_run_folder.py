@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 import pytest
-from helpers import ROOT, read_metrics, run_main, tiny_flags, write_prompts
+from helpers import ROOT, read_metrics, run_main, script_env, tiny_flags, write_prompts
 
 SCRIPT = "flowgrpo_baseline.py"
 HOLD = textwrap.dedent("""
@@ -52,13 +52,7 @@ def holder(run_dir):
 
 
 def start(tiny_sd3, tmp_path, prompts_file):
-    env = {
-        **os.environ,
-        "PYTHONPATH": ROOT,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "WANDB_MODE": "disabled",
-    }
+    env = script_env()
     cmd = [
         sys.executable,
         os.path.join(ROOT, SCRIPT),
@@ -271,7 +265,7 @@ def test_a_run_started_in_one_clone_resumes_from_another(tmp_path):
         "--output-dir",
         str(tmp_path / "runs"),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env = script_env()  # its PYTHONPATH is replaced by each clone's below
 
     def run(clone, *flags):
         cmd = [sys.executable, str(clone / "densegrpo.py"), *small, *flags]
