@@ -926,7 +926,7 @@ def test_bad_number_from_the_shell_exits_fast_without_traceback(tmp_path):
         text=True,
         cwd=ROOT,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"},
+        env=script_env(),
     )
     assert (
         r.returncode == 1 and "Traceback" not in r.stderr and "Loading pipeline" not in r.stderr
