@@ -607,9 +607,10 @@ def test_learning_on_the_toy_world(tmp_path):
     prompts rises within 6 iterations of 2 prompts x 8 images (Flow-GRPO's learning test's batch; the toy default's
     32 x 8 made this the suite's slowest test, 49 s of 300) with 4 sampling steps for training, ψ = --noise-level
     (no calibration) and a 10-step evaluation: -1.146 -> -1.001 (-1.121 / -1.086 after 2 / 4; 2 torch threads,
-    2026-12-05). With the advantages' sign flipped (in the rollout's transitions, in per_step_advantages, in the dense
-    reward ΔR or in the loss) it falls (-1.243 with the rollout's flip), and with learning rate 0 the two evaluations
-    are equal, so this fails when learning is broken. The reward is JPEG compressibility: smooth, so DenseGRPO's
+    2026-12-05; -1.014 on the suite's one thread, 2026-12-06). With the advantages' sign flipped (in the rollout's
+    transitions, in per_step_advantages, in the dense reward ΔR or in the loss) it falls (-1.243 with the rollout's
+    flip; -1.237 with each of the four on one thread), and with learning rate 0 the two evaluations are equal, so
+    this fails when learning is broken. The reward is JPEG compressibility: smooth, so DenseGRPO's
     per-step signal is dense. With the toy-world scorer on the same counting prompts DenseGRPO rose and then fell
     (0.249 -> 0.356 / 0.136 / 0.108 after 4 / 8 / 12 iterations at the default learning rate and batch, 2026-12-02),
     so it cannot be the test."""
