@@ -122,7 +122,7 @@ def toy_world_gain(script: str, tmp_path, *flags: str) -> tuple[float, float]:
     shipped toy model, trained and evaluated on TOY_LEARNING_PROMPTS, with `flags` (the budget and the
     reward); returns the eval reward mean at the first and at the last evaluation. A learning test
     asserts a gain: with the advantage's sign flipped anywhere the script computes or uses it the
-    reward falls, and with learning rate 0 the two evaluations are equal."""
+    reward falls, and with a learning rate of 1e-30 (the flag check refuses 0) the two evaluations are equal."""
     prompts = write_prompts(os.path.join(tmp_path, "learning_prompts.txt"), TOY_LEARNING_PROMPTS)
     run_main(
         script,

@@ -609,7 +609,7 @@ def test_learning_on_the_toy_world(tmp_path):
     (no calibration) and a 10-step evaluation: -1.146 -> -1.001 (-1.121 / -1.086 after 2 / 4; 2 torch threads,
     2026-12-05; -1.014 on the suite's one thread, 2026-12-06). With the advantages' sign flipped (in the rollout's
     transitions, in per_step_advantages, in the dense reward ΔR or in the loss) it falls (-1.243 with the rollout's
-    flip; -1.237 with each of the four on one thread), and with learning rate 0 the two evaluations are equal, so
+    flip; -1.237 with each of the four on one thread), and with learning rate 1e-30 the two evaluations are equal, so
     this fails when learning is broken. The reward is JPEG compressibility: smooth, so DenseGRPO's
     per-step signal is dense. With the toy-world scorer on the same counting prompts DenseGRPO rose and then fell
     (0.249 -> 0.356 / 0.136 / 0.108 after 4 / 8 / 12 iterations at the default learning rate and batch, 2026-12-02),

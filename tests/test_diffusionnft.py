@@ -295,7 +295,7 @@ def test_learning_on_the_toy_world(tmp_path):
     -1.041 (2 torch threads, 10-step evaluation, 2026-12-05; -1.040 on the suite's one thread,
     2026-12-06). With r's sign flipped in the rollout (1 - r), in optimality_weight, in
     group_advantages or where the training section reads r, it falls to -1.236, with r and 1 - r
-    swapped in the x0 loss to -1.235 (-1.236 on one thread), and with learning rate 0 the two
+    swapped in the x0 loss to -1.235 (-1.236 on one thread), and with learning rate 1e-30 the two
     evaluations are equal, so this fails when learning is broken. The loss's velocity form is not the
     toy default: test_learning_moves_the_reward_the_right_way covers it. The reward is JPEG
     compressibility, as in the GRPO scripts' learning tests (smooth and dense: a short CPU run shows

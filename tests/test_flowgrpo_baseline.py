@@ -149,7 +149,7 @@ def test_saved_lora_loads_into_stock_pipeline(tiny_sd3, tmp_path, prompts_file):
 def test_learning_on_the_toy_world(tmp_path):
     """Eval reward (deterministic ODE, fixed seeds) on the training prompts must rise within 3 iterations on the
     shipped toy model: -1.146 -> -0.957 (10-step evaluation, 2026-12-05 on 2 torch threads and 2026-12-06 on the
-    suite's one). With learning rate 0 the two evaluations are identical, and with the advantages' sign flipped it
+    suite's one). With learning rate 1e-30 the two evaluations are identical, and with the advantages' sign flipped it
     falls (-1.146 -> -1.295 with the flip in the rollout's transitions, in group_advantages or in the loss; both
     days), so this fails when learning is broken. The reward is JPEG compressibility: smooth and
     dense, so a short CPU run shows the effect reliably. (With the strict-GenEval-like toyworld reward, gains within

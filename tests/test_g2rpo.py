@@ -462,7 +462,7 @@ def test_learning_on_the_toy_world(tmp_path):
     branch steps and granularities, 6 sampling steps for training and a 10-step evaluation: -1.146 -> -1.060 (2 torch
     threads, 2026-12-05; the same on the suite's one, 2026-12-06). With the advantages' sign flipped (in the rollout's
     transitions, in mgai_advantages or in the loss) it falls (-1.221 with the rollout's flip; -1.224 with each flip on
-    one thread), and with learning rate 0 the two evaluations are equal, so this fails when learning is broken. The
+    one thread), and with learning rate 1e-30 the two evaluations are equal, so this fails when learning is broken. The
     reward is JPEG compressibility, as in the other scripts' learning tests
     (smooth and dense: 3 iterations show the effect; on the toy world's own scorer this test took 6 iterations and
     4-seed, 20-step evaluations, 0.249 -> 0.367, 2026-12-02)."""
