@@ -53,7 +53,7 @@ from common.parallel import parallelize
 from common.policy import EMA, Trainable, ema_weights
 from common.rewards import check_rewards, load_rewards
 from common.run import Run, setup_reached, stop_on_signals_in_setup
-from common.utils import RunLogger, seed_everything, setup_distributed, truncate_metrics
+from common.utils import RunLogger, seed_everything, set_tf32, setup_distributed, truncate_metrics
 
 TOY_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toyworld", "model")
 
@@ -106,6 +106,8 @@ class HarnessArgs:
     """recompute activations in the backward pass: less memory, about 30 % more time"""
     mixed_precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """dtype of frozen weights and activations (auto: bf16 on CUDA, fp32 on CPU); fp16 scales the loss"""
+    tf32: bool = True
+    """CUDA: fp32 matmuls and convolutions in TF32 (as the released Flow-GRPO); --no-tf32: full fp32"""
     full_finetune: bool = False
     """train every transformer weight instead of a LoRA"""
     parallel: Literal["ddp", "fsdp"] = "ddp"
@@ -344,6 +346,7 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
     check_rewards(args.reward, args.guard_rewards, args.reward_model_paths, prompt_files)
     check_model_flags(args.model_path, check_model_path(args.model_path), args)
     rank, world_size, device = setup_distributed()
+    set_tf32(device, args.tf32)
     # what runs here is what args.json records: a resume on another device keeps the precision
     args.mixed_precision = resolve_precision(args.mixed_precision, device)
     if args.mixed_precision == "fp16" and getattr(args, "grad_share_every", 0):

@@ -158,9 +158,8 @@ class Run:
         self.iteration = iteration  # where a stop by signal says the run stands
         over = self.args.cpu_budget_s > 0 and self.cpu_seconds() > self.args.cpu_budget_s
         op = dist.ReduceOp.MAX if self.world_size > 1 else None
-        return iteration == self.args.num_iterations or bool(
-            all_reduce(torch.tensor([float(over)]), self.world_size, op)
-        )
+        flag = torch.tensor([float(over)], device=self.device)  # on the run's device, as NCCL needs
+        return iteration == self.args.num_iterations or bool(all_reduce(flag, self.world_size, op))
 
     def bind(
         self,

@@ -79,6 +79,27 @@ def _install_collective_failure_hook(rank: int, timeout: datetime.timedelta) -> 
     sys.excepthook = hook
 
 
+BACKEND_ENV = "FLOW_RL_DIST_BACKEND"
+
+
+def process_group_backend(cuda: bool) -> str:
+    """The process group's backends, by device type. On GPUs NCCL moves the CUDA tensors, and gloo
+    the CPU ones: NCCL takes no CPU tensor ("No backend type associated with device type cpu"), and
+    CPU tensors do reach collectives (a flag that all ranks must agree on; --fsdp-offload's shards,
+    whose gradient norm and fp16 overflow check reduce in host memory). torch's own advice for CPU
+    offload is this pair. $FLOW_RL_DIST_BACKEND=gloo runs gloo on GPUs too, for a machine where
+    NCCL will not start (slower; the tests run DDP and FSDP2 on gloo with CPU tensors only)."""
+    chosen = os.environ.get(BACKEND_ENV, "")
+    if chosen not in ("", "gloo"):
+        from common.checks import ConfigError
+
+        raise ConfigError(
+            f"{BACKEND_ENV}={chosen!r}: the only choice is 'gloo' (unset: NCCL for CUDA tensors "
+            "and gloo for CPU ones)"
+        )
+    return "cpu:gloo,cuda:nccl" if cuda and not chosen else "gloo"
+
+
 def setup_distributed() -> tuple[int, int, torch.device]:
     """One code path for `python script.py` and `torchrun --nproc_per_node N script.py`.
 
@@ -92,15 +113,25 @@ def setup_distributed() -> tuple[int, int, torch.device]:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     timeout = collective_timeout()
+    backend = process_group_backend(torch.cuda.is_available())
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=timeout)
         device = torch.device("cuda", local_rank)
+        dist.init_process_group(backend, device_id=device, timeout=timeout)
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout)
         device = torch.device("cpu")
     _install_collective_failure_hook(dist.get_rank(), timeout)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def set_tf32(device: torch.device, enabled: bool) -> None:
+    """On CUDA, fp32 matmuls (the LoRA branches, an fp32 reward model or VAE) and convolutions in TF32
+    (10-bit mantissa, fp32 range) or in full fp32. The CPU has no TF32: nothing changes there."""
+    if device.type == "cuda":
+        precision = "tf32" if enabled else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = precision
+        torch.backends.cudnn.conv.fp32_precision = precision
 
 
 def all_gather_cat(t: torch.Tensor, world_size: int) -> torch.Tensor:

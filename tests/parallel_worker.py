@@ -7,7 +7,8 @@ and their destroy_process_group is skipped until the last run; and the end-of-ru
 
     torchrun --nproc-per-node 2 tests/parallel_worker.py RUNS.json [--smooth-reward]
 
-RUNS.json: a list of [script, flag, ...]. --smooth-reward replaces the JPEG size behind the jpeg_* rewards by a smooth
+RUNS.json: a list of [script, flag, ...]; a run whose list starts with "RECORD" runs under a recorder of the device
+type of every tensor that reaches a collective (`collective_devices` in its RESULT). --smooth-reward replaces the JPEG size behind the jpeg_* rewards by a smooth
 stand-in (the mean difference of neighbouring pixels, in the same direction): comparing FSDP with DDP needs rewards
 that move by 1e-7 when the weights do, and a JPEG's byte count jumps (it flips advantages, hence the updates). After each run every rank prints one line
 
@@ -56,6 +57,28 @@ def smooth_jpeg_kb(images):
     return (images[..., 1:] - images[..., :-1]).abs().mean((1, 2, 3)) * 100
 
 
+def collective_recorder(seen: set):
+    """A dispatch mode that adds to `seen` the device type of every tensor handed to a collective: the
+    process-group API's ops (c10d::allreduce_, allgather_, ...) and the functional ones DTensor's reductions use
+    (_c10d_functional::all_reduce, ...), whatever Python or C++ code calls them."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace in ("c10d", "_c10d_functional"):
+                stack = [args, list((kwargs or {}).values())]
+                while stack:
+                    a = stack.pop()
+                    if isinstance(a, torch.Tensor):
+                        seen.add(a.device.type)
+                    elif isinstance(a, (list, tuple)):
+                        stack.extend(a)
+            return func(*args, **(kwargs or {}))
+
+    return Record()
+
+
 def main(runs_file: str, smooth_reward: bool) -> None:
     import torch
     import torch.distributed as dist
@@ -78,13 +101,16 @@ def main(runs_file: str, smooth_reward: bool) -> None:
         mock.patch.object(common.harness, "setup_distributed", lambda: (rank, world_size, device)),
         mock.patch.object(dist, "destroy_process_group", lambda *a, **k: None),
     ]
-    for i, (script, *flags) in enumerate(runs):
+    for i, run in enumerate(runs):
+        seen, record = set(), run[0] == "RECORD"
+        script, *flags = run[1:] if record else run
         tee = Tee(sys.stdout)
         with (
             mock.patch.object(sys, "argv", [script, *flags]),
             contextlib.redirect_stdout(tee),
             keep[0],
             keep[1],
+            collective_recorder(seen) if record else contextlib.nullcontext(),
         ):
             g = runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
         digest = re.findall(r"final weights: rank \d+ sha256 (\w+)", tee.copy.getvalue())[-1]
@@ -104,6 +130,7 @@ def main(runs_file: str, smooth_reward: bool) -> None:
                     "digest": digest,
                     "param_bytes": local_bytes(g["h"].backbone.transformer.parameters()),
                     "optimizer_bytes": local_bytes(state),
+                    **({"collective_devices": sorted(seen)} if record else {}),
                 }
             )
             + "\n"

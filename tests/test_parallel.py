@@ -225,6 +225,11 @@ def two_nodes(tiny_sd3, tiny_flux, tmp_path_factory):
                     *("--num-iterations", "2", "--mixed-precision", precision, "--parallel", par),
                 ]
             )
+    # --fsdp-offload on 2 ranks, fp16: the shards, their gradients, the clip's norm and the loss scaler's overflow
+    # check live in host memory; every collective's tensor is recorded (issue #65)
+    names.append("full-fp16-fsdp-offload")
+    runs.append(["RECORD", *runs[names.index("full-fp16-fsdp")], "--fsdp-offload"])
+    runs[-1][runs[-1].index("--run-name") + 1] = names[-1]
     # The per-script DDP checks (LoRA, the default path) ride in the same launch: a launch costs its imports.
     from test_flowgrpo_baseline import WINDOW
     from test_g2rpo import _flags as g2rpo_flags
@@ -396,6 +401,64 @@ def test_fp16_scales_the_loss_under_ddp_and_fsdp(two_nodes, kind, par):
     )
     # at B = 0 (iteration 0) a LoRA's A has no gradient in any precision: the last row, after B moved
     assert rows[-1]["train/grad_zero_fraction"] < 0.1, rows
+
+
+def test_fsdp_offload_on_two_ranks_trains_as_fsdp_does_and_its_collectives_are_served_on_gpus(
+    two_nodes,
+):
+    """--fsdp-offload on 2 ranks (fp16, full fine-tuning): it ends with the weights of the same run without offload,
+    the ranks agree, and every tensor that reached a collective (recorded by device type, including DTensor's own
+    reductions in the gradient clip and the loss scaler) is on a device the process group a GPU run makes serves.
+    On 2026-12-06's code that group was NCCL alone, which serves no CPU tensor (issue #65): `Run.is_last`'s flag and
+    offload's host-memory shards stopped every multi-GPU run."""
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    from common.utils import process_group_backend
+
+    out, names, res = two_nodes
+    i = names.index("full-fp16-fsdp-offload")
+    assert res[i, 0]["digest"] == res[i, 1]["digest"]
+    offload, plain = (
+        transformer_weights(out / run / "checkpoint-2") for run in (names[i], "full-fp16-fsdp")
+    )
+    assert all(torch.equal(offload[k], plain[k]) for k in plain)
+    served = BackendConfig(process_group_backend(cuda=True)).get_device_backend_map()
+    assert res[i, 0]["collective_devices"] == ["cpu"]  # every one of them
+    assert set(res[i, 0]["collective_devices"]) <= set(served), served
+
+
+@pytest.mark.parametrize("choice, expect", [("", {"cpu": "gloo", "cuda": "nccl"}), ("gloo", None)])
+def test_a_gpu_run_makes_a_process_group_for_cuda_and_cpu_tensors(monkeypatch, choice, expect):
+    """On a GPU, setup_distributed makes a group with NCCL for CUDA tensors and gloo for CPU ones (the CPU tensors a
+    GPU run reduces: a flag all ranks agree on, --fsdp-offload's host-memory shards); FLOW_RL_DIST_BACKEND=gloo runs
+    gloo for both, for a machine where NCCL will not start. Set up with CUDA faked: what init_process_group gets."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    import common.utils
+
+    got = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: got.update(kw, b=backend))
+    monkeypatch.setattr(common.utils, "_install_collective_failure_hook", lambda *a: None)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("FLOW_RL_DIST_BACKEND", choice)
+    assert common.utils.setup_distributed() == (0, 2, torch.device("cuda", 0))
+    assert got["device_id"] == torch.device("cuda", 0)
+    served = BackendConfig(got["b"]).get_device_backend_map()
+    assert served == (expect or {"cpu": "gloo", "cuda": "gloo"})
+
+
+def test_an_unknown_process_group_backend_is_one_line(monkeypatch):
+    from common.utils import process_group_backend
+
+    monkeypatch.setenv("FLOW_RL_DIST_BACKEND", "mpi")
+    with pytest.raises(ConfigError, match="FLOW_RL_DIST_BACKEND='mpi': the only choice is 'gloo'"):
+        process_group_backend(cuda=True)
 
 
 # ============================================================ DDP (the default) in each script, from the same launch
@@ -630,3 +693,21 @@ def test_fsdp_without_torchrun_stops_before_the_model_loads(tiny_sd3, tmp_path, 
         runpy.run_path(os.path.join(ROOT, SCRIPTS[0]), run_name="__main__")
     assert str(e.value.code).startswith("error: --parallel fsdp shards the model")
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("enabled, expect", [(True, "tf32"), (False, "ieee")])
+def test_tf32_is_on_for_cuda_fp32_matmuls_unless_turned_off(enabled, expect):
+    """--tf32 (the default) / --no-tf32 set torch's fp32 precision of CUDA matmuls and convolutions; on the CPU, which
+    has no TF32, nothing changes, so every bit-exact CPU test computes as before."""
+    from common.utils import set_tf32
+
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    before = matmul.fp32_precision, conv.fp32_precision
+    try:
+        matmul.fp32_precision = conv.fp32_precision = "none"
+        set_tf32(torch.device("cpu"), enabled)
+        assert (matmul.fp32_precision, conv.fp32_precision) == ("none", "none")
+        set_tf32(torch.device("cuda", 0), enabled)
+        assert (matmul.fp32_precision, conv.fp32_precision) == (expect, expect)
+    finally:
+        matmul.fp32_precision, conv.fp32_precision = before
