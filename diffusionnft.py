@@ -42,20 +42,14 @@ import torch
 import tyro
 
 from common.checks import ConfigError, Rule, check_flag, check_ranges
+from common.distributed import all_gather_cat
 from common.harness import Harness, HarnessArgs, derived, setup, split_batch
-from common.parallel import check_parallel, set_grad_sync
+from common.parallel import check_parallel
 from common.policy import EMA
 from common.rewards import group_advantages, group_reward_metrics
+from common.run import Stats, check_finite
 from common.sampler import dpm2_step, ode_step
-from common.training import (
-    GradShare,
-    Rollout,
-    Stats,
-    check_finite_rewards,
-    count_step,
-    plan_updates,
-)
-from common.utils import all_gather_cat
+from common.training import Rollout
 
 
 @dataclass
@@ -207,9 +201,9 @@ def rollout(
                 image = h.backbone.decode(x, args.resolution, args.resolution)
                 pending.append(h.reward_model.submit(image, prompts[b : b + len(x)]))
     with timer("reward"):
-        scores = h.reward_model.gather(pending, h.run_dir)  # [n, R]: one column per reward
+        scores = h.reward_model.gather(pending)  # [n, R]: one column per reward
         all_scores = all_gather_cat(scores.to(h.device), h.world_size).cpu()  # rank-major = global
-        check_finite_rewards(all_scores, iteration, h.run_dir)
+        check_finite("reward", iteration, all_scores)
         mixed = h.reward_model.mix(all_scores)
         advantages = group_advantages(mixed, group, args.global_std, args.std_eps)
         r = optimality_weight(advantages, args.adv_clip_max)  # (N2)
@@ -258,31 +252,6 @@ def nft_loss(v, v_old, x0, eps, t, r, args) -> torch.Tensor:
     return args.adv_clip_max * (r * loss[0] + (1 - r) * loss[1]) / args.nft_beta
 
 
-class NFTStats:
-    """The training section's metrics in the interface Run.log reads (`stats`, `grad_share`): the
-    policy loss and the KL per trained timestep, NFT's own diagnostic (`old_deviation`, the mean
-    |v_theta - v_old|^2: how far theta has moved from the policy that sampled), the forwards and
-    backwards, and per optimizer step its gradient norm. NFT has no ratio to log."""
-
-    ratio_metrics, own_names = False, ("old_deviation",)
-
-    def __init__(self, args: Args, params: dict):
-        self.args, self.stats, self.params = args, Stats(num_slots=args.num_steps), params
-        self.grad_share = GradShare({}, args.num_steps, active=False)  # a GRPO diagnostic: off
-
-    def add(self, mb, step_index, policy_loss, kl, v, v_old) -> None:
-        deviation = ((v.detach() - v_old) ** 2).mean(tuple(range(1, v.ndim)))
-        self.stats.add(
-            mb.weight, step_index, policy_loss=policy_loss, kl=kl, old_deviation=deviation
-        )
-        n = len(mb.rows)  # forwards: v_theta, v_old (and v_ref); one backward
-        forwards = n * (3 if self.args.kl_weight > 0 else 2)
-        self.stats.count(**{"nfe/train_forward": forwards, "nfe/train_backward": n})
-
-    def step(self, grad_norm: float | None) -> None:
-        count_step(self.stats, grad_norm, self.params.values())
-
-
 if __name__ == "__main__":
     args = tyro.cli(Args)
     h = setup(args, __file__, check_args)  # checks, run folder, rewards, model, LoRA, DDP (harness)
@@ -317,34 +286,35 @@ if __name__ == "__main__":
         # v_old under the old weights, v_theta with gradient; the NFT loss (N4-N5) and the KL (N6),
         # their mean over the optimizer step's rows; backward, clip, step. Then theta_old follows
         # theta (N7).
-        with run.timer("train"):
-            samples = {k: v.to(h.device) for k, v in ro.transitions.items()}  # x0, r, prompt_index
-            n, L = args.images_per_rank, args.trained_steps
-            sigma_of = sigmas.to(h.device)
-            gen = torch.Generator(h.device).manual_seed(  # the rollout's seed + 500: its own stream
-                args.seed * 1_000_003 + iteration * 1009 + h.rank + 500
-            )
-            # each image trains at L of the T timesteps, drawn without replacement (a random order)
-            order = torch.rand(n, args.num_steps, generator=gen, device=h.device).argsort(1)
-            step_index = order[:, :L].flatten()  # row i * L + k: image i's k-th timestep
-            image = torch.arange(n, device=h.device).repeat_interleave(L)
-            plan = plan_updates(
-                torch.ones(n * L, dtype=torch.bool, device=h.device),
-                args.train_batch_size,
-                args.optimizer_steps_per_iteration,
-                h.world_size,
-            )
-            stats = NFTStats(args, h.params)  # metrics
-            for mb in plan:  # in order; the last micro-batch of each optimizer step has mb.sync
-                i, j = image[mb.rows], step_index[mb.rows]
+        samples = {k: v.to(h.device) for k, v in ro.transitions.items()}  # x0, r, prompt_index
+        n, L = args.images_per_rank, args.trained_steps
+        sigma_of = sigmas.to(h.device)
+        gen = torch.Generator(h.device).manual_seed(  # the rollout's seed + 500: its own stream
+            args.seed * 1_000_003 + iteration * 1009 + h.rank + 500
+        )
+        # each image trains at L of the T timesteps, drawn without replacement (a random order)
+        order = torch.rand(n, args.num_steps, generator=gen, device=h.device).argsort(1)
+        step_index = order[:, :L].flatten()  # row i * L + k: image i's k-th timestep
+        image = torch.arange(n, device=h.device).repeat_interleave(L)
+        # the iteration's metrics, per trained timestep; the means it logs, at their value untrained
+        stats = Stats(args.num_steps, kl=0, policy_loss=0, old_deviation=0)
+        # the rows in a random order, cut into the optimizer steps (CleanRL's minibatches): every
+        # rank has n * L rows, so each runs as many micro-batches and the ranks' means weigh alike
+        rows_of_steps = (
+            torch.randperm(n * L).to(h.device).tensor_split(args.optimizer_steps_per_iteration)
+        )
+        for step_rows in rows_of_steps:
+            micro = step_rows.split(args.train_batch_size)
+            for k, rows in enumerate(micro):
+                i, j = image[rows], step_index[rows]
                 x0, r = samples["x0"][i], samples["r"][i]
                 emb = ro.emb[samples["prompt_index"][i]]
                 sigma = sigma_of[j]
                 t = sigma.view(-1, *[1] * (x0.ndim - 1))
                 eps = torch.randn(x0.shape, generator=gen, device=h.device)
                 x_t = (1 - t) * x0 + t * eps  # (N3) the forward process
-                # DDP: only the optimizer step's last micro-batch all-reduces its gradient
-                set_grad_sync(h.policy, mb.sync)
+                # DDP: only the step's last micro-batch all-reduces the gradient (nanoGPT's line)
+                h.policy.require_backward_grad_sync = k == len(micro) - 1
                 with torch.no_grad(), old.swapped():  # (N4) v_old, under the old weights
                     v_old = h.backbone.velocity(x_t, sigma, emb, args.guidance_scale)
                 v = h.backbone.velocity(x_t, sigma, emb, args.guidance_scale, model=h.policy)
@@ -356,23 +326,26 @@ if __name__ == "__main__":
                             x_t, sigma, emb, args.guidance_scale, model=h.trainable.reference
                         )
                     kl = ((v - v_ref) ** 2).mean(tuple(range(1, v.ndim)))
-                # the mean over the optimizer step's rows on all ranks (mb.divisor)
-                loss = ((policy_loss + args.kl_weight * kl) * mb.weight).sum() / mb.divisor
-                stats.add(mb, j, policy_loss, kl, v, v_old)
+                # the mean over the optimizer step's rows
+                loss = (policy_loss + args.kl_weight * kl).sum() / len(step_rows)
+                # NFT's own diagnostic: how far theta has moved from the policy that sampled
+                deviation = ((v.detach() - v_old) ** 2).mean(tuple(range(1, v.ndim)))
+                w = torch.ones_like(policy_loss)
+                stats.add(w, j, policy_loss=policy_loss, kl=kl, old_deviation=deviation)
+                forwards = len(rows) * (3 if args.kl_weight > 0 else 2)  # v, v_old (and v_ref)
+                stats.count(**{"nfe/train_forward": forwards, "nfe/train_backward": len(rows)})
                 scaler.scale(loss).backward()  # fp16: scaled up, so the gradient does not underflow
-                if mb.sync:  # the optimizer step's gradient is complete: unscale, clip, step
-                    scaler.unscale_(optimizer)  # fp16: the true gradient, before the clip sees it
-                    grad_norm = torch.nn.utils.clip_grad_norm_(
-                        h.params.values(), args.max_grad_norm
-                    )
-                    stats.step(run.check_update(grad_norm, iteration))  # fp16 overflow: a skip
-                    scaler.step(optimizer)  # no update when fp16's scaled gradient overflowed
-                    scaler.update()  # fp16: the scale halves after an overflow, grows when clean
-                    optimizer.zero_grad(set_to_none=True)
-                    run.after_optimizer_step(iteration)  # every weight finite; the EMA blended
-            # (N7) theta_old follows theta, with the decay of the optimizer steps taken so far
-            steps_so_far = (iteration + 1) * args.optimizer_steps_per_iteration
-            old.follow(old_decay(args.old_decay_schedule, steps_so_far))
+            # the torch.amp recipe: unscale, clip, step (skipped on an fp16 overflow), update
+            scaler.unscale_(optimizer)  # fp16: the true gradient, before the clip sees it
+            grad_norm = torch.nn.utils.clip_grad_norm_(h.params.values(), args.max_grad_norm)
+            run.check_gradient(grad_norm, stats)  # non-finite: an fp16 skip, else a stop here
+            scaler.step(optimizer)  # no update when fp16's scaled gradient overflowed
+            scaler.update()  # fp16: the scale halves after an overflow, grows when clean
+            optimizer.zero_grad(set_to_none=True)
+            run.after_step(grad_norm)  # every weight finite; the EMA follows a step taken
+        # (N7) theta_old follows theta, with the decay of the optimizer steps taken so far
+        steps_so_far = (iteration + 1) * args.optimizer_steps_per_iteration
+        old.follow(old_decay(args.old_decay_schedule, steps_so_far))
         # ============================================ END OF TRAINING =============================
 
         run.log(metrics, stats, ro)  # one metrics.jsonl row: the rollout's and the training's

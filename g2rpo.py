@@ -18,24 +18,20 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from itertools import product
 from typing import Literal
 
 import torch
 import tyro
 
 from common.checks import ConfigError, check_ranges, check_sde_type
+from common.distributed import all_gather_cat, max_over_ranks, sum_over_ranks
 from common.harness import GRPOArgs, Harness, derived, setup
-from common.parallel import check_parallel, set_grad_sync
+from common.parallel import check_parallel
 from common.rewards import advantage_mix, group_reward_metrics
+from common.run import Stats, check_finite
 from common.sampler import gaussian_kl, ode_along_paths, ode_step, ratio_norm, sde_step_with_logprob
-from common.training import (
-    Rollout,
-    TrainStats,
-    check_finite_rewards,
-    check_transitions,
-    plan_updates,
-)
-from common.utils import all_gather_cat
+from common.training import GradShare, Rollout, check_transitions
 
 
 @dataclass
@@ -310,18 +306,16 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
         job_prompts = [p for p in prompts for _ in range(len(M) * len(Lam) * G)]
         bs = args.rollout_batch_size
         # chunk by chunk: a remote reward scores one while the next decodes
-        scores = h.reward_model.score_batches(  # [n, R]: one column per reward
-            (
-                (
-                    h.backbone.decode(clean[b : b + bs], args.resolution, args.resolution),
-                    job_prompts[b : b + bs],
-                )
-                for b in range(0, len(clean), bs)
-            ),
-            h.run_dir,
-        )
+        pending = [
+            h.reward_model.submit(
+                h.backbone.decode(clean[b : b + bs], args.resolution, args.resolution),
+                job_prompts[b : b + bs],
+            )
+            for b in range(0, len(clean), bs)
+        ]
+        scores = h.reward_model.gather(pending)  # [n, R]: one column per reward
         all_scores = all_gather_cat(scores.to(h.device), h.world_size).cpu()  # global prompt order
-        check_finite_rewards(all_scores, iteration, h.run_dir)
+        check_finite("reward", iteration, all_scores)
         table = all_scores.view(
             args.groups_per_iteration, len(M), len(Lam), G, -1
         )  # [p, k, λ, i, R]
@@ -378,29 +372,60 @@ def step_policy(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args):
     """The Gaussian policy of the micro-batch's stored SDE steps under `model` (E2-E3): log pi(x_next
     | x_t, c), the step's mean and std_dev_t. With the policy (with gradient), or with
     model=trainable.reference, the KL reference. As CleanRL's get_action_and_value: one forward per
-    state (`mb.states`), its velocity handed to every transition that starts from that state
-    (`mb.rows`; G²RPO's G branches share one), and the stored action scored, not drawn."""
-    s, r = mb.states, mb.rows
+    state (its first row), its velocity handed to every row of that state (G²RPO's G branches share
+    one), and the stored action scored, not drawn."""
+    rows, position, first = mb
     # CFG inside the training forward; --detach-uncond stops the unconditional branch's gradient
     v = backbone.velocity(
-        tr["latents"][s],
-        tr["sigma"][s],
-        emb[tr["prompt_index"][s]],
+        tr["latents"][first],
+        tr["sigma"][first],
+        emb[tr["prompt_index"][first]],
         args.guidance_scale,
         model=model,
         detach_uncond=args.detach_uncond,
-    )[mb.expand]
+    )[position]
     _, log_prob, mean, std_dev_t = sde_step_with_logprob(
         v,
-        tr["latents"][r],
-        tr["sigma"][r],
-        tr["sigma_next"][r],
-        tr["noise_level"][r],
-        prev_sample=tr["next_latents"][r],
+        tr["latents"][rows],
+        tr["sigma"][rows],
+        tr["sigma_next"][rows],
+        tr["noise_level"][rows],
+        prev_sample=tr["next_latents"][rows],
         sigma_max=sigmas[1],
         sde_type=args.sde_type,
     )
     return log_prob, mean, std_dev_t
+
+
+def optimizer_steps(state: torch.Tensor, keep: torch.Tensor, block: torch.Tensor, args, world_size):
+    """The iteration's optimizer steps, in order: for each pass (--num-inner-epochs) and each update
+    block (G²RPO: one per branch step; the others have one), the block's states in a random order,
+    those with a kept transition first, cut into --optimizer-steps-per-iteration parts; with each
+    part, the number of kept transitions it has on all ranks (its loss is their mean). A state is a
+    row, or G²RPO's G branches from one latent, whose rows one forward serves. Each forward and
+    backward is a collective under DDP and FSDP, so every rank trains as many states as the rank
+    that keeps the most; one that keeps fewer fills up with its other states, whose rows weigh 0."""
+    for _, b in product(range(args.num_inner_epochs), range(int(block.max()) + 1)):
+        states = state[block == b].unique()
+        has_kept = torch.zeros(int(state.max()) + 1, dtype=torch.bool, device=state.device)
+        has_kept[state[(block == b) & keep]] = True
+        kept = states[has_kept[states]]
+        kept = kept[torch.randperm(len(kept)).to(kept.device)]
+        n = max_over_ranks(len(kept), world_size, state.device)
+        if n == 0:  # no rank keeps a transition of this block
+            continue
+        states = torch.cat([kept, states[~has_kept[states]]])[:n]
+        steps = states.tensor_split(min(args.optimizer_steps_per_iteration, n))
+        n_kept = torch.stack([keep[micro_batch(state, s)[0]].sum() for s in steps])
+        yield from zip(steps, sum_over_ranks(n_kept, world_size).tolist())
+
+
+def micro_batch(state: torch.Tensor, states: torch.Tensor):
+    """The rows of `states` state by state, each row's position among them (v[position] hands a
+    row its state's velocity) and each state's first row (whose latent the forward reads)."""
+    match = state == states[:, None]  # [states, rows]
+    position, rows = match.nonzero(as_tuple=True)
+    return rows, position, match.int().argmax(1)
 
 
 # ================================================= END OF SHARED ==================================
@@ -439,32 +464,38 @@ if __name__ == "__main__":
         # ALGO LOGIC: the PPO-clipped GRPO objective (Flow-GRPO §4) on single SDE steps, found as in
         # CleanRL's update: the stored step's log-prob under the current policy, the ratio, the
         # clipped loss and the KL; their mean over the optimizer step's transitions; backward, clip,
-        # step. The contract of `transitions` is checked here and listed in docs/design.md.
-        with run.timer("train"):
-            tr = check_transitions(ro.transitions, sigmas, len(ro.prompts), h.device, run.dir)
-            keep = tr["advantage"] != 0  # a zero advantage has no policy gradient
-            if not args.drop_zero_advantage:
-                keep = torch.ones_like(keep)
-            plan = plan_updates(
-                keep,
-                args.train_batch_size,
-                args.optimizer_steps_per_iteration,
-                h.world_size,
-                tr.get("state_index"),
-                tr.get("update_block"),
-                epochs=args.num_inner_epochs,
-            )
-            stats = TrainStats(args, h.params, tr, keep, iteration)  # metrics and diagnostics
-            for mb in plan:  # in order; the last micro-batch of each optimizer step has mb.sync
-                r = mb.rows  # the micro-batch's transitions; every one gets its own loss
-                # DDP: only the optimizer step's last micro-batch all-reduces its gradient
-                set_grad_sync(h.policy, mb.sync)
+        # step. The contract of `transitions` is listed in docs/design.md.
+        tr = {k: v.to(h.device) for k, v in ro.transitions.items()}
+        if iteration == run.start_iteration:  # the rollout's code is the same every iteration
+            check_transitions(tr, sigmas, len(ro.prompts))
+        check_finite("rollout", iteration, tr)
+        keep = tr["advantage"] != 0  # a zero advantage has no policy gradient
+        if not args.drop_zero_advantage:
+            keep = torch.ones_like(keep)
+        # G²RPO: its G branches of a state share one forward, and each branch step its own update
+        state = tr.get("state_index", torch.arange(len(keep), device=h.device))
+        block = tr.get("update_block", torch.zeros_like(state))
+        # the iteration's metrics, per trained step; the means it logs, at their value untrained
+        stats = Stats(args.num_steps, ratio=1, clipfrac=0, approx_kl_k2=0, kl=0, policy_loss=0)
+        stats.add(torch.ones_like(tr["advantage"]), tr["step_index"], kept=keep.float())
+        grad_share = None  # diagnostic: every --grad-share-every iterations, where g comes from
+        if args.grad_share_every and iteration % args.grad_share_every == 0:
+            grad_share = GradShare(h.params, args.num_steps)
+        for step_states, n_kept in optimizer_steps(state, keep, block, args, h.world_size):
+            micro = step_states.split(args.train_batch_size)
+            for k, mb_states in enumerate(micro):
+                mb = micro_batch(state, mb_states)
+                r, weight = mb[0], keep[mb[0]].float()  # rows, and 0 for those not kept
+                # DDP: only the step's last micro-batch all-reduces the gradient (nanoGPT's
+                # line; FSDP2 reduce-scatters each, docs/design.md)
+                h.policy.require_backward_grad_sync = k == len(micro) - 1
                 log_prob, mean, std_dev_t = step_policy(
                     h.backbone, h.policy, tr, mb, ro.emb, sigmas, args
                 )
                 log_ratio = log_prob - tr["log_prob"][r]  # new over rollout policy, one step
                 ratio = torch.exp(log_ratio)
-                if args.ratio_norm != "off":  # GRPO-Guard: re-centred, noise-free log-ratio (E7)
+                # GRPO-Guard: a re-centred, noise-free log-ratio (E7)
+                if args.ratio_norm != "off":
                     ratio = torch.exp(
                         ratio_norm(
                             log_ratio,
@@ -486,23 +517,39 @@ if __name__ == "__main__":
                         h.backbone, h.trainable.reference, tr, mb, ro.emb, sigmas, args
                     )
                     kl = gaussian_kl(mean, ref_mean, std_dev_t)
-                # the mean over the optimizer step's kept transitions on all ranks (mb.divisor)
-                loss = ((policy_loss + args.beta * kl) * mb.weight).sum() / mb.divisor
-                stats.add(mb, tr["step_index"][r], ratio, log_ratio, adv, policy_loss, kl)
+                # the step's mean over all ranks' kept transitions, summed over its micro-batches
+                divisor = n_kept / h.world_size
+                loss = ((policy_loss + args.beta * kl) * weight).sum() / divisor
+                j = tr["step_index"][r]
+                stats.first(ratio_dev=(ratio.detach() - 1).abs().max())  # on-policy: 0
+                stats.add(
+                    weight,
+                    j,
+                    ratio=ratio,
+                    ratio_sq=ratio**2,
+                    clipfrac=((ratio - 1).abs() > args.clip_range).float(),
+                    approx_kl_k2=0.5 * log_ratio**2,  # the k2 estimator of the KL
+                    kl=kl,
+                    policy_loss=policy_loss,
+                    abs_adv=adv.abs(),
+                )
+                stats.extremes(weight, ratio=ratio)
+                forwards = len(mb[2]) * (2 if args.beta > 0 else 1)  # one per state (and ref)
+                stats.count(**{"nfe/train_forward": forwards, "nfe/train_backward": len(mb[2])})
+                if grad_share is not None:  # each trained step's part of this loss's gradient
+                    grad_share.add((policy_loss + args.beta * kl) * weight / divisor, j)
                 scaler.scale(loss).backward()  # fp16: scaled up, so the gradient does not underflow
-                if mb.sync:  # the optimizer step's gradient is complete: unscale, clip, step
-                    scaler.unscale_(optimizer)  # fp16: the true gradient, before the clip sees it
-                    grad_norm = torch.nn.utils.clip_grad_norm_(
-                        h.params.values(), args.max_grad_norm
-                    )
-                    stats.step(run.check_update(grad_norm, iteration))  # fp16 overflow: a skip
-                    scaler.step(optimizer)  # no update when fp16's scaled gradient overflowed
-                    scaler.update()  # fp16: the scale halves after an overflow, grows when clean
-                    optimizer.zero_grad(set_to_none=True)
-                    run.after_optimizer_step(iteration)  # every weight finite; the EMA blended
+            # the torch.amp recipe: unscale, clip, step (skipped on an fp16 overflow), update
+            scaler.unscale_(optimizer)  # fp16: the true gradient, before the clip sees it
+            grad_norm = torch.nn.utils.clip_grad_norm_(h.params.values(), args.max_grad_norm)
+            run.check_gradient(grad_norm, stats)  # non-finite: an fp16 skip, else a stop here
+            scaler.step(optimizer)  # no update when fp16's scaled gradient overflowed
+            scaler.update()  # fp16: the scale halves after an overflow, grows when clean
+            optimizer.zero_grad(set_to_none=True)
+            run.after_step(grad_norm)  # every weight finite; the EMA follows a step taken
         # ============================================ END OF TRAINING =============================
 
-        run.log(metrics, stats, ro)  # one metrics.jsonl row: the rollout's and the training's
+        run.log(metrics, stats, ro, grad_share)  # one metrics.jsonl row: rollout's and training's
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations:
             run.checkpoint(iteration + 1)
 

@@ -86,15 +86,15 @@ class RemoteRewardError(SystemExit):
         super().__init__(f"error: {detail}")
         self.detail = detail
 
-    def stopping(self, run_dir: str | None) -> RemoteRewardError:
-        """The same line, ending with what a run that stops here can go on from."""
-        if not run_dir:
-            return self
-        from common.checkpoint import continue_hint
+    def stopping(self) -> RemoteRewardError:
+        """The same line, ending with what the run stopping here can go on from (when a run is
+        under way in this process)."""
+        from common.run import continue_hint_of_this_run
 
-        return RemoteRewardError(
-            f"{self.detail}; the run stops ({continue_hint(run_dir)} once the server answers)"
-        )
+        hint = continue_hint_of_this_run()
+        if not hint:
+            return self
+        return RemoteRewardError(f"{self.detail}; the run stops ({hint} once the server answers)")
 
 
 # ----------------------------------------------------------------------------- the spelling

@@ -786,11 +786,16 @@ def _remote(name: str, paths: dict) -> RemoteReward:
 
 # ----------------------------------------------------------------------------- combined model
 class Pending:
-    """One batch handed to RewardModel.submit: a Future of the scores of each remote reward (under
-    way in the background) and, for the local rewards, the images they score in gather."""
+    """A batch handed to RewardModel.submit while a remote reward scores it in the background: the
+    in-process rewards' scores, and a Future of each remote reward's."""
 
-    def __init__(self, images, prompts: list[str], futures: dict, cancel: threading.Event):
-        self.images, self.prompts, self.futures, self.cancel = images, prompts, futures, cancel
+    def __init__(self, local: dict, futures: dict, cancel: threading.Event):
+        self.local, self.futures, self.cancel = local, futures, cancel
+
+    def scores(self) -> torch.Tensor:
+        """[B, K], once every remote reward has answered."""
+        columns = {**self.local, **{k: f.result() for k, f in self.futures.items()}}
+        return torch.stack([columns[k] for k in sorted(columns)], 1)
 
     def stop(self) -> None:
         """Drop the remote requests not sent yet; one under way stops before its next try."""
@@ -801,8 +806,9 @@ class Pending:
 
 class RewardModel:
     """Several rewards scored together. `__call__` gives raw scores [B, K]; `mix` the weighted sum
-    [B]. A loop that has other work between batches (the next batch to sample) scores them with
-    `submit` per batch and `gather` once, or with `score_batches`."""
+    [B]. A rollout scores each batch with `submit` and all of them with `gather`: the in-process
+    rewards score it in the call, and a remote reward in the background while the caller samples
+    (or decodes) the next batch."""
 
     def __init__(self, names: list[str], weights: torch.Tensor, fns: list, device, batch_size: int):
         self.names, self.weights, self.fns = names, weights, fns
@@ -814,10 +820,10 @@ class RewardModel:
         by batch_size."""
         return self.gather([self.submit(images, prompts)])
 
-    def submit(self, images: torch.Tensor, prompts: list[str]) -> Pending:
-        """Start scoring a batch: each remote reward sends its 8-bit pixels now and is scored in
-        the background, while the caller goes on (samples the next batch); the local rewards score
-        it in `gather`, in the caller's thread, so their time stays the reward phase's."""
+    def submit(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor | Pending:
+        """Score a batch: the in-process rewards now (chunks of batch_size), and each remote reward
+        in the background, sent the 8-bit pixels (a Pending, which `gather` waits for). Without a
+        remote reward this is the plain call: the [B, K] scores."""
         if images.ndim != 4 or images.shape[1] != 3 or len(prompts) != len(images):
             raise ValueError(
                 f"expected images [B,3,H,W] and B prompts, got {tuple(images.shape)} and "
@@ -828,54 +834,29 @@ class RewardModel:
             with torch.no_grad():
                 pixels = (images.float() * 255).round().clamp(0, 255).to(torch.uint8).cpu()
             futures = {k: self.fns[k].submit(pixels, prompts, cancel) for k in self.remote}
-        # held only if a local reward will score them
-        held = images if len(self.remote) < len(self.fns) else None
-        return Pending(held, prompts, futures, cancel)
+        local, rows = [k for k in range(len(self.fns)) if k not in self.remote], []
+        with torch.inference_mode():
+            for i in range(0, len(images) if local else 0, self.batch_size):
+                chunk = images[i : i + self.batch_size].to(self.device, torch.float32)
+                p = prompts[i : i + self.batch_size]
+                rows.append(torch.stack([self.fns[k](chunk, p).float().cpu() for k in local], 1))
+        # cloned outside inference mode: a normal tensor, usable in autograd
+        scores = dict(zip(local, torch.cat(rows).clone().unbind(1))) if local else {}
+        if not self.remote:
+            return torch.stack([scores[k] for k in range(len(self.fns))], 1)
+        return Pending(scores, futures, cancel)
 
-    def gather(self, pending: list[Pending], run_dir: str | None = None) -> torch.Tensor:
-        """The float32 CPU scores [n, K] of the submitted batches, in order. The local rewards score
-        all their images as one call would (chunks of batch_size over the concatenation); the
-        remote ones wait for their replies. A server that fails stops the rest and raises its one
-        line (RemoteRewardError), naming the checkpoint to go on from when given the run folder."""
-        columns: dict[int, torch.Tensor] = {}
-        local = [k for k in range(len(self.fns)) if k not in self.remote]
-        if local:
-            images = torch.cat([p.images for p in pending])
-            prompts = [q for p in pending for q in p.prompts]
-            rows = []
-            with torch.inference_mode():
-                for i in range(0, len(images), self.batch_size):
-                    chunk = images[i : i + self.batch_size].to(self.device, torch.float32)
-                    chunk_prompts = prompts[i : i + self.batch_size]
-                    rows.append(
-                        torch.stack(
-                            [self.fns[k](chunk, chunk_prompts).float().cpu() for k in local], 1
-                        )
-                    )
-            # clone outside inference mode: a normal tensor, usable in autograd
-            columns.update(zip(local, torch.cat(rows).clone().unbind(1)))
+    def gather(self, pending: list) -> torch.Tensor:
+        """The float32 CPU scores [n, K] of the submitted batches, in order. A remote reward that
+        fails stops the others and raises its one line (RemoteRewardError)."""
         try:
-            for k in self.remote:
-                columns[k] = torch.cat([p.futures[k].result() for p in pending])
+            rows = [p.scores() if isinstance(p, Pending) else p for p in pending]
         except RemoteRewardError as e:
             for p in pending:
-                p.stop()
-            raise e.stopping(run_dir) from None
-        return torch.stack([columns[k] for k in range(len(self.fns))], 1)
-
-    def score_batches(self, batches, run_dir: str | None = None) -> torch.Tensor:
-        """The scores [n, K] of an iterable of (images, prompts) batches, each gathered once the
-        next one is made: a remote reward scores batch i while batch i + 1 is made (decoded), the
-        local ones score each batch on its own, and no more than two batches are held."""
-        out, held = [], None
-        for images, prompts in batches:
-            made = self.submit(images, prompts)
-            if held is not None:
-                out.append(self.gather([held], run_dir))
-            held = made
-        if held is not None:
-            out.append(self.gather([held], run_dir))
-        return torch.cat(out) if out else torch.zeros(0, len(self.fns))
+                if isinstance(p, Pending):
+                    p.stop()
+            raise e.stopping() from None
+        return torch.cat(rows) if rows else torch.zeros(0, len(self.fns))
 
     def mix(self, scores: torch.Tensor) -> torch.Tensor:
         """'score' mix mode (Flow-GRPO): [B, K] raw scores -> [B] weighted sum."""

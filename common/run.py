@@ -34,8 +34,10 @@ checkpoint):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
+import math
 import os
 import signal
 import sys
@@ -58,8 +60,7 @@ from common.evaluation import Panel, evaluate
 from common.parallel import is_sharded, weights_digest
 from common.plots import before_after, learning_curve, step_heatmap
 from common.policy import ema_weights
-from common.training import check_finite_update, stop_nonfinite
-from common.utils import Timer, all_reduce, atomic_file, atomic_write
+from common.utils import all_reduce, atomic_file, atomic_write
 
 COUNTERS = (
     "trajectories",
@@ -70,11 +71,144 @@ COUNTERS = (
     "nfe/train_backward",
     "nfe/eval",
 )
-PHASES = ("rollout", "reward", "train", "eval")
+PHASES = ("rollout", "reward", "train", "eval")  # time/{phase}_s; train: the rest of the iteration
 # fp16 steps the loss scaler may skip in a row before the run stops (Run.check_update)
 MAX_SKIPS_IN_A_ROW = 20
 # per-step metrics of the training section (Stats names) that become steps/{name}/{step} columns
 PER_STEP = ("ratio", "clipfrac", "kl", "abs_adv", "kept")
+# Stats names logged under another name; the others are logged under their own
+LOGGED_AS = {"ratio": "ratio/mean", "old_deviation": "train/old_deviation"}
+
+
+class Timer:
+    """`with timer("rollout"):` adds the block's seconds to timer.times["rollout"] (on a GPU after
+    a synchronize, so the GPU's work is timed, not its queueing)."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync()
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+
+class Stats:
+    """The training section's metrics of one iteration: weighted means by name, overall and per
+    trained step (`add`), totals (`count`), extremes (`extremes`) and this rank's first value of a
+    name (`first`), reduced over the ranks in one all-reduce when the row is written (Run.log).
+    `defaults`: the means the section logs, and their value when nothing was trained. Every rank
+    must add the same names (they are reduced by name)."""
+
+    def __init__(self, num_steps: int, **defaults: float):
+        self.num_steps, self.defaults = num_steps, defaults
+        self.sums, self.weights, self.maxima, self.totals, self.firsts = {}, {}, {}, {}, {}
+
+    def add(self, weight: torch.Tensor, step_index: torch.Tensor, **values: torch.Tensor) -> None:
+        w = weight.detach().double()
+        for name, v in values.items():
+            for table, x in ((self.sums, w * v.detach().double()), (self.weights, w)):
+                zero = torch.zeros(self.num_steps, dtype=torch.float64, device=w.device)
+                table.setdefault(name, zero).index_add_(0, step_index.long(), x)
+
+    def extremes(self, weight: torch.Tensor, **values: torch.Tensor) -> None:
+        for name, v in values.items():
+            v = v.detach().double()[weight > 0]
+            low = torch.full((2,), -math.inf, dtype=torch.float64, device=weight.device)
+            cur = self.maxima.get(name, low)
+            self.maxima[name] = (
+                torch.maximum(cur, torch.stack([v.max(), -v.min()])) if len(v) else cur
+            )
+
+    def count(self, **values: float) -> None:
+        for name, v in values.items():
+            self.totals[name] = self.totals.get(name, 0.0) + float(v)
+
+    def first(self, **values: torch.Tensor) -> None:
+        for name, v in values.items():
+            self.firsts.setdefault(name, float(v))
+
+    def reduce(self, world_size: int, device) -> dict:
+        """{name: mean, name/per_step: {step: mean}, name/weight: sum of weights, total: sum,
+        name/max, name/min}, over all ranks."""
+        summed = _all_reduce_by_name(
+            {(k, "sum"): v for k, v in self.sums.items()}
+            | {(k, "weight"): v for k, v in self.weights.items()}
+            | {
+                (k, "total"): torch.tensor([v], dtype=torch.float64) for k, v in self.totals.items()
+            },
+            world_size,
+            device,
+        )
+        maxed = _all_reduce_by_name(self.maxima, world_size, device, dist.ReduceOp.MAX)
+        out = {k: summed[k, "total"].item() for k in self.totals}
+        for k in self.sums:
+            s, w = summed[k, "sum"], summed[k, "weight"]
+            out[k] = (s.sum() / w.sum()).item() if w.sum() > 0 else self.defaults.get(k, 0.0)
+            out[f"{k}/per_step"] = {j: (s[j] / w[j]).item() for j in range(len(w)) if w[j] > 0}
+            out[f"{k}/weight"] = w.sum().item()
+        for k, m in maxed.items():
+            out[f"{k}/max"], out[f"{k}/min"] = m[0].item(), -m[1].item()
+        return out
+
+
+def _all_reduce_by_name(tensors: dict, world_size: int, device, op=None) -> dict:
+    """All-reduce a dict of float64 tensors in one collective: laid out in sorted-key order (the
+    same on every rank, since every rank has the same keys) and split back by key."""
+    keys = sorted(tensors)
+    if not keys:
+        return {}
+    flat = torch.cat([tensors[k].reshape(-1) for k in keys]).to(device)
+    if world_size > 1:
+        dist.all_reduce(flat, op=op or dist.ReduceOp.SUM)
+    return dict(zip(keys, flat.split([tensors[k].numel() for k in keys])))
+
+
+class NonFiniteUpdate(SystemExit):
+    """A non-finite reward, rollout, gradient or weight: the run stops before it is saved or
+    trained on, in one line (a SystemExit, no traceback)."""
+
+
+def stop_nonfinite(what: str, iteration: int | None) -> NonFiniteUpdate:
+    """The one line a non-finite number stops the run with, naming what exists to go on from."""
+    hint = continue_hint_of_this_run() or "nothing was saved"
+    return NonFiniteUpdate(
+        f"error: non-finite {what}{'' if iteration is None else f' at iteration {iteration}'}; "
+        f"stopping before anything non-finite is saved ({hint})"
+    )
+
+
+def continue_hint_of_this_run() -> str:
+    """How to go on from the run this process set up (its folder, as `setup` made it), or ''."""
+    run_dir = _setup_state["run_dir"]
+    return continue_hint(run_dir) if run_dir else ""
+
+
+def check_finite(what: str, iteration: int, values) -> None:
+    """Stop the run in one line if any float of `values` (a tensor, or a dict of them, named in the
+    line) is NaN or infinite. Every rank checks the same all-gathered rewards, so all stop."""
+    for name, t in values.items() if isinstance(values, dict) else [(None, values)]:
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise stop_nonfinite(what if name is None else f"{what} ('{name}')", iteration)
+
+
+def gradient_zeros(params) -> tuple[int, int]:
+    """(exact zeros, entries) of the trained weights' gradient, each rank counting what it holds
+    (an FSDP shard): fp16 without loss scaling underflows to zeros (issue #55). A weight without a
+    gradient counts as zeros."""
+    zeros = entries = 0
+    for p in params:
+        local = getattr(p, "to_local", lambda p=p: p)()
+        grad = p.grad if p.grad is None else getattr(p.grad, "to_local", lambda g=p.grad: g)()
+        entries += local.numel()
+        zeros += local.numel() if grad is None else int((grad == 0).sum())
+    return zeros, entries
 
 
 def training_nfe(counts: dict) -> int:
@@ -128,6 +262,7 @@ class Run:
         self.start_iteration = self.iteration = start_iteration
         self.first_row = {}  # metrics for iteration 0's row only (Harness.start)
         self.timer = Timer()
+        self.iteration_start = time.perf_counter()
         # fp16's loss scaler (Harness.start hands the script's over); a no-op in fp32 and bf16
         self.scaler, self.skips_in_a_row = torch.amp.GradScaler(device.type, enabled=False), 0
         # a resumed run's clocks continue from its checkpoint's, so time/cpu_s and the CPU budget
@@ -156,6 +291,7 @@ class Run:
         """True at --num-iterations, or once the CPU budget is spent on any rank (all ranks agree:
         one all-reduce)."""
         self.iteration = iteration  # where a stop by signal says the run stands
+        self.iteration_start = time.perf_counter()  # the train phase: what the others leave
         over = self.args.cpu_budget_s > 0 and self.cpu_seconds() > self.args.cpu_budget_s
         op = dist.ReduceOp.MAX if self.world_size > 1 else None
         flag = torch.tensor([float(over)], device=self.device)  # on the run's device, as NCCL needs
@@ -183,25 +319,47 @@ class Run:
         self.ema, self.policy, self.save_weights = ema, policy, save_weights
         self.side_files, self.extras = dict(side_files or {}), dict(extras or {})
 
-    def check_update(self, grad_norm: torch.Tensor, iteration: int) -> float | None:
-        """The optimizer step's gradient norm as a float, or None for a step the fp16 loss scaler
-        skips. A non-finite norm under fp16 is the scaler's own overflow: `scaler.step` skips the
-        update and `scaler.update` halves the scale, as torch.amp does; the skip is counted and
-        logged, and only MAX_SKIPS_IN_A_ROW of them in a row stop the run (in one line: by then the
-        scale has fallen a million-fold, and what overflows is not the scale). Without loss
-        scaling a non-finite norm stops the run before the update (`check_finite_update`)."""
-        if torch.isfinite(grad_norm) or not self.scaler.is_enabled():
+    def check_gradient(self, grad_norm: torch.Tensor, stats: Stats) -> None:
+        """The optimizer step's gradient, before `scaler.step`: its norm and its exact zeros into
+        the metrics. A non-finite norm under fp16 is the loss scaler's overflow: `scaler.step` skips
+        the update and `scaler.update` halves the scale (torch.amp); the skip is counted, and
+        MAX_SKIPS_IN_A_ROW in a row stop the run (by then the scale has fallen a million-fold, and
+        what overflows is not the scale). Without loss scaling a non-finite norm stops the run here,
+        before the update. Under DDP the gradients are all-reduced already, so every rank sees the
+        same norm and stops with the others."""
+        if torch.isfinite(grad_norm):
             self.skips_in_a_row = 0
-            return check_finite_update(grad_norm, iteration, self.dir)
+            zeros, entries = gradient_zeros(self.params.values())
+            stats.count(
+                grad_norm=grad_norm, optimizer_steps=1, grad_zeros=zeros, grad_entries=entries
+            )
+            return
+        if not self.scaler.is_enabled():
+            raise stop_nonfinite("loss or gradient", self.iteration)
         self.skips_in_a_row += 1
+        stats.count(skipped_steps=1)
         if self.skips_in_a_row >= MAX_SKIPS_IN_A_ROW:
             raise stop_nonfinite(
                 f"gradient in {self.skips_in_a_row} fp16 steps in a row (loss scale "
                 f"{self.scaler.get_scale():.3g})",
-                iteration,
-                self.dir,
+                self.iteration,
             )
-        return None
+
+    def after_step(self, grad_norm: torch.Tensor) -> None:
+        """After `scaler.step`: a step taken (a finite gradient; an fp16 overflow is skipped) must
+        leave every trained weight finite (a finite gradient times a huge learning rate can
+        overflow), else the run stops in one line before anything is saved; then the EMA follows
+        it. A skipped step changed nothing, and the EMA does not count it."""
+        if not torch.isfinite(grad_norm):
+            return
+        local = [getattr(p, "to_local", lambda p=p: p)() for p in self.params.values()]  # shards
+        finite = torch.tensor([float(all(bool(torch.isfinite(p).all()) for p in local))])
+        if is_sharded(self.params) and self.world_size > 1:  # each rank holds a shard
+            finite = all_reduce(finite.to(self.device), self.world_size, dist.ReduceOp.MIN).cpu()
+        if not finite.item():
+            raise stop_nonfinite("trained weight after the optimizer step", self.iteration)
+        if self.ema is not None:
+            self.ema.update()
 
     def evaluate(self, iteration: int, last: bool) -> dict:
         """Held-out evaluation (common/evaluation.py: ODE samples from fixed seeds) with the EMA
@@ -262,66 +420,50 @@ class Run:
         )
         self._write(metrics)
 
-    def after_optimizer_step(self, iteration: int) -> None:
-        """After an optimizer step: every trained weight must be finite (a finite gradient times a
-        huge learning rate can overflow), else the run stops in one line before anything is saved;
-        then the EMA is blended (nothing without one)."""
-        local = [getattr(p, "to_local", lambda p=p: p)() for p in self.params.values()]  # shards
-        finite = torch.tensor([float(all(bool(torch.isfinite(p).all()) for p in local))])
-        if is_sharded(self.params) and self.world_size > 1:  # each rank holds a shard
-            finite = all_reduce(finite.to(self.device), self.world_size, dist.ReduceOp.MIN).cpu()
-        if not finite.item():
-            raise stop_nonfinite("trained weight after the optimizer step", iteration, self.dir)
-        if self.ema is not None:
-            self.ema.update()
-
-    def log(self, metrics: dict, train, rollout) -> dict:
+    def log(self, metrics: dict, stats: Stats, rollout, grad_share=None) -> dict:
         """One metrics.jsonl row for a training iteration: the training section's Stats reduced over
         the ranks (one all-reduce), this rank's rollout counters added to the run's, seconds per
-        phase, peak memory, and the per-step gradient shares and norms when the iteration measured
-        them (steps/grad_share/j, steps/grad_norm/j). `train`: the section's TrainStats; `rollout`:
-        the iteration's Rollout (its metrics and this rank's counters)."""
-        stats, grad_share = train.stats, train.grad_share
+        phase, peak memory, and, when the iteration measured them (`grad_share`), the per-step
+        gradient shares and norms (steps/grad_share/j, steps/grad_norm/j)."""
         metrics.update(rollout.metrics)
         if metrics["iteration"] == 0:
             metrics.update(self.first_row)
         stats.count(**rollout.counts)
         red = stats.reduce(self.world_size, self.device)
         self.counts.update({k: v + int(red.get(k, 0)) for k, v in self.counts.items()})
-        n_opt = int(red.get("optimizer_steps", 0))
         metrics.update({**self.counts, "nfe": training_nfe(self.counts)})
-        ratio = train.ratio_metrics  # a ratio to log (no: DiffusionNFT)
-        for k in ("mean", "min", "max") if ratio else ():  # nothing trained: a ratio of 1
-            metrics[f"ratio/{k}"] = red.get("ratio" if k == "mean" else f"ratio/{k}", 1.0)
-        names = (
-            ("clipfrac", "approx_kl_k2", "kl", "policy_loss") if ratio else ("kl", "policy_loss")
-        )
-        metrics.update({k: red.get(k, 0.0) for k in names})
-        # a script's own training metrics, reduced with the rest, as train/<name>
-        metrics.update({f"train/{k}": red.get(k, 0.0) for k in train.own_names})
+        for k, default in stats.defaults.items():  # the means, and per step those PER_STEP names
+            metrics[LOGGED_AS.get(k, k)] = red.get(k, default)
         for name in PER_STEP:
             metrics.update(
                 {f"steps/{name}/{j}": v for j, v in red.get(f"{name}/per_step", {}).items()}
             )
         for j, m in red.get("ratio/per_step", {}).items():  # std from the mean of squares
             metrics[f"steps/ratio_std/{j}"] = max(red["ratio_sq/per_step"][j] - m**2, 0.0) ** 0.5
-        if ratio:
-            metrics["ratio/first_minibatch_max_dev"] = stats.first.get("ratio_dev", 0.0)
+        if "ratio" in stats.defaults:  # a ratio to log (no: DiffusionNFT)
+            metrics["ratio/min"], metrics["ratio/max"] = (
+                red.get("ratio/min", 1.0),
+                red.get("ratio/max", 1.0),
+            )
+            metrics["ratio/first_minibatch_max_dev"] = stats.firsts.get("ratio_dev", 0.0)
             metrics["train/kept_transitions"] = int(red.get("ratio/weight", 0))
+        n_opt = int(red.get("optimizer_steps", 0))
+        times = self.timer.times
+        times["train"] = time.perf_counter() - self.iteration_start - sum(times.values())
         metrics.update(
             {
                 "train/optimizer_steps": n_opt,
                 "grad_norm": red["grad_norm"] / n_opt if n_opt else 0.0,
                 # fp16 underflow shows as exact zeros in the gradient (docs/usage.md)
-                "train/grad_zero_fraction": red["grad_zeros"] / red["grad_entries"]
-                if red.get("grad_entries")
-                else 0.0,
+                "train/grad_zero_fraction": (
+                    red["grad_zeros"] / red["grad_entries"] if red.get("grad_entries") else 0.0
+                ),
                 "train/skipped_steps": int(red.get("skipped_steps", 0)),
-                **{f"time/{k}_s": self.timer.times.get(k, 0.0) for k in PHASES},
+                **{f"time/{k}_s": times.get(k, 0.0) for k in PHASES},
                 **self._clocks(),
             }
         )
-        if grad_share.active:  # empty unless the iteration measured them
+        if grad_share is not None:
             metrics.update({f"steps/grad_share/{j}": v for j, v in grad_share.shares().items()})
             metrics.update({f"steps/grad_norm/{j}": v for j, v in grad_share.norms().items()})
         if self.scaler.is_enabled():

@@ -335,8 +335,8 @@ def test_non_finite_reward_stops_and_keeps_checkpoint(
         base_gather = model.gather
 
         class Poisoned(type(model)):
-            def gather(self, pending, run_dir=None):  # every scoring ends here, __call__'s too
-                out = base_gather(pending, run_dir)
+            def gather(self, pending):  # every scoring ends here, __call__'s too
+                out = base_gather(pending)
                 if len(out) == 4:  # rollout batches (eval batches have 2 images here)
                     calls["n"] += 1
                     if calls["n"] >= 3:

@@ -496,11 +496,9 @@ def test_per_k_update_schedule_steps_once_per_branch_step(tmp_path, tiny_sd3):
 
 @pytest.mark.parametrize("fixture", ["tiny_sd3", "tiny_flux"])
 def test_shared_state_gradient_equals_per_transition_gradient(request, fixture):
-    """One forward per shared state x_k, its v given to each of the G members (v[expand]), has the gradient of one
+    """One forward per shared state x_k, its v given to each of the G members (v[position]), has the gradient of one
     forward per member: within 1e-5 relative, noise > 0, LoRA with non-zero B so every weight gets a gradient."""
     from peft import LoraConfig
-
-    from common.training import plan_updates
 
     bb = load_backbone(request.getfixturevalue(fixture), "cpu", max_sequence_length=8)
     bb.transformer.requires_grad_(False)
@@ -536,10 +534,9 @@ def test_shared_state_gradient_equals_per_transition_gradient(request, fixture):
     def grad(shared: bool):
         for p in params:
             p.grad = None
-        keep = torch.ones(P * G, dtype=torch.bool)
-        (mb,) = plan_updates(keep, 8, 1, state_index=state_index if shared else None)
-        s, r = mb.states, mb.rows
-        v = bb.velocity(rows_x[s], sigmas[1], emb[state_index[s]], cfg)[mb.expand]
+        state = state_index if shared else torch.arange(P * G)
+        r, position, s = g2rpo.micro_batch(state, state.unique())  # the training section's
+        v = bb.velocity(rows_x[s], sigmas[1], emb[state_index[s]], cfg)[position]
         _, lp, _, _ = sde_step_with_logprob(
             v, rows_x[r], sigmas[1], sigmas[2], 0.9, prev_sample=nxt[r], sigma_max=sigmas[1]
         )

@@ -222,39 +222,44 @@ def prompts_file(tmp_path):
 
 # ============================================================ skipped steps and refusals, in-process
 def test_a_skipped_fp16_step_is_counted_and_only_many_in_a_row_stop_the_run(tmp_path):
-    """Run.check_update: a non-finite gradient norm under fp16 loss scaling is the scaler's overflow: None (the step
-    is skipped and counted by count_step), and the 20th in a row stops the run in one line; a finite one resets the
-    run of skips. Without loss scaling a non-finite norm stops at once."""
+    """Run.check_gradient: a non-finite gradient norm under fp16 loss scaling is the scaler's overflow: the step is
+    skipped and counted, and the 20th in a row stops the run in one line; a finite one resets the run of skips and
+    is counted as a step. Without loss scaling a non-finite norm stops at once. Run.after_step: the EMA follows a
+    step taken, never a skipped one."""
     from types import SimpleNamespace
 
-    from common.run import MAX_SKIPS_IN_A_ROW, Run
-    from common.training import NonFiniteUpdate, Stats, count_step
+    from common.run import MAX_SKIPS_IN_A_ROW, NonFiniteUpdate, Run, Stats
 
-    run = SimpleNamespace(scaler=torch.amp.GradScaler("cpu"), skips_in_a_row=0, dir=str(tmp_path))
+    ema = SimpleNamespace(updates=0)
+    ema.update = lambda: setattr(ema, "updates", ema.updates + 1)
+    run = SimpleNamespace(
+        scaler=torch.amp.GradScaler("cpu"), skips_in_a_row=0, params={}, iteration=3, ema=ema
+    )
     inf, one = torch.tensor(float("inf")), torch.tensor(1.0)
-    stats = Stats(num_slots=1)
+    stats = Stats(1)
     for _ in range(MAX_SKIPS_IN_A_ROW - 1):
-        count_step(stats, Run.check_update(run, inf, 3), [])
-    assert Run.check_update(run, one, 3) == 1.0 and run.skips_in_a_row == 0
-    assert stats.totals == {"skipped_steps": MAX_SKIPS_IN_A_ROW - 1}
+        Run.check_gradient(run, inf, stats)
+        Run.after_step(run, inf)
+    assert stats.totals == {"skipped_steps": MAX_SKIPS_IN_A_ROW - 1} and ema.updates == 0
+    Run.check_gradient(run, one, stats)
+    assert run.skips_in_a_row == 0 and stats.totals["optimizer_steps"] == 1
     for _ in range(MAX_SKIPS_IN_A_ROW - 1):
-        Run.check_update(run, inf, 3)
+        Run.check_gradient(run, inf, stats)
+    run.iteration = 4
     with pytest.raises(NonFiniteUpdate, match=r"non-finite gradient in 20 fp16 steps in a row"):
-        Run.check_update(run, inf, 4)
-    run.scaler = torch.amp.GradScaler("cpu", enabled=False)
+        Run.check_gradient(run, inf, stats)
+    run.scaler, run.iteration = torch.amp.GradScaler("cpu", enabled=False), 5
     with pytest.raises(NonFiniteUpdate, match="non-finite loss or gradient at iteration 5"):
-        Run.check_update(run, inf, 5)
+        Run.check_gradient(run, inf, stats)
 
 
 def test_the_zero_fraction_counts_what_underflowed():
-    """count_step's train/grad_zero_fraction: exact zeros in the gradient, a weight without one counted whole."""
-    from common.training import Stats, count_step
+    """train/grad_zero_fraction's counts: exact zeros in the gradient, a weight without one counted whole."""
+    from common.run import gradient_zeros
 
     a, b = torch.zeros(4, requires_grad=True), torch.zeros(6, requires_grad=True)
     a.grad = torch.tensor([0.0, 1.0, 0.0, 2.0])
-    stats = Stats(num_slots=1)
-    count_step(stats, 1.5, [a, b])
-    assert stats.totals == dict(grad_norm=1.5, optimizer_steps=1, grad_zeros=8, grad_entries=10)
+    assert gradient_zeros([a, b]) == (8, 10)
 
 
 def test_fp16_without_a_loss_scaler_is_refused_before_training(tmp_path):

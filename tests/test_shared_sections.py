@@ -35,7 +35,7 @@ def test_shared_sections_are_the_baselines(script, section):
 
 def test_the_checker_sees_a_changed_line():
     text = read("flowgrpo_baseline.py")
-    changed = text.replace("    s, r = mb.states, mb.rows\n", "    s, r = mb.rows, mb.rows\n")
+    changed = text.replace("    rows, position, first = mb\n", "    rows, first, position = mb\n")
     assert changed != text and log_prob_block(changed) != log_prob_block(text)
     assert training_tail(
         text.replace("scaler.scale(loss).backward()", "scaler.scale(2 * loss).backward()")

@@ -1,8 +1,10 @@
-"""The plumbing of the shared training section (common/training.py): the transitions contract, the micro-batch plan,
-the metric reduction, the EMA schedule, and the count of optimizer steps in a real run."""
+"""The plumbing of the shared training section: the transitions contract (common/training.py), the micro-batch plan
+(the GRPO scripts' optimizer_steps and micro_batch), the metric reduction (common/run.py), the EMA schedule, and the
+count of optimizer steps in a real run."""
 
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,13 +13,11 @@ from helpers import ROOT, read_metrics, run_main, tiny_flags, write_prompts
 from common.plots import STEP_METRICS
 from common.policy import EMA
 from common.rewards import group_advantages
-from common.training import (
-    NonFiniteUpdate,
-    Stats,
-    TransitionsError,
-    check_transitions,
-    plan_updates,
-)
+from common.run import NonFiniteUpdate, Stats, check_finite
+from common.training import TransitionsError, check_transitions
+
+sys.path.insert(0, ROOT)
+import flowgrpo_baseline as F  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------- EMA
@@ -59,78 +59,73 @@ def test_ema_swap_and_state_roundtrip():
     assert other.steps == 1 and torch.equal(other.shadow["w"], ema.shadow["w"])
 
 
-# ---------------------------------------------------------------------------------------- micro-batch plan
-def optimizer_steps(plan):
-    """The plan's micro-batches grouped into optimizer steps (each ends with the micro-batch that has `sync`)."""
-    steps, current = [], []
-    for mb in plan:
-        current.append(mb)
-        if mb.sync:
-            steps.append(current)
-            current = []
-    assert not current, "the last micro-batch of the plan must end an optimizer step"
-    return steps
+# ---------------------------------------------------------------------------------------- micro-batches
+def planned(keep, batch, steps, state=None, block=None, epochs=1):
+    """The GRPO training section's optimizer steps (flowgrpo_baseline.optimizer_steps, the same in the three
+    scripts) on one rank, each as ([its micro-batches (rows, position, first)], kept transitions)."""
+    state = torch.arange(len(keep)) if state is None else state
+    block = torch.zeros_like(state) if block is None else block
+    args = SimpleNamespace(num_inner_epochs=epochs, optimizer_steps_per_iteration=steps)
+    return [
+        ([F.micro_batch(state, s) for s in step_states.split(batch)], n_kept)
+        for step_states, n_kept in F.optimizer_steps(state, keep, block, args, 1)
+    ]
 
 
-def test_plan_makes_exactly_the_requested_optimizer_steps():
+def test_the_plan_makes_exactly_the_requested_optimizer_steps():
     """4 optimizer steps over 5 micro-batches' worth of transitions: 4 steps (the old ceil rule made 3)."""
     keep = torch.ones(40, dtype=torch.bool)
-    plan = plan_updates(keep, states_per_batch=8, optimizer_steps=4)
-    steps = optimizer_steps(plan)
-    assert len(steps) == 4
-    rows = torch.cat([mb.rows for mb in plan])
+    plan = planned(keep, 8, 4)
+    assert len(plan) == 4
+    rows = torch.cat([mb[0] for mbs, _ in plan for mb in mbs])
     assert sorted(rows.tolist()) == list(range(40))  # every transition exactly once
-    # one divisor per optimizer step
-    assert all(len({mb.divisor for mb in st}) == 1 for st in steps)
-    assert sum(st[0].divisor for st in steps) == 40
-    # --num-inner-epochs: one plan per pass
-    assert len(plan_updates(keep, 8, 4, epochs=3)) == 3 * len(plan)
+    assert sum(n_kept for _, n_kept in plan) == 40  # each step's mean divides by its own count
+    # --num-inner-epochs: one shuffled pass each
+    assert len(planned(keep, 8, 4, epochs=3)) == 3 * len(plan)
 
 
-def test_plan_drops_zero_weight_and_keeps_the_mean():
+def test_the_plan_drops_zero_advantage_transitions_and_keeps_the_mean():
     keep = torch.tensor([True, False, True, True, False, False, True, False])
-    mbs = plan_updates(keep, states_per_batch=3, optimizer_steps=1)
-    kept_rows = torch.cat([mb.rows[mb.weight > 0] for mb in mbs])
-    assert sorted(kept_rows.tolist()) == [0, 2, 3, 6] and mbs[0].divisor == 4
-    assert sum(len(mb.states) for mb in mbs) == 4  # dropped transitions cost no forward on one rank
+    ((mbs, n_kept),) = planned(keep, 3, 1)
+    rows = torch.cat([mb[0] for mb in mbs])
+    assert sorted(rows.tolist()) == [0, 2, 3, 6] and n_kept == 4
+    assert sum(len(mb[2]) for mb in mbs) == 4  # dropped transitions cost no forward on one rank
 
 
-def test_plan_with_shared_states_runs_one_forward_per_state():
+def test_the_plan_with_shared_states_runs_one_forward_per_state():
     """G²RPO: 3 states x 4 members; members of a state share its forward; a state whose members all have
-    advantage 0 is not run; `expand` maps every row to its state's position."""
+    advantage 0 is not run; `position` maps every row to its state's position."""
     state = torch.arange(3).repeat_interleave(4)
     keep = torch.ones(12, dtype=torch.bool)
     keep[4:8] = False  # state 1: every member tied
     keep[0] = False  # state 0: one member tied
-    (mb,) = plan_updates(keep, states_per_batch=8, optimizer_steps=1, state_index=state)
-    assert len(mb.states) == 2 and sorted(state[mb.states].tolist()) == [0, 2]
-    assert torch.equal(state[mb.rows], state[mb.states][mb.expand])
-    assert mb.weight.sum() == 7 and mb.divisor == 7 and mb.sync
+    (([(rows, position, first)], n_kept),) = planned(keep, 8, 1, state=state)
+    assert len(first) == 2 and sorted(state[first].tolist()) == [0, 2]
+    assert torch.equal(state[rows], state[first][position])
+    assert keep[rows].sum() == 7 and n_kept == 7
 
 
-def test_plan_update_blocks_get_their_own_steps_in_order():
+def test_the_plan_gives_update_blocks_their_own_steps_in_order():
     block = torch.arange(3).repeat_interleave(4)
-    steps = optimizer_steps(
-        plan_updates(torch.ones(12, dtype=torch.bool), 2, 1, update_block=block)
-    )
-    assert len(steps) == 3
-    assert [sorted(set(block[torch.cat([m.rows for m in st])].tolist())) for st in steps] == [
+    plan = planned(torch.ones(12, dtype=torch.bool), 2, 1, block=block)
+    assert len(plan) == 3
+    assert [sorted(set(block[torch.cat([m[0] for m in mbs])].tolist())) for mbs, _ in plan] == [
         [0],
         [1],
         [2],
     ]
 
 
-def test_plan_with_nothing_kept_is_empty():
-    assert plan_updates(torch.zeros(6, dtype=torch.bool), 2, 2) == []
+def test_the_plan_with_nothing_kept_is_empty():
+    assert planned(torch.zeros(6, dtype=torch.bool), 2, 2) == []
 
 
 # ---------------------------------------------------------------------------------------- stats
 def test_stats_weighted_means_per_step_and_extremes():
-    st = Stats(num_slots=3)
+    st = Stats(3, ratio=1)
     w = torch.tensor([1.0, 1.0, 0.0, 1.0])
     st.add(w, torch.tensor([0, 0, 1, 2]), ratio=torch.tensor([1.0, 3.0, 100.0, 5.0]))
-    st.add_extremes(w, ratio=torch.tensor([1.0, 3.0, 100.0, 5.0]))
+    st.extremes(w, ratio=torch.tensor([1.0, 3.0, 100.0, 5.0]))
     st.count(grad_norm=2.0)
     st.count(grad_norm=1.0)
     out = st.reduce(1, "cpu")
@@ -188,12 +183,13 @@ def test_check_transitions_accepts_a_valid_set_and_catches_order_mistakes():
     check_transitions(dict(tr, mean=torch.randn_like(tr["latents"])), sigmas, 3)
     with pytest.raises(TransitionsError, match="mean differ in shape"):
         check_transitions(dict(tr, mean=tr["latents"][:, :2]), sigmas, 3)
-    # a NaN rollout stops the run in one line (a SystemExit), not with a traceback
+    # a NaN rollout stops the run in one line (a SystemExit), not with a traceback: the scripts check every
+    # iteration's transitions with check_finite (the contract, on a run's first iteration)
     bad = dict(tr, log_prob=torch.full_like(tr["log_prob"], float("nan")))
     with pytest.raises(
-        NonFiniteUpdate, match=r"non-finite rollout \('log_prob'\); stopping before"
+        NonFiniteUpdate, match=r"non-finite rollout \('log_prob'\) at iteration 3; stopping before"
     ):
-        check_transitions(bad, sigmas, 3)
+        check_finite("rollout", 3, bad)
 
 
 def test_no_runtime_check_is_an_assert_so_python_O_keeps_them(monkeypatch):
