@@ -29,8 +29,9 @@ import numpy as np
 import torch
 import tyro
 
-from common.checkpoint import writing
-from common.checks import (
+from common.distributed import all_gather_cat, max_over_ranks, sum_over_ranks
+from common.plumbing.checkpoint import writing
+from common.plumbing.checks import (
     ConfigError,
     Rule,
     check_flag,
@@ -39,15 +40,14 @@ from common.checks import (
     kind_of,
     read_json,
 )
-from common.distributed import all_gather_cat, max_over_ranks, sum_over_ranks
-from common.harness import GRPOArgs, Harness, derived, setup, split_batch
-from common.parallel import check_parallel
-from common.plots import line_plot
+from common.plumbing.harness import GRPOArgs, Harness, derived, setup, split_batch
+from common.plumbing.parallel import check_parallel
+from common.plumbing.plots import line_plot
+from common.plumbing.run import Stats, check_finite
+from common.plumbing.transitions import GradShare, Rollout, check_transitions
+from common.plumbing.utils import atomic_write
 from common.rewards import advantage_mix, group_advantages, group_reward_metrics
-from common.run import Stats, check_finite
 from common.sampler import gaussian_kl, ode_along_paths, ratio_norm, sde_step_with_logprob
-from common.training import GradShare, Rollout, check_transitions
-from common.utils import atomic_write
 
 
 @dataclass
@@ -118,9 +118,9 @@ class Args(GRPOArgs):
 def check_args(args: Args, world_size: int) -> None:
     """Flag ranges and batch arithmetic, checked before any model is loaded. Every message says what
     to change."""
-    check_ranges(args)  # common/checks.py: the numeric flags the scripts share
-    check_parallel(args, world_size)  # common/parallel.py: --parallel fsdp needs torchrun
-    split_batch(args, world_size)  # common/harness.py: images per iteration and per rank
+    check_ranges(args)  # common/plumbing/checks.py: the numeric flags the scripts share
+    check_parallel(args, world_size)  # common/plumbing/parallel.py: --parallel fsdp needs torchrun
+    split_batch(args, world_size)  # common/plumbing/harness.py: images per iteration and per rank
     args.trained_steps = int(args.num_steps * args.timestep_fraction)
     # (A_i - mean) / (std + eps) is 0 / 0 for a group of equal rewards without eps (the shared table
     # allows 0 for G²RPO)

@@ -29,7 +29,7 @@ No transitions: NFT keeps one row per image, so it shares the GRPO scripts' roll
 no ratio, no check_transitions). Docs: docs/diffusionnft.md.  Run: `python diffusionnft.py` (toy
 world, CPU, minutes, no downloads) or `torchrun --nproc_per_node 8 diffusionnft.py --model-path
 DIR ...` (see the docs for the paper preset). The shared flags and the set-up are in
-common/harness.py.
+common/plumbing/harness.py.
 """
 
 from __future__ import annotations
@@ -41,15 +41,15 @@ from typing import Literal
 import torch
 import tyro
 
-from common.checks import ConfigError, Rule, check_flag, check_ranges
 from common.distributed import all_gather_cat
-from common.harness import Harness, HarnessArgs, derived, setup, split_batch
-from common.parallel import check_parallel
+from common.plumbing.checks import ConfigError, Rule, check_flag, check_ranges
+from common.plumbing.harness import Harness, HarnessArgs, derived, setup, split_batch
+from common.plumbing.parallel import check_parallel
+from common.plumbing.run import Stats, check_finite
+from common.plumbing.transitions import Rollout
 from common.policy import EMA
 from common.rewards import group_advantages, group_reward_metrics
-from common.run import Stats, check_finite
 from common.sampler import dpm2_step, ode_step
-from common.training import Rollout
 
 
 @dataclass
@@ -106,9 +106,9 @@ class Args(HarnessArgs):
 def check_args(args: Args, world_size: int) -> None:
     """Flag ranges and batch arithmetic, checked before any model is loaded. Every message says what
     to change."""
-    check_ranges(args)  # common/checks.py: the numeric flags the scripts share
-    check_parallel(args, world_size)  # common/parallel.py: --parallel fsdp needs torchrun
-    split_batch(args, world_size)  # common/harness.py: images per iteration and per rank
+    check_ranges(args)  # common/plumbing/checks.py: the numeric flags the scripts share
+    check_parallel(args, world_size)  # common/plumbing/parallel.py: --parallel fsdp needs torchrun
+    split_batch(args, world_size)  # common/plumbing/harness.py: images per iteration and per rank
     check_flag(args, "std_eps", Rule(0, lo_open=True, why="a group of equal rewards has std 0"))
     check_flag(
         args,

@@ -8,7 +8,7 @@
    switched off.
 Docs: docs/flowgrpo.md.  Run: `python flowgrpo_baseline.py` (toy world, CPU, minutes, no downloads)
 or `torchrun --nproc_per_node 8 flowgrpo_baseline.py --model-path DIR ...` (see the docs for the
-paper presets). The shared flags and the set-up are in common/harness.py.
+paper presets). The shared flags and the set-up are in common/plumbing/harness.py.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from typing import Literal
 import torch
 import tyro
 
-from common.checks import ConfigError, Rule, check_flag, check_ranges, check_sde_type
 from common.distributed import all_gather_cat, max_over_ranks, sum_over_ranks
-from common.harness import GRPOArgs, Harness, derived, setup, split_batch
-from common.parallel import check_parallel
+from common.plumbing.checks import ConfigError, Rule, check_flag, check_ranges, check_sde_type
+from common.plumbing.harness import GRPOArgs, Harness, derived, setup, split_batch
+from common.plumbing.parallel import check_parallel
+from common.plumbing.run import Stats, check_finite
+from common.plumbing.transitions import GradShare, Rollout, check_transitions
 from common.rewards import advantage_mix, group_advantages, group_reward_metrics
-from common.run import Stats, check_finite
 from common.sampler import gaussian_kl, ratio_norm, sde_step_with_logprob
-from common.training import GradShare, Rollout, check_transitions
 
 
 @dataclass
@@ -79,9 +79,9 @@ class Args(GRPOArgs):
 def check_args(args: Args, world_size: int) -> None:
     """Flag ranges and batch arithmetic, checked before any model is loaded. Every message says what
     to change."""
-    check_ranges(args)  # common/checks.py: the numeric flags the scripts share
-    check_parallel(args, world_size)  # common/parallel.py: --parallel fsdp needs torchrun
-    split_batch(args, world_size)  # common/harness.py: images per iteration and per rank
+    check_ranges(args)  # common/plumbing/checks.py: the numeric flags the scripts share
+    check_parallel(args, world_size)  # common/plumbing/parallel.py: --parallel fsdp needs torchrun
+    split_batch(args, world_size)  # common/plumbing/harness.py: images per iteration and per rank
     # (A_i - mean) / (std + eps) is 0 / 0 for a group of equal rewards without eps (the shared table
     # allows 0 for G²RPO)
     check_flag(args, "std_eps", Rule(0, lo_open=True, why="a group of equal rewards has std 0"))

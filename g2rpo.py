@@ -24,14 +24,14 @@ from typing import Literal
 import torch
 import tyro
 
-from common.checks import ConfigError, check_ranges, check_sde_type
 from common.distributed import all_gather_cat, max_over_ranks, sum_over_ranks
-from common.harness import GRPOArgs, Harness, derived, setup
-from common.parallel import check_parallel
+from common.plumbing.checks import ConfigError, check_ranges, check_sde_type
+from common.plumbing.harness import GRPOArgs, Harness, derived, setup
+from common.plumbing.parallel import check_parallel
+from common.plumbing.run import Stats, check_finite
+from common.plumbing.transitions import GradShare, Rollout, check_transitions
 from common.rewards import advantage_mix, group_reward_metrics
-from common.run import Stats, check_finite
 from common.sampler import gaussian_kl, ode_along_paths, ode_step, ratio_norm, sde_step_with_logprob
-from common.training import GradShare, Rollout, check_transitions
 
 
 @dataclass
@@ -86,8 +86,8 @@ class Args(GRPOArgs):
 def check_args(args: Args, world_size: int) -> None:
     """Flag ranges and batch arithmetic, checked before any model is loaded. Every message says what
     to change."""
-    check_ranges(args)  # common/checks.py: the numeric flags the scripts share
-    check_parallel(args, world_size)  # common/parallel.py: --parallel fsdp needs torchrun
+    check_ranges(args)  # common/plumbing/checks.py: the numeric flags the scripts share
+    check_parallel(args, world_size)  # common/plumbing/parallel.py: --parallel fsdp needs torchrun
     for flag, values in (
         ("--branch-steps", args.branch_steps),
         ("--granularities", args.granularities),

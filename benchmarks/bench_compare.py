@@ -41,8 +41,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.checks import ConfigError, Rule, check_ranges, read_json  # noqa: E402
-from common.utils import read_metrics_lines  # noqa: E402
+from common.plumbing.checks import ConfigError, Rule, check_ranges, read_json  # noqa: E402
+from common.plumbing.utils import read_metrics_lines  # noqa: E402
 
 SCRIPTS = {
     "flowgrpo_baseline": "flowgrpo_baseline.py",
@@ -154,7 +154,7 @@ def run_name(algo: str, variant: str, seed) -> str:
 
 
 def read_rows(run_dir: str) -> list[dict]:
-    """A run's metrics rows; a last line cut by a kill is not a row (common/utils.py, as a resume reads them)."""
+    """A run's metrics rows; a last line cut by a kill is not a row (common/plumbing/utils.py, as a resume reads them)."""
     return read_metrics_lines(os.path.join(run_dir, "metrics.jsonl"))[0]
 
 
@@ -932,7 +932,7 @@ def eval_prompt_counts(split: str = "test") -> dict[str, int]:
     return counts
 
 
-# The other numbers, each in one line as the training scripts' flags are (common/checks.py).
+# The other numbers, each in one line as the training scripts' flags are (common/plumbing/checks.py).
 FLAG_RANGES = {
     "seeds": Rule(0, 2**32 - 1, integer=True, why="numpy's seeds are 32-bit"),
     "eval_every": Rule(1, integer=True, why="iterations between the periodic evaluations"),

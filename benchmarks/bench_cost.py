@@ -37,8 +37,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.checks import ConfigError, read_json  # noqa: E402
-from common.utils import read_metrics_lines  # noqa: E402
+from common.plumbing.checks import ConfigError, read_json  # noqa: E402
+from common.plumbing.utils import read_metrics_lines  # noqa: E402
 
 SCRIPTS = ("flowgrpo_baseline", "g2rpo", "densegrpo", "diffusionnft")
 REFERENCE = "flowgrpo_baseline"  # the ratio column divides by its mean
@@ -177,7 +177,7 @@ def machine(threads: int, jobs: int, command: str) -> dict:
 
 # ------------------------------------------------------------------------------------------------ runs
 def read_rows(path: str) -> list[dict]:
-    """The rows of a metrics.jsonl (a cut last line is skipped; common/utils.py, as a resume reads them)."""
+    """The rows of a metrics.jsonl (a cut last line is skipped; common/plumbing/utils.py, as a resume reads them)."""
     return read_metrics_lines(path)[0]
 
 

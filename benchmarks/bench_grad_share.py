@@ -4,7 +4,7 @@
     python benchmarks/bench_grad_share.py --out runs/grad_share --report-only
 
 Every recipe is one script at its toy defaults plus a few flags, run for --iterations iterations with
-`--grad-share-every 1` (common/training.py GradShare: each trained step's share g_j . g / |g|^2 of the iteration's
+`--grad-share-every 1` (common/plumbing/transitions.py GradShare: each trained step's share g_j . g / |g|^2 of the iteration's
 gradient, summing to 1; the update itself unchanged). The figure (`{out}/grad_share.png`) shows, per recipe, the mean
 share of each trained step over the iterations, and DenseGRPO's dense reward per step (mean |ΔR_t| and the share of
 trajectories with ΔR_t = 0), the two things Eq. 10 turns into per-step advantages. The evaluation is cut to the

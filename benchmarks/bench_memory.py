@@ -160,7 +160,7 @@ TEXT_ENCODERS = {
     ),
     "flux": (("CLIP-L", "CLIPTextModel", CLIP_L), ("T5-XXL", "T5EncoderModel", T5_XXL)),
 }
-# The 16-channel AutoencoderKL of SD3.5 and FLUX.1 (their vae/config.json; common/tiny.py's tiny_vae builds it).
+# The 16-channel AutoencoderKL of SD3.5 and FLUX.1 (their vae/config.json; common/plumbing/tiny.py's tiny_vae builds it).
 VAE = dict(
     latent_channels=16,
     block_out_channels=(128, 256, 512, 512),
@@ -604,7 +604,7 @@ class ModelSpec:
 
 def published(kind: str) -> ModelSpec:
     """SD3.5-Medium ("sd3") or FLUX.1-dev ("flux") as published."""
-    from common.tiny import tiny_vae
+    from common.plumbing.tiny import tiny_vae
 
     with torch.device("meta"):
         vae = dict(tiny_vae(**VAE).config)
@@ -1081,9 +1081,14 @@ MEASURED = {
 
 @functools.lru_cache(maxsize=None)
 def measured_spec(kind: str) -> ModelSpec:
-    """The 2026-11-29 folders: the published transformer and VAE, the small text encoders of common/tiny.py's
+    """The 2026-11-29 folders: the published transformer and VAE, the small text encoders of common/plumbing/tiny.py's
     builders at the real widths (the sizes the retired bench_gpu_throughput.py passed)."""
-    from common.tiny import clip_text_config, make_clip_tokenizer, make_t5_tokenizer, t5_config
+    from common.plumbing.tiny import (
+        clip_text_config,
+        make_clip_tokenizer,
+        make_t5_tokenizer,
+        t5_config,
+    )
 
     clip_dim = 1024 if kind == "sd3" else 768
     clip = clip_text_config(len(make_clip_tokenizer(model_max_length=77)), clip_dim, 2, max_len=77)
@@ -1124,7 +1129,7 @@ DECODE_PROBE = r"""
 import json, sys, torch
 sys.path.insert(0, {root!r})
 from benchmarks.bench_memory import PeakLive
-from common.tiny import tiny_vae
+from common.plumbing.tiny import tiny_vae
 torch.manual_seed(0)
 vae = tiny_vae(**{vae!r}).eval()
 z = torch.randn({images}, 16, {side}, {side})

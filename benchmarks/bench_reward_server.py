@@ -4,7 +4,7 @@
     python benchmarks/bench_reward_server.py --skip-overlap   # the round trip only (seconds)
 
 1. Overlap. flowgrpo_baseline.py on the toy world (4 groups x 4 images, rollout batches of 4: 4 batches an
-   iteration, 10 steps), its toyworld reward served by common/reward_server.py through a stand-in scorer that
+   iteration, 10 steps), its toyworld reward served by common/plumbing/reward_server.py through a stand-in scorer that
    sleeps what a real scorer takes per image before returning the toy score. Each delay runs twice: overlapped (the
    default: a batch is scored while the next one samples) and sequential (RemoteReward.overlap = False: each batch
    scored before the next samples). Reported: seconds per iteration (iterations 1.. of --iterations, from
@@ -42,7 +42,7 @@ FLAGS = [
     *("--eval-every", "100000", "--eval-seeds-per-prompt", "1", "--eval-num-steps", "10"),
 ]
 SEQUENTIAL = (
-    "import runpy, sys; from common.remote_reward import RemoteReward; RemoteReward.overlap = False; "
+    "import runpy, sys; from common.plumbing.remote_reward import RemoteReward; RemoteReward.overlap = False; "
     "sys.argv[0] = 'flowgrpo_baseline.py'; runpy.run_path('flowgrpo_baseline.py', run_name='__main__')"
 )
 
@@ -50,7 +50,7 @@ SEQUENTIAL = (
 # ---------------------------------------------------------------------------------------------- stand-in scorers
 def delayed_toyworld():
     """The toy score, after $BENCH_DELAY_PER_IMAGE seconds per image (a GenEval or OCR server's time)."""
-    from common.reward_server import registry_scorer
+    from common.plumbing.reward_server import registry_scorer
 
     score, delay = registry_scorer("toyworld"), float(os.environ["BENCH_DELAY_PER_IMAGE"])
 
@@ -79,7 +79,7 @@ def env(threads: int, **extra) -> dict:
 
 def start_server(scorer: str, threads: int, **extra):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "common.reward_server", "--scorer", scorer, "--port", "0"],
+        [sys.executable, "-m", "common.plumbing.reward_server", "--scorer", scorer, "--port", "0"],
         cwd=ROOT,
         env=env(threads, **extra),
         stdout=subprocess.PIPE,

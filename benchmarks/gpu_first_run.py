@@ -12,7 +12,7 @@ Without CUDA (and without --tiny) it prints one line and exits 0.
    widths, heads and feed-forward sizes: CLIP-L and CLIP-G whole, T5-XXL's encoder with 2 of its 24 layers (the other
    22 are 8.6 GB of bf16 weights and about 4 s of loading per run; they change no transient, and the memory model
    counts each folder's own encoders); a CLIP ViT-H/14 reward folder that `--reward pickscore` loads (PickScore's
-   architecture, HPSv2's too). Tokenizers are common/tiny.py's word lists.
+   architecture, HPSv2's too). Tokenizers are common/plumbing/tiny.py's word lists.
 2. Runs each row of RUNS: a paper preset's command (docs/*.md, "## Paper preset", via benchmarks/presets.py) with the
    few flags that scale it down (a few groups, 2 iterations, no calibration, the random folders), under
    `torchrun --nproc_per_node 1` (nccl on a GPU, gloo on CPU), each in its own process, so that an out-of-memory run
@@ -63,7 +63,7 @@ DECODE_BATCH = 8  # --decode-batch-size of every run (the default)
 # ------------------------------------------------------------------------------------------------ the model folders
 def encoder_configs(kind: str, tiny: bool) -> dict:
     """The text encoders of a folder, component -> transformers config: the published ones (bench_memory) with the
-    ids of common/tiny.py's tokenizers and T5_LAYERS of T5's layers; tiny: common/tiny.py's own."""
+    ids of common/plumbing/tiny.py's tokenizers and T5_LAYERS of T5's layers; tiny: common/plumbing/tiny.py's own."""
     from transformers import CLIPTextConfig, T5Config
 
     from benchmarks import bench_memory as bm
@@ -92,13 +92,13 @@ def encoder_configs(kind: str, tiny: bool) -> dict:
 
 def full_size_pipeline(kind: str, device: str):
     """A random-weight SD3.5-M ("sd3") or FLUX.1-dev ("flux") pipeline on `device`: the published transformer (bf16)
-    and VAE (fp32), encoder_configs' text encoders (bf16), common/tiny.py's tokenizers and scheduler."""
+    and VAE (fp32), encoder_configs' text encoders (bf16), common/plumbing/tiny.py's tokenizers and scheduler."""
     import torch
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
 
     from benchmarks import bench_memory as bm
-    from common.tiny import build_flux, build_sd3, tiny_vae
+    from common.plumbing.tiny import build_flux, build_sd3, tiny_vae
 
     classes = {
         "sd3": dict(
@@ -158,9 +158,9 @@ def spec_of(pipe, kind: str):
 
 
 def build_model_folder(name: str, path: str, tiny: bool, device: str) -> None:
-    """The folder of SD3.5-M ("sd35") or FLUX.1-dev ("flux") at `path`: full_size_pipeline's, or (tiny) common/tiny.py's
+    """The folder of SD3.5-M ("sd35") or FLUX.1-dev ("flux") at `path`: full_size_pipeline's, or (tiny) common/plumbing/tiny.py's
     tiny SD3.5 / FLUX.1-dev."""
-    from common.tiny import build_flux, build_sd3
+    from common.plumbing.tiny import build_flux, build_sd3
 
     kind = "sd3" if name == "sd35" else "flux"
     if tiny:
@@ -179,12 +179,12 @@ VAE_FACTORS = {  # the published vae/config.json scaling and shift
 
 def build_reward_folder(path: str, tiny: bool, device: str) -> None:
     """A random-weight CLIP folder that `--reward pickscore --reward-model-paths pickscore=path` loads: the CLIP
-    ViT-H/14 of PickScore (tiny: 1 layer of 32), CLIPImageProcessor's 224-px geometry, common/tiny.py's tokenizer."""
+    ViT-H/14 of PickScore (tiny: 1 layer of 32), CLIPImageProcessor's 224-px geometry, common/plumbing/tiny.py's tokenizer."""
     import torch
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
 
     from benchmarks import bench_memory as bm
-    from common.tiny import make_clip_tokenizer
+    from common.plumbing.tiny import make_clip_tokenizer
 
     ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=1)
     if tiny:
@@ -721,7 +721,7 @@ def run_lines(k: int, n: int, r: dict) -> list[str]:
 
 def write_report(out: str, header: list[str], results: list[dict], lines: list[str]) -> None:
     """{out}/gpu_first_run.json and .md, whole after every run."""
-    from common.utils import atomic_write
+    from common.plumbing.utils import atomic_write
 
     atomic_write(
         os.path.join(out, "gpu_first_run.json"), json.dumps(results, indent=1, default=str)

@@ -101,7 +101,7 @@ def cases(tmp: str) -> list[tuple[str, list[str]]]:
 
 def run_case(script: str, flags: list[str], out: str) -> tuple[bool, str]:
     """(clean?, the first line it printed on stderr or its exit message)."""
-    import common.harness
+    import common.plumbing.harness
 
     def no_load(*a, **k):
         raise RuntimeError("the model was loaded before the bad input was refused")
@@ -110,7 +110,7 @@ def run_case(script: str, flags: list[str], out: str) -> tuple[bool, str]:
     argv = [script, "--output-dir", out, *flags]
     with (
         mock.patch.object(sys, "argv", argv),
-        mock.patch.object(common.harness, "load_backbone", no_load),
+        mock.patch.object(common.plumbing.harness, "load_backbone", no_load),
         contextlib.redirect_stderr(err),
         contextlib.redirect_stdout(io.StringIO()),
     ):

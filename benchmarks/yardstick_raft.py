@@ -8,7 +8,7 @@ and fine-tunes the same LoRA on them with the plain flow-matching regression los
 
 No log-probs, no ratios, no advantages: if this learns as fast per image as the policy-gradient scripts, their
 estimator is not what limits them on this world; if it learns faster, it is. Same evaluation
-(common/evaluation.py), same metrics.jsonl keys and the same harness flags as the three scripts
+(common/plumbing/evaluation.py), same metrics.jsonl keys and the same harness flags as the three scripts
 (benchmarks/bench_compare.py --algos yardstick). Probe it comes from: ../shared/reference/toyworld_finetune_probe.md.
 
     python benchmarks/yardstick_raft.py --num-iterations 60             # toy world, CPU
@@ -29,11 +29,11 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import toyworld  # noqa: E402
 from common.backbones import LORA_TARGETS, check_model_path, load_backbone  # noqa: E402
-from common.checks import ConfigError  # noqa: E402
-from common.evaluation import evaluate  # noqa: E402
+from common.plumbing.checks import ConfigError  # noqa: E402
+from common.plumbing.evaluation import evaluate  # noqa: E402
+from common.plumbing.utils import RunLogger, seed_everything  # noqa: E402
 from common.rewards import build_reward  # noqa: E402
 from common.sampler import sde_step_with_logprob  # noqa: E402
-from common.utils import RunLogger, seed_everything  # noqa: E402
 
 TOY_MODEL = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "common", "toyworld", "model"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from common.checks import ConfigError
+from common.plumbing.checks import ConfigError
 from common.sampler import ode_step, sigma_schedule, static_shift_schedule
 
 PIPELINES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
@@ -426,7 +426,7 @@ def load_backbone(
     precision (`resolve_precision`) is the dtype of the frozen weights and the activations; the VAE
     is kept in fp32 whatever it is, as Flow-GRPO's code decodes (a fp16 VAE overflows on SD3), and
     decodes `decode_batch_size` images per call. shard (--parallel fsdp): the transformer stays in
-    host memory; common/parallel.py moves each rank's shard of it to the GPU, block by block, so the
+    host memory; common/plumbing/parallel.py moves each rank's shard of it to the GPU, block by block, so the
     whole model (and its fp32 masters) never has to fit on one GPU."""
     index = read_model_index(path)
     kind = PIPELINES[index["_class_name"]]
@@ -499,7 +499,7 @@ def sample_ode(
     guidance_scale: float = 1.0,
     shift: float | None = None,
 ) -> torch.Tensor:
-    """The sampler of every evaluation (scripts through common/evaluation.py, pretraining,
+    """The sampler of every evaluation (scripts through common/plumbing/evaluation.py, pretraining,
     benchmarks): deterministic Euler ODE from one fixed seed per image -> images in [0, 1]."""
     sigmas = backbone.schedule(steps, height, width, shift)
     gens = [torch.Generator(backbone.device).manual_seed(s) for s in seeds]

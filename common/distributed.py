@@ -2,7 +2,7 @@
 must run as many micro-batches (each forward and backward is a collective under DDP and FSDP).
 
 With one process (`python script.py`) each is the identity; under torchrun they work on the
-run's device (NCCL takes no CPU tensor; common/utils.py makes the process group).
+run's device (NCCL takes no CPU tensor; common/plumbing/utils.py makes the process group).
 """
 
 from __future__ import annotations

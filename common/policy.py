@@ -26,7 +26,7 @@ class Trainable:
     in memory). Full fine-tuning keeps a frozen copy as the reference, only when the KL needs one.
     Trained weights are fp32 master weights even when the frozen base runs in bf16. `params` maps
     names to the trained tensors (the optimizer's, the EMA's, the checkpoint's); under --parallel
-    fsdp, common/parallel.py re-points it at the shards (DTensors) after fully_shard.
+    fsdp, common/plumbing/parallel.py re-points it at the shards (DTensors) after fully_shard.
     """
 
     def __init__(
@@ -87,7 +87,7 @@ class Trainable:
         shard size for a full model)."""
         import os
 
-        from common.parallel import gather_state_dict, is_sharded, save_pretrained_gathered
+        from common.plumbing.parallel import gather_state_dict, is_sharded, save_pretrained_gathered
 
         transformer, state = self.backbone.transformer, None
         if is_sharded(self.params):

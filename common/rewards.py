@@ -8,7 +8,7 @@
     --guard-rewards "pickscore,aesthetic"      same registry, logged beside the target at evaluation
     --reward-model-paths "pickscore=/ckpt/PickScore_v1,aesthetic=/ckpt/aesthetic"
     --reward "toyworld,remote:geneval@http://127.0.0.1:8000:0.5"   a reward scored by a server
-                                               (common/remote_reward.py, docs/usage.md)
+                                               (common/plumbing/remote_reward.py, docs/usage.md)
 
 Each reward maps (images [B,3,H,W] float in [0,1], prompts) to one float per image:
 
@@ -72,8 +72,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
-from common.checks import pickled_global
-from common.remote_reward import (
+from common.plumbing.checks import pickled_global
+from common.plumbing.remote_reward import (
     RemoteReward,
     RemoteRewardError,
     is_remote,
@@ -211,7 +211,7 @@ def check_rewards(
     reward server answers (and has the metadata of every prompt, if it is given some), and every
     prompt a toy-world reward will score (it scores only prompts of its grammar). prompt_files:
     {flag: its prompts}."""
-    from common.checks import ConfigError
+    from common.plumbing.checks import ConfigError
 
     try:
         # --reward is required (an empty one trains on nothing); --guard-rewards may be empty
@@ -252,7 +252,7 @@ def load_rewards(
     """The target reward and the guard rewards (None without --guard-rewards), each a RewardModel; a
     weight file that is missing or unreadable is one line (ConfigError). The scripts load them
     before the backbone, so that such a mistake costs seconds, not a model load."""
-    from common.checks import ConfigError
+    from common.plumbing.checks import ConfigError
 
     try:
         paths = parse_model_paths(model_paths)

@@ -36,14 +36,14 @@ def no_run_pictures(request, monkeypatch):
     picture tests reads them. Tests marked `@pytest.mark.pictures` (each script's smoke test) keep them, and check
     them end to end; tests/test_plots.py checks what they show."""
     if request.node.get_closest_marker("pictures") is None:
-        import common.run
+        import common.plumbing.run
 
-        monkeypatch.setattr(common.run, "run_pictures", lambda *a, **k: [])
+        monkeypatch.setattr(common.plumbing.run, "run_pictures", lambda *a, **k: [])
 
 
 @pytest.fixture(scope="session")
 def tiny_sd3(tmp_path_factory):
-    from common.tiny import build_sd3
+    from common.plumbing.tiny import build_sd3
 
     path = str(tmp_path_factory.mktemp("tiny-sd3"))
     build_sd3(path, seed=0)
@@ -52,7 +52,7 @@ def tiny_sd3(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_sd35(tmp_path_factory):
-    from common.tiny import build_sd3
+    from common.plumbing.tiny import build_sd3
 
     path = str(tmp_path_factory.mktemp("tiny-sd35"))
     build_sd3(path, seed=1, sd35=True)
@@ -61,7 +61,7 @@ def tiny_sd35(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_flux(tmp_path_factory):
-    from common.tiny import build_flux
+    from common.plumbing.tiny import build_flux
 
     path = str(tmp_path_factory.mktemp("tiny-flux"))
     build_flux(path, seed=0, guidance_embeds=True)

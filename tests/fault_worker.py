@@ -40,7 +40,7 @@ def tiny_weights(iteration: int):
 
 def save_loop(run_dir: str, start: int, report=None, keep: int = 2) -> None:
     """Save iterations start+1, start+2, ... forever; report(i) after save i has returned."""
-    from common.checkpoint import save_checkpoint
+    from common.plumbing.checkpoint import save_checkpoint
 
     i = start
     while True:
@@ -51,7 +51,7 @@ def save_loop(run_dir: str, start: int, report=None, keep: int = 2) -> None:
 
 
 def dist_main(mode: str) -> None:
-    from common.utils import setup_distributed
+    from common.plumbing.utils import setup_distributed
 
     rank, world, _ = setup_distributed()
     for step in range(1000):

@@ -83,22 +83,24 @@ def main(runs_file: str, smooth_reward: bool) -> None:
     import torch
     import torch.distributed as dist
 
+    import common.plumbing.run
+    import common.plumbing.utils
     import common.rewards
-    import common.run
-    import common.utils
 
     if smooth_reward:
         common.rewards._jpeg_kb = smooth_jpeg_kb
     # as in tests/conftest.py: the pictures, most of a tiny run's time
-    common.run.run_pictures = lambda *a, **k: []
+    common.plumbing.run.run_pictures = lambda *a, **k: []
 
     with open(runs_file) as f:
         runs = json.load(f)
-    rank, world_size, device = common.utils.setup_distributed()
-    import common.harness  # the set-up calls setup_distributed by the name it imported
+    rank, world_size, device = common.plumbing.utils.setup_distributed()
+    import common.plumbing.harness  # the set-up calls setup_distributed by the name it imported
 
     keep = [
-        mock.patch.object(common.harness, "setup_distributed", lambda: (rank, world_size, device)),
+        mock.patch.object(
+            common.plumbing.harness, "setup_distributed", lambda: (rank, world_size, device)
+        ),
         mock.patch.object(dist, "destroy_process_group", lambda *a, **k: None),
     ]
     for i, run in enumerate(runs):

@@ -19,7 +19,7 @@ python tests/reward_stub.py MODE [ARG] [--port P]   serve on loopback (port 0: a
 Each request, and each reply, is appended to $STUB_LOG (if set) as a JSON line: what the request held (method, n,
 ...), the reply's bytes (reply, base64).
 
-The scorers, for `python -m common.reward_server --scorer NAME=tests.reward_stub:FACTORY`:
+The scorers, for `python -m common.plumbing.reward_server --scorer NAME=tests.reward_stub:FACTORY`:
   brightness        the mean brightness, plus the metadata's "bonus" (0 without one)
   toyworld_until    the registry's toyworld, until call $STUB_DIE_AFTER + 1, where the process exits
 """
@@ -51,7 +51,7 @@ def brightness():
 
 
 def toyworld_until():
-    from common.reward_server import registry_scorer
+    from common.plumbing.reward_server import registry_scorer
 
     score, left = registry_scorer("toyworld"), [int(os.environ["STUB_DIE_AFTER"])]
 

@@ -1,5 +1,5 @@
 """Every side file a run rewrites is replaced atomically (issue #38, class 2, first part): args.json, the metrics
-truncated on resume, DenseGRPO's psi.json all go through common.utils.atomic_write, and a metrics line cut by a kill
+truncated on resume, DenseGRPO's psi.json all go through common.plumbing.utils.atomic_write, and a metrics line cut by a kill
 or a full disk no longer stops a resume. The helper is tested with the real mechanism: a writer SIGKILLed at random
 instants."""
 
@@ -13,12 +13,12 @@ import time
 
 from helpers import ROOT, read_metrics, run_main, tiny_flags, write_prompts
 
-# One process pays the imports (torch, through common.utils) once and forks a writer per round: each writer is a
+# One process pays the imports (torch, through common.plumbing.utils) once and forks a writer per round: each writer is a
 # real process running atomic_write in a loop until it is SIGKILLed (a fresh interpreter per round cost 12 imports).
 WRITERS = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, sys.argv[2])
-    from common.utils import atomic_write
+    from common.plumbing.utils import atomic_write
     print("ready", flush=True)
     for _ in sys.stdin:
         pid = os.fork()

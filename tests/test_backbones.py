@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common.backbones import check_resolution, load_backbone
-from common.checks import ConfigError
+from common.plumbing.checks import ConfigError
 from common.sampler import ode_step, sde_step_with_logprob
 
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
@@ -127,7 +127,7 @@ def lora_modules(transformer, target):
 def test_attention_lora_targets_skip_sd35_attn2():
     """peft matches ".attn.to_q" as a name suffix: SD3.5's second attention (attn2) gets no LoRA, as in Flow-GRPO's
     train_sd3.py; "attention-ff" adds the feed-forward layers (its train_flux.py set) and nothing else."""
-    from common.tiny import build_sd3
+    from common.plumbing.tiny import build_sd3
 
     names = {
         n
@@ -152,7 +152,7 @@ def test_attention_lora_targets_skip_sd35_attn2():
 def test_flux_lora_targets():
     """FLUX: "attention" reaches the double blocks' projections and the single blocks' to_q/k/v; "attention-ff" is
     Flow-GRPO's FLUX set, which adds the double blocks' ff / ff_context (single blocks have none)."""
-    from common.tiny import build_flux
+    from common.plumbing.tiny import build_flux
 
     attn = lora_modules(build_flux().transformer, "attention")
     assert {n for n in attn if n.startswith("single_")} == {

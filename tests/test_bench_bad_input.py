@@ -8,7 +8,7 @@ import os
 import pytest
 
 from benchmarks import bench_compare, bench_cost
-from common.checks import ConfigError
+from common.plumbing.checks import ConfigError
 
 
 def refused(main, *argv) -> str:

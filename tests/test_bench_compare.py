@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from benchmarks import bench_compare as bc
-from common.checks import ConfigError  # noqa: E402
+from common.plumbing.checks import ConfigError  # noqa: E402
 
 # A stand-in for a training script: the harness's flags in, a metrics.jsonl out. Accuracy 0.5 at the start and
 # 0.5 + 0.05 * seed at the end; it logs every launch and fails on demand (STUB_CRASH = the run's name).

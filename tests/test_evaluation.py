@@ -1,4 +1,4 @@
-"""common/evaluation.py: the evaluation protocol the three scripts share (on the shipped toy model, ~5 s)."""
+"""common/plumbing/evaluation.py: the evaluation protocol the three scripts share (on the shipped toy model, ~5 s)."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from common import toyworld
 from common.backbones import load_backbone, sample_ode
-from common.evaluation import accuracy_se, evaluate, panel_jobs
+from common.plumbing.evaluation import accuracy_se, evaluate, panel_jobs
 from common.rewards import build_reward
 
 RES = toyworld.RESOLUTION

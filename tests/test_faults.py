@@ -24,8 +24,8 @@ from fault_worker import save_loop, tiny_state, tiny_weights
 from helpers import ROOT, read_metrics, run_main, script_env, tiny_flags, write_prompts
 from safetensors.torch import load_file
 
-import common.checkpoint as ck
-from common.checks import ConfigError
+import common.plumbing.checkpoint as ck
+from common.plumbing.checks import ConfigError
 
 SCRIPTS = ["flowgrpo_baseline.py", "g2rpo.py", "densegrpo.py"]
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]

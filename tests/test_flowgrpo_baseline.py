@@ -20,7 +20,7 @@ from helpers import (
     write_prompts,
 )
 
-from common.checkpoint import list_checkpoints
+from common.plumbing.checkpoint import list_checkpoints
 
 SCRIPT = "flowgrpo_baseline.py"
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
@@ -208,8 +208,8 @@ def test_sde_window_trains_its_steps_only_and_is_ode_elsewhere(
 ):
     """A window of 2 of the 3 steps (start 0 or 1, drawn per iteration): the transitions are exactly the window's steps,
     one row per image and step; every rollout step outside it has noise 0 and is the exact Euler step (deterministic)."""
+    import common.plumbing.transitions as training
     import common.sampler as sampler
-    import common.training as training
     from common.sampler import ode_step
 
     seen, calls = [], []

@@ -43,7 +43,7 @@ def test_two_blocks_of_each_kind_give_the_whole_models_counts(kind, sizes):
     """bench_memory runs two blocks of each kind and stands them for the rest (distinct_blocks, extrapolate): on real
     CPU tensors of a tiny model with 3 to 5 blocks of a kind, the saved bytes and the no-grad peak are the whole
     model's."""
-    from common.tiny import build_flux, build_sd3
+    from common.plumbing.tiny import build_flux, build_sd3
 
     torch.manual_seed(0)
     pipe = build_sd3(sd35=True, **sizes) if kind == "sd3" else build_flux(**sizes)

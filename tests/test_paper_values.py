@@ -250,8 +250,8 @@ def args_fields(source: str) -> list[str]:
 
 
 def harness_fields() -> set[str]:
-    """The flags common/harness.py declares once for every script (HarnessArgs, GRPOArgs)."""
-    tree = ast.parse(read("common/harness.py"))
+    """The flags common/plumbing/harness.py declares once for every script (HarnessArgs, GRPOArgs)."""
+    tree = ast.parse(read("common/plumbing/harness.py"))
     return {
         n.target.id
         for c in tree.body
@@ -277,14 +277,18 @@ def redeclared_help(source: str, shared: set[str]) -> list[str]:
 
 
 def test_every_shared_flag_has_one_help_in_common():
-    """The flags every script shares live once in common/harness.py with one line of help; a script
+    """The flags every script shares live once in common/plumbing/harness.py with one line of help; a script
     declares its algorithm's flags, with help about its algorithm, and may override a shared flag's
     default without repeating its help. A paper's value is not help (tyro prints the default): it
     goes to the script's docs page, "## Paper preset"."""
     shared = harness_fields()
-    assert len(shared) >= 40, f"only {len(shared)} flags in common/harness.py: parsing broke?"
+    assert len(shared) >= 40, (
+        f"only {len(shared)} flags in common/plumbing/harness.py: parsing broke?"
+    )
     errors = [f"{s}: {e}" for s in SCRIPTS for e in redeclared_help(read(s), shared)]
-    assert not errors, "\n  ".join(["a shared flag's help is in common/harness.py only:"] + errors)
+    assert not errors, "\n  ".join(
+        ["a shared flag's help is in common/plumbing/harness.py only:"] + errors
+    )
 
 
 def preset_errors(script: str, doc_text: str, table: dict) -> list[str]:

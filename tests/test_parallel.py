@@ -1,4 +1,4 @@
-"""--parallel fsdp (common/parallel.py): FSDP2 against DDP on 2 CPU ranks (gloo) in all four scripts, its memory per
+"""--parallel fsdp (common/plumbing/parallel.py): FSDP2 against DDP on 2 CPU ranks (gloo) in all four scripts, its memory per
 rank, its sharded checkpoints and exact resume, the user's weights in stock pipelines, FSDP over one rank with
 offload, a 2-node launch over loopback, and the one-line errors.
 
@@ -30,7 +30,7 @@ from helpers import (
     write_prompts,
 )
 
-from common.checks import ConfigError
+from common.plumbing.checks import ConfigError
 
 SCRIPTS = ["flowgrpo_baseline.py", "g2rpo.py", "densegrpo.py", "diffusionnft.py"]
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
@@ -331,7 +331,7 @@ def test_fsdp_gathers_a_lora_in_fp32_and_full_finetuning_in_the_compute_dtype(
     import torch.distributed as dist
 
     from common.backbones import LORA_TARGETS, load_backbone
-    from common.parallel import parallelize
+    from common.plumbing.parallel import parallelize
     from common.policy import Trainable
 
     with socket.socket() as s:
@@ -413,7 +413,7 @@ def test_fsdp_offload_on_two_ranks_trains_as_fsdp_does_and_its_collectives_are_s
     offload's host-memory shards stopped every multi-GPU run."""
     from torch.distributed.distributed_c10d import BackendConfig
 
-    from common.utils import process_group_backend
+    from common.plumbing.utils import process_group_backend
 
     out, names, res = two_nodes
     i = names.index("full-fp16-fsdp-offload")
@@ -435,26 +435,26 @@ def test_a_gpu_run_makes_a_process_group_for_cuda_and_cpu_tensors(monkeypatch, c
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import BackendConfig
 
-    import common.utils
+    import common.plumbing.utils
 
     got = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: got.update(kw, b=backend))
-    monkeypatch.setattr(common.utils, "_install_collective_failure_hook", lambda *a: None)
+    monkeypatch.setattr(common.plumbing.utils, "_install_collective_failure_hook", lambda *a: None)
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("FLOW_RL_DIST_BACKEND", choice)
-    assert common.utils.setup_distributed() == (0, 2, torch.device("cuda", 0))
+    assert common.plumbing.utils.setup_distributed() == (0, 2, torch.device("cuda", 0))
     assert got["device_id"] == torch.device("cuda", 0)
     served = BackendConfig(got["b"]).get_device_backend_map()
     assert served == (expect or {"cpu": "gloo", "cuda": "gloo"})
 
 
 def test_an_unknown_process_group_backend_is_one_line(monkeypatch):
-    from common.utils import process_group_backend
+    from common.plumbing.utils import process_group_backend
 
     monkeypatch.setenv("FLOW_RL_DIST_BACKEND", "mpi")
     with pytest.raises(ConfigError, match="FLOW_RL_DIST_BACKEND='mpi': the only choice is 'gloo'"):
@@ -699,7 +699,7 @@ def test_fsdp_without_torchrun_stops_before_the_model_loads(tiny_sd3, tmp_path, 
 def test_tf32_is_on_for_cuda_fp32_matmuls_unless_turned_off(enabled, expect):
     """--tf32 (the default) / --no-tf32 set torch's fp32 precision of CUDA matmuls and convolutions; on the CPU, which
     has no TF32, nothing changes, so every bit-exact CPU test computes as before."""
-    from common.utils import set_tf32
+    from common.plumbing.utils import set_tf32
 
     matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
     before = matmul.fp32_precision, conv.fp32_precision

@@ -1,4 +1,4 @@
-"""common/plots.py: every chart is a PNG of the promised size, whatever the log holds; grids frame correct
+"""common/plumbing/plots.py: every chart is a PNG of the promised size, whatever the log holds; grids frame correct
 images green and wrong ones red (read back from the pixels); the before/after image pairs the same prompts."""
 
 import math
@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 from common import toyworld
-from common.evaluation import Panel
-from common.plots import (
+from common.plumbing.evaluation import Panel
+from common.plumbing.plots import (
     GREEN,
     RED,
     STEP_LABELS,
@@ -140,7 +140,7 @@ def test_step_heatmap_one_panel_per_metric(tmp_path, metrics):
 
 
 def test_the_learning_curves_running_mean_shows_the_trend_through_the_noise():
-    from common.plots import running_mean, running_window
+    from common.plumbing.plots import running_mean, running_window
 
     assert (
         running_window(5) == 1
@@ -216,7 +216,7 @@ def test_before_after_pairs_the_same_prompts_and_panel_round_trips(tmp_path):
 
 
 def test_run_pictures_draws_curve_heatmap_and_before_after_from_the_run_folder(tmp_path):
-    from common.run import run_pictures
+    from common.plumbing.run import run_pictures
 
     prompts = [p for c in toyworld.CATEGORIES for p in toyworld.all_prompts(c)[:1]]
     os.makedirs(tmp_path / "samples")
@@ -241,7 +241,7 @@ def test_run_logger_sends_captioned_panels_to_wandb(tmp_path, monkeypatch):
     import sys
     import types
 
-    from common.utils import RunLogger
+    from common.plumbing.utils import RunLogger
 
     logged = {}
     fake = types.ModuleType("wandb")

@@ -30,7 +30,7 @@ PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
 def sd35_16ch(tmp_path_factory):
     """A tiny SD3.5-shaped pipeline with SD3's 16 latent channels; its VAE halves the side, so 128 px gives the
     paper's 512-px latents, 16 x 64 x 64."""
-    from common.tiny import build_sd3
+    from common.plumbing.tiny import build_sd3
 
     path = str(tmp_path_factory.mktemp("sd35-16ch"))
     build_sd3(path, seed=3, sd35=True, latent_channels=16)
@@ -181,16 +181,16 @@ def test_fp16_resume_is_exact_with_the_loss_scale(tiny_sd3, tmp_path, prompts_fi
     scale change every step, so a resume that lost it would not be exact)."""
     from helpers import assert_resume_is_exact
 
-    import common.harness
+    import common.plumbing.harness
 
-    real_start = common.harness.Harness.start
+    real_start = common.plumbing.harness.Harness.start
 
     def start(self, optimizer, scaler=None, **kw):  # the scale doubles after every clean step
         if scaler is not None and scaler.is_enabled():
             scaler._growth_interval = 1
         return real_start(self, optimizer, scaler, **kw)
 
-    common.harness.Harness.start = start
+    common.plumbing.harness.Harness.start = start
     try:
         assert_resume_is_exact(
             SCRIPT,
@@ -199,7 +199,7 @@ def test_fp16_resume_is_exact_with_the_loss_scale(tiny_sd3, tmp_path, prompts_fi
             ["--learning-rate", "1e-2", "--eval-every", "100", "--mixed-precision", "fp16"],
         )
     finally:
-        common.harness.Harness.start = real_start
+        common.plumbing.harness.Harness.start = real_start
     scales = [
         torch.load(tmp_path / run / "checkpoint-2" / "trainer_state.pt", weights_only=False)[
             "loss_scaling"
@@ -228,7 +228,7 @@ def test_a_skipped_fp16_step_is_counted_and_only_many_in_a_row_stop_the_run(tmp_
     step taken, never a skipped one."""
     from types import SimpleNamespace
 
-    from common.run import MAX_SKIPS_IN_A_ROW, NonFiniteUpdate, Run, Stats
+    from common.plumbing.run import MAX_SKIPS_IN_A_ROW, NonFiniteUpdate, Run, Stats
 
     ema = SimpleNamespace(updates=0)
     ema.update = lambda: setattr(ema, "updates", ema.updates + 1)
@@ -255,7 +255,7 @@ def test_a_skipped_fp16_step_is_counted_and_only_many_in_a_row_stop_the_run(tmp_
 
 def test_the_zero_fraction_counts_what_underflowed():
     """train/grad_zero_fraction's counts: exact zeros in the gradient, a weight without one counted whole."""
-    from common.run import gradient_zeros
+    from common.plumbing.run import gradient_zeros
 
     a, b = torch.zeros(4, requires_grad=True), torch.zeros(6, requires_grad=True)
     a.grad = torch.tensor([0.0, 1.0, 0.0, 2.0])
@@ -267,8 +267,8 @@ def test_fp16_without_a_loss_scaler_is_refused_before_training(tmp_path):
     line, before the first step: its gradients would underflow silently."""
     from types import SimpleNamespace
 
-    from common.checks import ConfigError
-    from common.harness import Harness
+    from common.plumbing.checks import ConfigError
+    from common.plumbing.harness import Harness
 
     h = SimpleNamespace(
         args=None, backbone=SimpleNamespace(dtype=torch.float16), device=torch.device("cpu")

@@ -24,7 +24,7 @@ from helpers import (
     write_prompts,
 )
 
-from common.checks import ConfigError
+from common.plumbing.checks import ConfigError
 
 SCRIPT = "flowgrpo_baseline.py"
 
@@ -177,7 +177,7 @@ def test_a_signal_stops_the_run_with_one_line_that_says_how_to_go_on(
 
 
 def test_inputs_that_trained_nothing_or_were_misdiagnosed_get_the_right_line(tmp_path):
-    from common.checks import read_prompt_file
+    from common.plumbing.checks import read_prompt_file
     from common.rewards import parse_reward_spec
 
     with pytest.raises(ValueError, match="trains nothing"):
@@ -206,7 +206,7 @@ def test_flags_bounded_by_the_model_are_refused_before_it_loads(
 ):
     import shutil
 
-    import common.harness as harness
+    import common.plumbing.harness as harness
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the bad input was refused")
@@ -244,9 +244,9 @@ def fill(disk: str, leave: int) -> None:
 def test_every_write_on_a_full_disk_is_one_line_and_leaves_no_partial_file(small_disk):
     """The metrics row, a picture, args.json, a side file: each goes whole or not at all, and the failure is
     the checkpoint's one line, naming what exists to go on from."""
-    from common.checkpoint import writing
-    from common.plots import learning_curve
-    from common.utils import RunLogger, append_line, atomic_write
+    from common.plumbing.checkpoint import writing
+    from common.plumbing.plots import learning_curve
+    from common.plumbing.utils import RunLogger, append_line, atomic_write
 
     run = os.path.join(small_disk, "run")
     os.makedirs(run)
@@ -282,7 +282,7 @@ def test_every_write_on_a_full_disk_is_one_line_and_leaves_no_partial_file(small
 SLOW_LOAD = """
 import runpy, sys, time
 sys.path.insert(0, sys.argv[1])
-import common.harness as harness
+import common.plumbing.harness as harness
 
 def slow_load(*a, **k):  # the model load, long enough to be interrupted
     print("loading", flush=True)
@@ -354,10 +354,12 @@ def test_track_without_a_key_or_with_a_bad_project_is_one_line_before_the_model_
 ):
     """--track online without a key, or with a project name wandb refuses: a traceback after the model load, with
     args.json left behind; now one line before it, nothing written."""
-    import common.harness
+    import common.plumbing.harness
 
     monkeypatch.setattr(
-        common.harness, "load_backbone", lambda *a, **k: pytest.fail("the model was loaded")
+        common.plumbing.harness,
+        "load_backbone",
+        lambda *a, **k: pytest.fail("the model was loaded"),
     )
     flags = [*tiny_flags(tiny_sd3, tmp_path / "out", prompts_file), "--track"]
     with pytest.raises(ConfigError) as e:
@@ -381,10 +383,12 @@ def test_track_to_a_server_nothing_answers_at_is_one_line_before_the_model_loads
     behind a proxy the check is left to wandb (the proxy is what would have to answer)."""
     import wandb.sdk.wandb_setup as ws
 
-    import common.harness
+    import common.plumbing.harness
 
     monkeypatch.setattr(
-        common.harness, "load_backbone", lambda *a, **k: pytest.fail("the model was loaded")
+        common.plumbing.harness,
+        "load_backbone",
+        lambda *a, **k: pytest.fail("the model was loaded"),
     )
     monkeypatch.setenv("WANDB_API_KEY", "a" * 40)
     # the singleton read WANDB_BASE_URL at its first use; a run reads it at its start
@@ -398,9 +402,13 @@ def test_track_to_a_server_nothing_answers_at_is_one_line_before_the_model_loads
         "error: --track logs online to http://127.0.0.1:9, and this machine cannot"
     )
     assert "ConnectionRefusedError" in msg and "WANDB_MODE=offline" in msg and "\n" not in msg
-    assert time.time() - t < common.harness.REACH_TIMEOUT_S and not os.path.exists(tmp_path / "out")
+    assert time.time() - t < common.plumbing.harness.REACH_TIMEOUT_S and not os.path.exists(
+        tmp_path / "out"
+    )
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
-    common.harness.check_reachable("http://127.0.0.1:9", None)  # through a proxy: not probed
+    common.plumbing.harness.check_reachable(
+        "http://127.0.0.1:9", None
+    )  # through a proxy: not probed
 
 
 @pytest.fixture
@@ -449,7 +457,7 @@ def test_a_wandb_server_that_never_starts_the_run_is_bounded_and_leaves_no_run(
     """A key, a server that answers and then stalls: wandb.init waited 109 s, then a traceback, args.json left
     behind. Now it waits WANDB_INIT_TIMEOUT (here 1 s), says what to do in one line and removes what this run
     wrote."""
-    from common.utils import RunLogger
+    from common.plumbing.utils import RunLogger
 
     monkeypatch.setenv("WANDB_API_KEY", "a" * 40)
     monkeypatch.setenv("WANDB_INIT_TIMEOUT", "1")

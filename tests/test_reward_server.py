@@ -1,4 +1,4 @@
-"""Rewards from a server (common/remote_reward.py, common/reward_server.py): the spelling, the start-up check, every
+"""Rewards from a server (common/plumbing/remote_reward.py, common/plumbing/reward_server.py): the spelling, the start-up check, every
 fault with a real server process on loopback (tests/reward_stub.py), flow_grpo's wire format and a reply that would
 run code, a wrapped scorer, the overlap, and the scripts: a served reward gives the in-process run's numbers and
 weights, and a run stopped by a dying server resumes to them exactly."""
@@ -22,9 +22,9 @@ from helpers import ROOT, read_metrics, run_main, script_env, write_prompts
 from PIL import Image
 from reward_stub import brightness_of
 
-import common.harness
-from common.checks import ConfigError
-from common.remote_reward import RemoteReward, parse_remote, safe_unpickle
+import common.plumbing.harness
+from common.plumbing.checks import ConfigError
+from common.plumbing.remote_reward import RemoteReward, parse_remote, safe_unpickle
 from common.rewards import build_reward, check_rewards, parse_model_paths, parse_reward_spec
 
 STUB = os.path.join(ROOT, "tests", "reward_stub.py")
@@ -129,7 +129,7 @@ def no_model_load(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the bad input was refused")
 
-    monkeypatch.setattr(common.harness, "load_backbone", refuse)  # the name setup() calls
+    monkeypatch.setattr(common.plumbing.harness, "load_backbone", refuse)  # the name setup() calls
 
 
 def test_a_server_down_at_start_is_one_line_in_seconds_before_the_model_loads(
@@ -146,7 +146,7 @@ def test_a_server_down_at_start_is_one_line_in_seconds_before_the_model_loads(
         )
     assert one_line(e) == (
         f"error: remote reward 'remote:toyworld' at {url}: no server answers (ConnectionRefusedError: "
-        "Connection refused): start it (e.g. `python -m common.reward_server --reward toyworld --port "
+        "Connection refused): start it (e.g. `python -m common.plumbing.reward_server --reward toyworld --port "
         "8000`) or fix the URL in --reward"
     )
     assert time.monotonic() - start < 10 and os.listdir(tmp_path) == ["p.txt"]  # no run folder yet
@@ -325,7 +325,7 @@ def test_a_wrapped_scorer_is_served_with_its_metadata_and_bad_requests_are_one_l
     (tmp_path / "meta.jsonl").write_text(json.dumps({"prompt": PROMPTS[1], "bonus": 10}) + "\n")
     cmd = [
         "-m",
-        "common.reward_server",
+        "common.plumbing.reward_server",
         "--scorer",
         "bright=tests.reward_stub:brightness",
         "--port",
@@ -371,7 +371,11 @@ def test_a_wrapped_scorer_is_served_with_its_metadata_and_bad_requests_are_one_l
         )
     # the server imports no torch, so it runs in a scorer's own environment
     out = subprocess.run(
-        [sys.executable, "-c", "import sys, common.reward_server; print('torch' in sys.modules)"],
+        [
+            sys.executable,
+            "-c",
+            "import sys, common.plumbing.reward_server; print('torch' in sys.modules)",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -496,7 +500,14 @@ def without_timings(rows, rename=()):
 @pytest.fixture(scope="module")
 def toy_server():
     """The project's server with the toy scorer and JPEG compressibility, for the module's runs."""
-    cmd = ["-m", "common.reward_server", "--reward", "toyworld,jpeg_compressibility", "--port", "0"]
+    cmd = [
+        "-m",
+        "common.plumbing.reward_server",
+        "--reward",
+        "toyworld,jpeg_compressibility",
+        "--port",
+        "0",
+    ]
     with server(*cmd) as (url, _):
         yield url
 
@@ -537,7 +548,12 @@ def test_a_run_stopped_by_a_dying_server_keeps_its_checkpoint_and_resumes_exactl
     script, port = "flowgrpo_baseline.py", free_port()
     toy_run(script, tmp_path, "local", "toyworld", "", "--num-iterations", "3")
     spec = f"remote:toyworld@http://127.0.0.1:{port}?retries=1&backoff=0.1"
-    dying = ["-m", "common.reward_server", "--scorer", "toyworld=tests.reward_stub:toyworld_until"]
+    dying = [
+        "-m",
+        "common.plumbing.reward_server",
+        "--scorer",
+        "toyworld=tests.reward_stub:toyworld_until",
+    ]
     with server(*dying, "--port", str(port), env={"STUB_DIE_AFTER": "4"}) as (url, proc):
         with pytest.raises(SystemExit) as e:
             toy_run(script, tmp_path, "split", spec, "", "--num-iterations", "3")
@@ -550,7 +566,7 @@ def test_a_run_stopped_by_a_dying_server_keeps_its_checkpoint_and_resumes_exactl
         one_line(e),
     )
     assert [d for d in sorted(os.listdir(run)) if d.startswith("checkpoint-")] == ["checkpoint-1"]
-    with server("-m", "common.reward_server", "--reward", "toyworld", "--port", str(port)):
+    with server("-m", "common.plumbing.reward_server", "--reward", "toyworld", "--port", str(port)):
         toy_run(script, tmp_path, "split", spec, "", "--num-iterations", "3", "--resume", str(run))
     a, b = final_state(tmp_path / "local"), final_state(run)
     assert a["iteration"] == b["iteration"] == 3 and a["counts"] == b["counts"]

@@ -103,7 +103,7 @@ def test_no_heavy_import_until_used():
         "import sys; from common import rewards as r; r.parse_reward_spec('pickscore:1,hpsv2:1');"
         "r.build_reward('jpeg_compressibility'); print(any(m in sys.modules for m in "
         "('transformers', 'open_clip', 'ImageReward', 'common.toyworld')));"
-        "import common.harness; print(sorted({'diffusers', 'peft', 'transformers'} & set(sys.modules)))"
+        "import common.plumbing.harness; print(sorted({'diffusers', 'peft', 'transformers'} & set(sys.modules)))"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run(
@@ -153,7 +153,7 @@ def ckpts(tmp_path_factory):
     laion ViT-H-14 repo), full/ (both, like openai/clip-vit-large-patch14), aesthetic/ (full + MLP)."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
 
-    from common.tiny import make_clip_tokenizer
+    from common.plumbing.tiny import make_clip_tokenizer
 
     root = tmp_path_factory.mktemp("reward-ckpts")
     tok = make_clip_tokenizer(model_max_length=16)

@@ -1,4 +1,4 @@
-"""The main loop's bookkeeping (common/run.py) on its own: when the loop stops, what a metrics row holds, what a
+"""The main loop's bookkeeping (common/plumbing/run.py) on its own: when the loop stops, what a metrics row holds, what a
 checkpoint holds, what the evaluation saves, and the counters of an old checkpoint. No model is loaded: fast."""
 
 import json
@@ -12,10 +12,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import common.run as run_module  # noqa: E402
-from common.checkpoint import list_checkpoints, load_checkpoint  # noqa: E402
-from common.checks import ConfigError  # noqa: E402
-from common.run import (  # noqa: E402
+import common.plumbing.run as run_module  # noqa: E402
+from common.plumbing.checkpoint import list_checkpoints, load_checkpoint  # noqa: E402
+from common.plumbing.checks import ConfigError  # noqa: E402
+from common.plumbing.run import (  # noqa: E402
     COUNTERS,
     Run,
     Stats,
@@ -23,7 +23,7 @@ from common.run import (  # noqa: E402
     summary_line,
     training_nfe,
 )
-from common.utils import RunLogger  # noqa: E402
+from common.plumbing.utils import RunLogger  # noqa: E402
 
 
 def make_args(**kw):

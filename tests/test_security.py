@@ -21,8 +21,8 @@ import torch
 from fault_worker import tiny_state, tiny_weights
 from helpers import read_metrics, run_main, tiny_flags, write_prompts
 
-import common.checkpoint as ck
-from common.checks import ConfigError
+import common.plumbing.checkpoint as ck
+from common.plumbing.checks import ConfigError
 
 SCRIPT = "flowgrpo_baseline.py"
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
@@ -120,7 +120,7 @@ def test_a_checkpoint_written_before_the_change_is_refused_and_converts_when_tru
     folder = ck.checkpoint_dir(run, 1)
     with pytest.raises(ConfigError) as e:
         ck.load_checkpoint(folder)
-    assert f"python -m common.checkpoint --convert-trusted {folder}" in one_line(e)
+    assert f"python -m common.plumbing.checkpoint --convert-trusted {folder}" in one_line(e)
     ck.convert_trusted(folder)
     assert ck.verify_checkpoint(folder) is None  # re-sealed
     state = ck.load_checkpoint(folder)
@@ -180,7 +180,7 @@ def test_a_sharded_checkpoints_metadata_that_would_run_code_is_refused(tmp_path)
 
 def test_an_evaluation_panel_that_would_run_code_is_refused(tmp_path):
     """samples/eval_*.npz (read back for before_after.png) is loaded with allow_pickle=False."""
-    from common.evaluation import Panel
+    from common.plumbing.evaluation import Panel
 
     created = tmp_path / "payload-ran"
     path = tmp_path / "eval_00000.npz"

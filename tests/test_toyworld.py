@@ -104,7 +104,7 @@ def test_validation_split_is_disjoint_from_test_and_absent_from_rl_training():
     """Issue #48 item 1: validation prompts come from the training prompts, none is a test prompt,
     none is in the RL training mix (in any phrasing of its scene), and the RL mix is the balanced mix
     of what is left. The scripts train on that mix by default."""
-    from common.harness import HarnessArgs
+    from common.plumbing.harness import HarnessArgs
 
     train, test = tw.load_prompts(tw.TRAIN_FILE), tw.load_prompts(tw.TEST_FILE)
     val, rl = tw.load_prompts(tw.VAL_FILE), tw.load_prompts(tw.RL_TRAIN_FILE)

@@ -1,5 +1,5 @@
-"""The plumbing of the shared training section: the transitions contract (common/training.py), the micro-batch plan
-(the GRPO scripts' optimizer_steps and micro_batch), the metric reduction (common/run.py), the EMA schedule, and the
+"""The plumbing of the shared training section: the transitions contract (common/plumbing/transitions.py), the micro-batch plan
+(the GRPO scripts' optimizer_steps and micro_batch), the metric reduction (common/plumbing/run.py), the EMA schedule, and the
 count of optimizer steps in a real run."""
 
 import os
@@ -10,11 +10,11 @@ import pytest
 import torch
 from helpers import ROOT, read_metrics, run_main, tiny_flags, write_prompts
 
-from common.plots import STEP_METRICS
+from common.plumbing.plots import STEP_METRICS
+from common.plumbing.run import NonFiniteUpdate, Stats, check_finite
+from common.plumbing.transitions import TransitionsError, check_transitions
 from common.policy import EMA
 from common.rewards import group_advantages
-from common.run import NonFiniteUpdate, Stats, check_finite
-from common.training import TransitionsError, check_transitions
 
 sys.path.insert(0, ROOT)
 import flowgrpo_baseline as F  # noqa: E402
@@ -211,7 +211,7 @@ def test_no_runtime_check_is_an_assert_so_python_O_keeps_them(monkeypatch):
     ]
     assert not stripped, f"runtime checks python -O removes (assert, __debug__): {stripped}"
 
-    path = os.path.join(ROOT, "common", "training.py")
+    path = os.path.join(ROOT, "common", "plumbing", "transitions.py")
     module = types.ModuleType("training_as_python_O")
     # the module's dataclasses look their module up in sys.modules
     monkeypatch.setitem(sys.modules, module.__name__, module)
@@ -378,7 +378,7 @@ def test_full_finetune_in_bf16_computes_under_autocast(fixture, request):
 def test_grad_share_splits_the_gradient_by_step_exactly_as_separate_backward_passes():
     """GradShare, fed micro-batch by micro-batch, gives each step's gradient as a backward pass over that step's
     transitions alone would; the shares g_j . g / |g|^2 sum to 1; and .grad (the update) is left alone."""
-    from common.training import GradShare
+    from common.plumbing.transitions import GradShare
 
     torch.manual_seed(0)
     net = torch.nn.Linear(6, 1)

@@ -61,9 +61,9 @@ import torch.nn.functional as F
 
 from common import toyworld
 from common.backbones import Backbone, load_backbone
-from common.evaluation import evaluate as evaluate_prompts
+from common.plumbing.evaluation import evaluate as evaluate_prompts
+from common.plumbing.tiny import build_sd3, tiny_vae
 from common.rewards import build_reward
-from common.tiny import build_sd3, tiny_vae
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -150,7 +150,7 @@ def encode_latents(vae, images_u8, device, set_stats: bool = True) -> torch.Tens
 
 
 def evaluate(backbone: Backbone, steps: int, cfg: float, batch: int = 256) -> tuple[dict, object]:
-    """The RL scripts' evaluation (common/evaluation.py: the test prompts, 2 fixed seeds each, ODE,
+    """The RL scripts' evaluation (common/plumbing/evaluation.py: the test prompts, 2 fixed seeds each, ODE,
     strict accuracy), with short keys for the log: accuracy, reward and one accuracy per category;
     and its captioned grid."""
     m, grid = evaluate_prompts(

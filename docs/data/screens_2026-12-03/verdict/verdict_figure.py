@@ -15,7 +15,7 @@ import sys
 
 from verdict import DATA, GROUPS, from_folder  # also puts the repository root on sys.path
 
-from common.plots import _figure  # noqa: E402
+from common.plumbing.plots import _figure  # noqa: E402
 
 SEEDS = 5
 F30 = from_folder(os.path.join(DATA, "..", "screens_2026-12-04", "f30"), "flowgrpo_*")

@@ -34,7 +34,7 @@ from verdict import holm, welch_test  # noqa: E402
 from verdict_figure import gain_axes  # noqa: E402
 
 from benchmarks.bench_compare import mean_ci, read_rows, summarize, welch_ci  # noqa: E402
-from common.plots import _figure  # noqa: E402
+from common.plumbing.plots import _figure  # noqa: E402
 
 ALGOS = {"flow": "flowgrpo_baseline", "nft": "diffusionnft"}
 

@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.abspath(os.path.join(HERE, *[".."] * 4)))
 
 from benchmarks.bench_compare import mean_ci, read_rows, summarize  # noqa: E402
-from common.plots import _figure  # noqa: E402
+from common.plumbing.plots import _figure  # noqa: E402
 
 START = summarize(os.path.join(HERE, "..", "nft", "diffusionnft__default__start"))["final"]["acc"]
 

@@ -51,7 +51,7 @@ import time
 import numpy as np
 import torch
 
-from common.checks import ConfigError, kind_of, pickled_global, read_json
+from common.plumbing.checks import ConfigError, kind_of, pickled_global, read_json
 
 MARKER = "COMPLETE.json"
 STATE_FILE = "trainer_state.pt"
@@ -224,7 +224,7 @@ def trainer_state(params: dict, optimizer, ema, model=None, extras: dict | None 
     shards, named by parameter (get_state_dict, so that the optimizer state is keyed by name, not by
     position), which every rank writes into trainer_state.dcp/. `extras` ({name: an EMA-like
     object}): a script's own copies of the weights (DiffusionNFT's old policy), stored as the EMA."""
-    from common.parallel import is_sharded
+    from common.plumbing.parallel import is_sharded
 
     if not is_sharded(params):
         return {
@@ -389,7 +389,7 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
 def writing(run_dir: str):
     """Around a run's writes (metrics rows, pictures, args.json, side files): a write that fails
     (a full disk, no permission) stops the run in the one line a checkpoint's failure gives,
-    naming what exists to go on from. Each write is atomic (common/utils.py), so nothing partial is
+    naming what exists to go on from. Each write is atomic (common/plumbing/utils.py), so nothing partial is
     left behind."""
     try:
         yield
@@ -717,7 +717,7 @@ def _describe(changes) -> str:
 
 def _has_final_row(run_dir: str, iteration: int) -> bool:
     """The run's metrics.jsonl holds its final evaluation at `iteration`."""
-    from common.utils import read_metrics_lines
+    from common.plumbing.utils import read_metrics_lines
 
     rows, _ = read_metrics_lines(os.path.join(run_dir, "metrics.jsonl"))
     return any(r.get("final") and r.get("iteration") == iteration for r in rows)
@@ -1089,7 +1089,7 @@ def load_checkpoint(folder: str) -> dict:
             f"--resume: {path} holds Python objects ({pickled_global(e)}) "
             "that only pickle restores, and unpickling a file can run code, so it was not loaded; "
             "a checkpoint this project wrote before 2026-12-05 is like that: if you trust where it "
-            f"came from, convert it once with `python -m common.checkpoint --convert-trusted "
+            f"came from, convert it once with `python -m common.plumbing.checkpoint --convert-trusted "
             f"{folder}`, else start a new run"
         ) from None
     except Exception as e:  # noqa: BLE001 - any unreadable zip is the same fault for the user
@@ -1227,9 +1227,9 @@ def _check_optimizer(folder: str, saved: dict, optimizer) -> None:
 def convert_trusted(folder: str) -> None:
     """Rewrite the trainer_state.pt of a checkpoint written before 2026-12-05 (numpy's RNG state
     pickled as an ndarray) into the plain form `load_checkpoint` reads, and re-seal its marker.
-    It unpickles the file: run it only on a file you trust (`python -m common.checkpoint
+    It unpickles the file: run it only on a file you trust (`python -m common.plumbing.checkpoint
     --convert-trusted FOLDER`)."""
-    from common.utils import atomic_file
+    from common.plumbing.utils import atomic_file
 
     problem = verify_checkpoint(folder)
     if problem:
@@ -1268,13 +1268,13 @@ def restore_checkpoint(
     scaler=None,
 ) -> tuple[int, dict]:
     """Load a checkpoint (verified by resolve_run_dir) into params / optimizer / EMA
-    (common.training.EMA) / fp16's loss scaler / this rank's RNG, in place. Returns (iteration, the
+    (common.plumbing.transitions.EMA) / fp16's loss scaler / this rank's RNG, in place. Returns (iteration, the
     run's cumulative counts: images and NFE per phase, its clocks time/cpu_s and time/elapsed_s,
     and the loss scaler's skips_in_a_row). A parameter
     whose name or shape differs is one line, not a tensor-size traceback. FSDP (`params` are
     DTensors, `model` the sharded transformer): every rank reads its own shards from
     trainer_state.dcp/ (a collective)."""
-    from common.parallel import is_sharded
+    from common.plumbing.parallel import is_sharded
 
     state = load_checkpoint(folder)
     if not isinstance(state, dict):

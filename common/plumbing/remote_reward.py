@@ -8,7 +8,7 @@ NAME is the scorer's name on the server (and the reward's name in metrics: `remo
 needs its port, so that a trailing `:WEIGHT` is never mistaken for one. The scheme picks the wire
 format (docs/usage.md, "Rewards from a server"):
 
-- `http://` (or https): this project's, common/reward_server.py: JSON both ways, PNG images in
+- `http://` (or https): this project's, common/plumbing/reward_server.py: JSON both ways, PNG images in
   base64. A reply is data only: it can give wrong scores, never run code here.
 - `flowgrpo+http://`: flow_grpo's reward-server (github.com/yifan123/reward-server, app_geneval.py
   and app_deqa.py at 7131478; its client, github.com/yifan123/flow_grpo flow_grpo/rewards.py
@@ -59,7 +59,7 @@ from http.client import HTTPException
 import torch
 from PIL import Image
 
-from common.reward_server import PROTOCOL
+from common.plumbing.reward_server import PROTOCOL
 
 MAX_REQUEST_IMAGES = 64  # flow_grpo's geneval_score sends batches of 64
 MAX_REPLY_BYTES = 16 << 20  # a reply is one score (or a few) per image: far less than this
@@ -89,7 +89,7 @@ class RemoteRewardError(SystemExit):
     def stopping(self) -> RemoteRewardError:
         """The same line, ending with what the run stopping here can go on from (when a run is
         under way in this process)."""
-        from common.run import continue_hint_of_this_run
+        from common.plumbing.run import continue_hint_of_this_run
 
         hint = continue_hint_of_this_run()
         if not hint:
@@ -303,7 +303,7 @@ class RemoteReward:
         except (OSError, HTTPException) as e:
             raise ValueError(
                 f"{self._where()}: no server answers ({_reason(e)}): start it (e.g. `python -m "
-                "common.reward_server --reward toyworld --port 8000`) or fix the URL in --reward"
+                "common.plumbing.reward_server --reward toyworld --port 8000`) or fix the URL in --reward"
             ) from None
         if self.spec.wire == "flowgrpo":
             return

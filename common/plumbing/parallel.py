@@ -21,7 +21,7 @@ scripts is the same text for both (and for one process):
 
 Under FSDP every transformer forward is a collective (the all-gather of the weights), so every rank
 must run the same number of forwards, with or without gradients: the rollouts do by construction
-(equal images per rank), plan_updates pads the micro-batches, and common/evaluation.py pads the last
+(equal images per rank), plan_updates pads the micro-batches, and common/plumbing/evaluation.py pads the last
 evaluation batch.
 """
 
@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from common.checks import ConfigError
+from common.plumbing.checks import ConfigError
 
 PARALLEL = ("ddp", "fsdp")
 

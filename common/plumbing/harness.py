@@ -41,21 +41,27 @@ from common.backbones import (
     load_backbone,
     resolve_precision,
 )
-from common.checkpoint import (
+from common.plumbing.checkpoint import (
     adopt_run_flags,
     resolve_run_dir,
     restore_checkpoint,
     resume_source,
     writing,
 )
-from common.checks import ConfigError, check_eval_size, check_run_name, read_prompt_file
-from common.parallel import parallelize
+from common.plumbing.checks import ConfigError, check_eval_size, check_run_name, read_prompt_file
+from common.plumbing.parallel import parallelize
+from common.plumbing.run import Run, setup_reached, stop_on_signals_in_setup
+from common.plumbing.utils import (
+    RunLogger,
+    seed_everything,
+    set_tf32,
+    setup_distributed,
+    truncate_metrics,
+)
 from common.policy import EMA, Trainable, ema_weights
 from common.rewards import check_rewards, load_rewards
-from common.run import Run, setup_reached, stop_on_signals_in_setup
-from common.utils import RunLogger, seed_everything, set_tf32, setup_distributed, truncate_metrics
 
-TOY_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toyworld", "model")
+TOY_MODEL = os.path.join(os.path.dirname(toyworld.__file__), "model")  # the shipped toy model
 
 
 def derived(default=0):

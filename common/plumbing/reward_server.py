@@ -1,9 +1,9 @@
-"""Serve rewards over HTTP for `--reward remote:NAME@http://HOST:PORT` (common/remote_reward.py).
+"""Serve rewards over HTTP for `--reward remote:NAME@http://HOST:PORT` (common/plumbing/remote_reward.py).
 
-    python -m common.reward_server --reward toyworld --port 8000         the toy scorer (default)
-    python -m common.reward_server --reward "pickscore,aesthetic" --device cuda --port 8000 \\
+    python -m common.plumbing.reward_server --reward toyworld --port 8000         the toy scorer (default)
+    python -m common.plumbing.reward_server --reward "pickscore,aesthetic" --device cuda --port 8000 \\
         --reward-model-paths pickscore=/models/PickScore_v1              any registry reward
-    python -m common.reward_server --scorer ocr=my_scorers:ocr --port 8001   any scorer, wrapped
+    python -m common.plumbing.reward_server --scorer ocr=my_scorers:ocr --port 8001   any scorer, wrapped
 
 A scorer is `fn(images, prompts, metadata) -> one float per image`: images a list of RGB PIL
 images, prompts a list of strings, metadata a list of what the client sent for each prompt (a dict
@@ -25,7 +25,7 @@ their images decoded concurrently. A request body is refused above --max-request
 
 Only the standard library and Pillow are imported at start (torch and the registry only for
 --reward), so the module runs in a scorer's own environment, from a checkout of this repository:
-`/envs/geneval/bin/python -m common.reward_server --scorer geneval=my_scorers:geneval`.
+`/envs/geneval/bin/python -m common.plumbing.reward_server --scorer geneval=my_scorers:geneval`.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def serve(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m common.reward_server",
+        prog="python -m common.plumbing.reward_server",
         description="Serve registry rewards, or any scorer, for --reward remote:NAME@http://HOST:PORT",
     )
     p.add_argument(

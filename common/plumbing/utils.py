@@ -1,5 +1,5 @@
 """Plumbing shared by the three training scripts: distributed set-up (with a collective timeout),
-run logging (pictures: common/plots.py, checkpoints: common/checkpoint.py).
+run logging (pictures: common/plumbing/plots.py, checkpoints: common/plumbing/checkpoint.py).
 
 None of this is algorithm: a reader can follow flowgrpo_baseline.py / g2rpo.py / densegrpo.py
 without opening this file. It lives here because it must behave identically in all three (CleanRL
@@ -36,7 +36,7 @@ def collective_timeout() -> datetime.timedelta:
         if not seconds > 0:
             raise ValueError(raw)
     except ValueError:
-        from common.checks import ConfigError
+        from common.plumbing.checks import ConfigError
 
         raise ConfigError(
             f"{TIMEOUT_ENV}={raw!r}: give the collective timeout in seconds, > 0 (default "
@@ -91,7 +91,7 @@ def process_group_backend(cuda: bool) -> str:
     NCCL will not start (slower; the tests run DDP and FSDP2 on gloo with CPU tensors only)."""
     chosen = os.environ.get(BACKEND_ENV, "")
     if chosen not in ("", "gloo"):
-        from common.checks import ConfigError
+        from common.plumbing.checks import ConfigError
 
         raise ConfigError(
             f"{BACKEND_ENV}={chosen!r}: the only choice is 'gloo' (unset: NCCL for CUDA tensors "
@@ -203,7 +203,7 @@ class RunLogger:
                     settings=wandb.Settings(init_timeout=timeout),
                 )
             except Exception as e:  # noqa: BLE001 - no network, a refused key, a timeout: one line
-                from common.checks import ConfigError
+                from common.plumbing.checks import ConfigError
 
                 # a run that failed here wrote nothing else: leave no run behind (a resumed run's
                 # own args.json and wandb/ stay)
@@ -299,7 +299,7 @@ def read_metrics_lines(path: str) -> tuple[list[dict], int]:
     middle of an append leaves a cut last line, which is not a row. A line that is JSON but not a
     row (an object with an integer "iteration"), or a metrics.jsonl that is not a file, was not
     written by a run: ConfigError naming the file, the line and what to do."""
-    from common.checks import ConfigError, kind_of, parse_json
+    from common.plumbing.checks import ConfigError, kind_of, parse_json
 
     rows, bad = [], 0
     if not os.path.lexists(path):

@@ -6,7 +6,7 @@
   (--grad-share-every).
 - `Rollout`: what a rollout hands the training section.
 Tested in tests/test_training.py. What is trained (LoRA or full weights, the KL reference, the EMA)
-lives in common/policy.py; the metrics and the optimizer step's checks in common/run.py.
+lives in common/policy.py; the metrics and the optimizer step's checks in common/plumbing/run.py.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int) -> None:
     """Check what the training section relies on, at the hand-over from rollout to training
     (docs/design.md): a broken contract raises TransitionsError. It is the rollout's code, the same
     every iteration, so the scripts check it on a run's first iteration (their finite check,
-    common/run.py::check_finite, runs on every one).
+    common/plumbing/run.py::check_finite, runs on every one).
 
     Every field is [N, ...] with one row per transition (one SDE step the policy took). Besides the
     types:

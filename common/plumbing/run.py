@@ -2,7 +2,7 @@
 call.
 
 Every script's loop reads, top to bottom (nanoGPT's shape: evaluate, step, log, save); the Run comes
-from `Harness.start` (common/harness.py), which binds it to the model, the optimizer and the EMA:
+from `Harness.start` (common/plumbing/harness.py), which binds it to the model, the optimizer and the EMA:
 
     run = h.start(optimizer)
     for iteration in range(run.start_iteration, args.num_iterations + 1):
@@ -22,7 +22,7 @@ from `Harness.start` (common/harness.py), which binds it to the model, the optim
 
 Nothing here changes what a run samples or learns; it is the same in every script and tested on its
 own (tests/test_run.py). Every file it writes is written atomically, and a write that fails (a full
-disk) is one line (`common/checkpoint.py::writing`); SIGINT and SIGTERM stop a run with one line. Counters, cumulative over all ranks (metrics.jsonl and the
+disk) is one line (`common/plumbing/checkpoint.py::writing`); SIGINT and SIGTERM stop a run with one line. Counters, cumulative over all ranks (metrics.jsonl and the
 checkpoint):
 - `trajectories`: images the policy sampled to the end (prompts x G per iteration, in every script);
 - `scored_images`: every image a reward model scored for training, completions included (Flow-GRPO:
@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from common.checkpoint import (
+from common.plumbing.checkpoint import (
     continue_hint,
     release_run_folder,
     rng_state,
@@ -55,12 +55,12 @@ from common.checkpoint import (
     trainer_state,
     writing,
 )
-from common.checks import ConfigError
-from common.evaluation import Panel, evaluate
-from common.parallel import is_sharded, weights_digest
-from common.plots import before_after, learning_curve, step_heatmap
+from common.plumbing.checks import ConfigError
+from common.plumbing.evaluation import Panel, evaluate
+from common.plumbing.parallel import is_sharded, weights_digest
+from common.plumbing.plots import before_after, learning_curve, step_heatmap
+from common.plumbing.utils import all_reduce, atomic_file, atomic_write
 from common.policy import ema_weights
-from common.utils import all_reduce, atomic_file, atomic_write
 
 COUNTERS = (
     "trajectories",
@@ -362,7 +362,7 @@ class Run:
             self.ema.update()
 
     def evaluate(self, iteration: int, last: bool) -> dict:
-        """Held-out evaluation (common/evaluation.py: ODE samples from fixed seeds) with the EMA
+        """Held-out evaluation (common/plumbing/evaluation.py: ODE samples from fixed seeds) with the EMA
         weights if any; the sample grid and panel are saved as samples/eval_{iteration}.png / .npz.
         Returns the eval/ metrics."""
         a = self.args
@@ -478,7 +478,7 @@ class Run:
         return metrics
 
     def checkpoint(self, iteration: int) -> None:
-        """checkpoint-{iteration} (common/checkpoint.py: atomic, verified, rotated): every rank's
+        """checkpoint-{iteration} (common/plumbing/checkpoint.py: atomic, verified, rotated): every rank's
         RNG is gathered so a resume continues each rank's noise stream; rank 0 writes (FSDP: every
         rank writes its shards)."""
         rngs = [None] * self.world_size
@@ -624,7 +624,7 @@ def setup_reached(run_dir: str) -> None:
 
 
 def _setup_hint() -> str:
-    from common.checkpoint import run_outputs
+    from common.plumbing.checkpoint import run_outputs
 
     run_dir = _setup_state["run_dir"]
     if run_dir and run_outputs(run_dir):

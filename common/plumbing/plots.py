@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from common.utils import atomic_file
+from common.plumbing.utils import atomic_file
 
 DPI = 100
 GREEN, RED, NEUTRAL, BACKGROUND = (0, 170, 60), (215, 25, 30), (150, 150, 150), (255, 255, 255)
@@ -430,7 +430,7 @@ def accuracy_line(metrics: dict) -> str:
 def before_after(before, after, path: str, title: str = "", ncol: int = 2) -> Image.Image:
     """The same prompts and seeds from the starting model (left of each pair) and the final model
     (right), with the evaluation's per-category accuracy before and after in the title.
-    before / after: `common.evaluation.Panel`s (the fixed subset an evaluation draws; they must hold
+    before / after: `common.plumbing.evaluation.Panel`s (the fixed subset an evaluation draws; they must hold
     the same prompts and seeds). Saves to `path`."""
     if list(before.prompts) != list(after.prompts) or list(before.seeds) != list(after.seeds):
         raise ValueError(

@@ -9,7 +9,7 @@ is in the toy grammar, the strict GenEval-style accuracy per category, its mean 
 
 The grid shows a FIXED subset of those samples (`panel_jobs`: the first 4 prompts of every category,
 seed index 0; the first 16 prompts outside the toy grammar), the same at every evaluation, so that
-grids of successive evaluations, and the before/after image of a run (`common.plots.before_after`),
+grids of successive evaluations, and the before/after image of a run (`common.plumbing.plots.before_after`),
 show the same prompts and seeds.
 """
 
@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from common import toyworld
 from common.backbones import sample_ode
-from common.plots import accuracy_line, captioned_grid
-from common.utils import atomic_file
+from common.plumbing.plots import accuracy_line, captioned_grid
+from common.plumbing.utils import atomic_file
 
 
 @dataclass
@@ -99,7 +99,7 @@ class Panel:
 
     @classmethod
     def load(cls, path: str) -> "Panel":
-        from common.checks import parse_json
+        from common.plumbing.checks import parse_json
 
         # allow_pickle=False: an object array (which only pickle restores) is refused, not loaded
         with np.load(path, allow_pickle=False) as z:
@@ -147,7 +147,7 @@ def evaluate(
     iteration: int | None = None,
 ):
     """-> (metrics, PIL grid of the fixed subset `panel_jobs`), and with return_panel=True also that
-    subset as a `Panel` (for `common.plots.before_after`). Under DDP every rank must call it (it
+    subset as a `Panel` (for `common.plumbing.plots.before_after`). Under DDP every rank must call it (it
     gathers); every rank returns the same metrics, grid and panel (the panel's images travel with
     the gathered results)."""
     jobs = [(p, 10_000 * s + i) for i, p in enumerate(prompts) for s in range(seeds_per_prompt)]
