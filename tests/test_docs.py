@@ -564,26 +564,59 @@ if (
             print("  " + e)
 
 
-def test_the_readmes_two_timings_are_its_logged_solo_runs():
-    """README's "about N minutes" for the main command and for pytest are the logged solo runs its link names
-    (docs/data/readme_timings_*/: /usr/bin/time's elapsed time of `python flowgrpo_baseline.py`, pytest's own
-    total), to the nearest minute; the exact figures in its sentence are those logs' too."""
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    folder = re.search(r"\]\((docs/data/readme_timings_[0-9-]+)/?\)", readme).group(1)
-    main_log = open(os.path.join(ROOT, folder, "main_command.txt")).read()
-    m, s = re.search(
-        r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\d+):([\d.]+)", main_log
-    ).groups()
-    main_s = 60 * int(m) + float(s)
-    pytest_s = float(
-        re.search(r"passed.* in ([\d.]+)s", open(os.path.join(ROOT, folder, "pytest.txt")).read())[
-            1
-        ]
-    )
-    said_main = int(re.search(r"30 iterations, about (\d+) minutes on 2 CPU cores", readme)[1])
-    said_tests = int(
-        re.search(r"The tests \(offline, CPU, about (\d+) minutes on 2 cores\)", readme)[1]
-    )
-    assert (said_main, said_tests) == (round(main_s / 60), round(pytest_s / 60))
-    exact = [f"{int(t // 60)} min {round(t % 60)} s" for t in (main_s, pytest_s)]
-    assert f"{exact[0]} and {exact[1]}" in " ".join(readme.split()), exact
+def readme_timings() -> tuple[list[float], list[float]]:
+    """Seconds of every run of the README's two commands in docs/data/readme_timings_*/: the main command's
+    /usr/bin/time elapsed time (main_command*.txt); pytest's own total where the log's first line says it ran on two
+    workers of one torch thread each (pyproject.toml's -n 2, what `pytest` runs since 1f14a08; the older logs timed
+    one process); and the figures issue #67 quotes from a newcomer's machine (issue67_newcomer.txt, not a log: its
+    header says so)."""
+    main, tests = [], []
+    for folder in sorted(glob.glob(os.path.join(ROOT, "docs", "data", "readme_timings_*"))):
+        for path in sorted(glob.glob(os.path.join(folder, "*.txt"))):
+            text = open(path, encoding="utf-8").read()
+            name = os.path.basename(path)
+            if name.startswith("main_command"):
+                m, s = re.search(
+                    r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\d+):([\d.]+)", text
+                ).groups()
+                main.append(60 * int(m) + float(s))
+            elif name.startswith("pytest") and "one torch thread each" in text.split("\n")[0]:
+                tests.append(float(re.search(r"passed.* in ([\d.]+)s", text)[1]))
+            elif name == "issue67_newcomer.txt":
+                tests.append(
+                    float(re.search(r"^pytest, two workers: .* in ([\d.]+) s$", text, re.M)[1])
+                )
+                m, s = re.search(
+                    r"^python flowgrpo_baseline.py: (\d+) min (\d+) s", text, re.M
+                ).groups()
+                main.append(60 * int(m) + float(s))
+    return main, tests
+
+
+def readme_ranges(readme: str) -> dict[str, tuple[int, int]]:
+    """The README's cost range of each command, in minutes: `8 to 12 minutes` in the command's comment."""
+    ranges = {}
+    for command, pattern in (
+        ("main", r"python flowgrpo_baseline.py +# .*?: (\d+) to (\d+) minutes on 2 CPU cores"),
+        ("tests", r"\npytest +# .*?: (\d+) to (\d+) minutes on 2 cores"),
+    ):
+        found = re.search(pattern, readme)
+        assert found, (
+            f"README.md has no `{command}` range (a comment '...: N to M minutes on 2 ... cores')"
+        )
+        ranges[command] = (int(found[1]), int(found[2]))
+    return ranges
+
+
+def test_the_readmes_time_ranges_contain_every_logged_run():
+    """README's "N to M minutes" for the main command and for pytest holds every run of docs/data/readme_timings_*/
+    (readme_timings), and each end is within a minute of the runs' extremes, so a range stays as narrow as they
+    allow and moves when a new log falls outside it."""
+    ranges = readme_ranges(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read())
+    main, tests = readme_timings()
+    assert len(main) >= 3 and len(tests) >= 3, (main, tests)
+    for command, seconds in (("main", main), ("tests", tests)):
+        lo, hi = (60 * minutes for minutes in ranges[command])
+        said = (command, ranges[command], sorted(seconds))
+        assert lo <= min(seconds) and max(seconds) <= hi, said
+        assert min(seconds) - 60 < lo and hi < max(seconds) + 60, said
