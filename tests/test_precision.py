@@ -152,18 +152,19 @@ def one_iteration(path, tmp_path, monkeypatch, precision, rollout=None):
     and the iteration's metrics row."""
     from safetensors.torch import load_file
 
-    import common.training
+    import common.plumbing.transitions as transitions_module
 
-    check = common.training.check_transitions
+    check = transitions_module.check_transitions
     trained = {}
 
-    def hand_over(transitions, *args, **kwargs):
-        tr = transitions if rollout is None else {k: v.clone() for k, v in rollout.items()}
+    def hand_over(tr, *args, **kwargs):
+        if rollout is not None:  # the script trains on the dict it handed over: replaced in place
+            tr.update({k: v.clone() for k, v in rollout.items()})
         trained.update({k: v.clone() for k, v in tr.items()})
         return check(tr, *args, **kwargs)
 
-    # the script imports the name when it runs, so it takes the patched one
-    monkeypatch.setattr(common.training, "check_transitions", hand_over)
+    # the script imports the name when it runs, so it takes the patched one (it checks a run's first iteration)
+    monkeypatch.setattr(transitions_module, "check_transitions", hand_over)
     prompts = write_prompts(tmp_path / "prompts.txt", PROMPTS)
     name = f"one-{precision}"
     flags = tiny_flags(path, tmp_path, prompts, name)
