@@ -30,6 +30,7 @@ import tyro
 
 from common.checkpoint import writing
 from common.checks import (
+    MAX_BATCH,
     ConfigError,
     Rule,
     check_flag,
@@ -184,7 +185,7 @@ def check_args(args: Args, world_size: int) -> None:
             0, integer=True, why="0: no calibration, psi = --noise-level"
         ),
         "calibration_trajectories": Rule(
-            1, integer=True, why="trajectories per calibration iteration"
+            1, MAX_BATCH, integer=True, why="trajectories per calibration iteration"
         ),
         "calibration_step": Rule(
             0, lo_open=True, why="epsilon_2, the largest move of psi per iteration"
