@@ -146,12 +146,9 @@ def files_of(folder) -> dict:
     return out
 
 
-def test_convert_trusted_holds_the_runs_lock_writes_only_inside_it_and_leaves_a_safe_checkpoint(
-    tmp_path, capsys
-):
-    """Before #68 it converted the checkpoint of a run that was writing its folder, followed a checkpoint-N link out
-    of the run folder (rewriting trainer_state.pt and COMPLETE.json there), and re-saved a checkpoint that already
-    loaded safely. Each is now one line with nothing written, or a line saying the file was left as it is."""
+def test_convert_trusted_holds_the_runs_lock(tmp_path):
+    """Before #68 it converted the newest checkpoint of a run that was writing its folder (and when the run rotated
+    it away mid-conversion: a FileNotFoundError traceback). Now one line, nothing converted."""
     import fcntl
 
     live = old_checkpoint(str(tmp_path / "live"))
@@ -164,6 +161,10 @@ def test_convert_trusted_holds_the_runs_lock_writes_only_inside_it_and_leaves_a_
         msg and f"the run folder {tmp_path / 'live'} is being written by another process" in msg
     ), msg
 
+
+def test_convert_trusted_writes_nothing_through_a_link(tmp_path):
+    """Before #68 a checkpoint-N that linked out of the run folder was followed: trainer_state.pt and COMPLETE.json
+    rewritten in the folder it pointed to (security, low). Now refused in one line, as a run refuses it."""
     outside = old_checkpoint(str(tmp_path / "outside"))
     before = files_of(outside)
     (tmp_path / "linked").mkdir()
@@ -174,6 +175,9 @@ def test_convert_trusted_holds_the_runs_lock_writes_only_inside_it_and_leaves_a_
         msg and f"{tmp_path / 'linked' / 'checkpoint-1'} is a symbolic link (to {outside})" in msg
     ), msg
 
+
+def test_convert_trusted_leaves_a_checkpoint_that_loads_safely_as_it_is(tmp_path, capsys):
+    """Before #68 it re-saved it (a new file)."""
     ck.save_checkpoint(str(tmp_path / "new"), tiny_state(1), tiny_weights(1))
     safe = ck.checkpoint_dir(str(tmp_path / "new"), 1)
     before = files_of(safe)
