@@ -47,6 +47,41 @@ def hostile_servers():
         yield urls
 
 
+def issue_68(urls: dict) -> list[tuple[str, list[str]]]:
+    """The cases of issue #68 every script shares: sizes past what a run holds (a traceback after the model
+    loaded), a remote reward's options, and reward servers (`urls`, from hostile_servers) that answer the start-up
+    check badly."""
+    return [
+        ("decode batch of 10**20 images", ["--decode-batch-size", HUGE]),
+        (
+            "decode batch past every batch decoded",
+            ["--decode-batch-size", "65", "--eval-batch-size", "64"],
+        ),
+        ("training batch of 10**20", ["--train-batch-size", HUGE]),
+        ("evaluation batch of 10**20", ["--eval-batch-size", HUGE]),
+        ("rollout batch of 10**20", ["--rollout-batch-size", HUGE]),
+        ("10**20 denoising steps", ["--num-steps", HUGE]),
+        ("10**20 evaluation steps", ["--eval-num-steps", HUGE]),
+        ("remote timeout 1e300", ["--reward", "remote:g@http://127.0.0.1:1?timeout=1e300"]),
+        ("remote backoff 1e300", ["--reward", "remote:g@http://127.0.0.1:1?backoff=1e300"]),
+        ("remote timeout nan", ["--reward", "remote:g@http://127.0.0.1:1?timeout=nan"]),
+        ("remote retries 10**9", ["--reward", f"remote:g@http://127.0.0.1:1?retries={10**9}"]),
+        (
+            "remote budget past an hour",
+            ["--reward", "remote:g@http://127.0.0.1:1?timeout=900&retries=4"],
+        ),
+        *[
+            (f"remote server: {name}", ["--reward", f"remote:stub@{url}?timeout=1"])
+            for name, url in urls.items()
+        ],
+    ]
+
+
+OWN_68 = {
+    "densegrpo.py": [("10**20 calibration trajectories", ["--calibration-trajectories", HUGE])]
+}
+
+
 def cases(tmp: str, urls: dict | None = None) -> list[tuple[str, list[str]]]:
     empty = os.path.join(tmp, "empty.txt")
     open(empty, "w").close()
@@ -101,29 +136,7 @@ def cases(tmp: str, urls: dict | None = None) -> list[tuple[str, list[str]]]:
         ("resume with args.json a list", ["--resume", args_list]),
         ("resume with args.json 200k deep", ["--resume", args_deep]),
         ("resume of another script's folder", ["--resume", other_script]),
-        # issue #68: sizes past what a run holds (a traceback after the model loaded), a remote reward's options
-        ("decode batch of 10**20 images", ["--decode-batch-size", HUGE]),
-        (
-            "decode batch past every batch decoded",
-            ["--decode-batch-size", "65", "--eval-batch-size", "64"],
-        ),
-        ("training batch of 10**20", ["--train-batch-size", HUGE]),
-        ("evaluation batch of 10**20", ["--eval-batch-size", HUGE]),
-        ("rollout batch of 10**20", ["--rollout-batch-size", HUGE]),
-        ("10**20 denoising steps", ["--num-steps", HUGE]),
-        ("10**20 evaluation steps", ["--eval-num-steps", HUGE]),
-        ("remote timeout 1e300", ["--reward", "remote:g@http://127.0.0.1:1?timeout=1e300"]),
-        ("remote backoff 1e300", ["--reward", "remote:g@http://127.0.0.1:1?backoff=1e300"]),
-        ("remote timeout nan", ["--reward", "remote:g@http://127.0.0.1:1?timeout=nan"]),
-        ("remote retries 10**9", ["--reward", f"remote:g@http://127.0.0.1:1?retries={10**9}"]),
-        (
-            "remote budget past an hour",
-            ["--reward", "remote:g@http://127.0.0.1:1?timeout=900&retries=4"],
-        ),
-        *[
-            (f"remote server: {name}", ["--reward", f"remote:stub@{url}?timeout=1"])
-            for name, url in (urls or {}).items()
-        ],
+        *issue_68(urls or {}),
     ]
     own = {
         "diffusionnft.py": [
@@ -136,7 +149,6 @@ def cases(tmp: str, urls: dict | None = None) -> list[tuple[str, list[str]]]:
             ("psi file a folder", ["--psi-file", tmp]),
             ("psi file 200k deep", ["--psi-file", deep]),
             ("zero completion steps", ["--completion-steps", "0"]),
-            ("10**20 calibration trajectories", ["--calibration-trajectories", HUGE]),
         ],
         "g2rpo.py": [
             ("branch step listed twice", ["--branch-steps", "0", "0"]),
@@ -147,7 +159,9 @@ def cases(tmp: str, urls: dict | None = None) -> list[tuple[str, list[str]]]:
             ("clip range 1", ["--clip-range", "1"]),
         ],
     }
-    return [(s, name, flags) for s in SCRIPTS for name, flags in common + own[s]]
+    return [
+        (s, name, flags) for s in SCRIPTS for name, flags in common + own[s] + OWN_68.get(s, [])
+    ]
 
 
 def run_case(script: str, flags: list[str], out: str) -> tuple[bool, str]:

@@ -99,9 +99,9 @@ class Watchdog:
 
 
 def registry_scorer(name: str, device: str = "cpu", model_paths: str = ""):
-    """A registry reward (common/rewards.py) as a scorer: the 8-bit images, as floats in [0, 1],
-    a batch of the model's batch size at a time (a whole request in floats would take 12 bytes a
-    pixel)."""
+    """A registry reward (common/rewards.py) as a scorer: the 8-bit images (3 bytes a pixel, held
+    once), as floats in [0, 1] a batch of the model's batch size at a time (a whole request in
+    floats would take 12 bytes a pixel)."""
     import numpy as np
     import torch
 
@@ -110,7 +110,13 @@ def registry_scorer(name: str, device: str = "cpu", model_paths: str = ""):
     model = build_reward(name, device, parse_model_paths(model_paths))
 
     def score(images, prompts, metadata):
-        pixels = torch.from_numpy(np.stack([np.asarray(im) for im in images])).permute(0, 3, 1, 2)
+        if len({im.size for im in images}) > 1:
+            raise ValueError("the images of one request must all be of one size")
+        w, h = images[0].size if images else (0, 0)
+        pixels = np.empty((len(images), h, w, 3), np.uint8)  # filled one image at a time
+        for i, im in enumerate(images):
+            pixels[i] = np.asarray(im)
+        pixels = torch.from_numpy(pixels).permute(0, 3, 1, 2)
         step = model.batch_size
         return [
             s
@@ -379,18 +385,11 @@ def make_server(
     return server
 
 
-def serve(
-    scorers: dict,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    max_request_mb: float = MAX_REQUEST_MB,
-    read_timeout: float = READ_TIMEOUT_S,
-    max_request_pixels: int = MAX_REQUEST_PIXELS,
-) -> None:
+def serve(scorers: dict, host: str = "127.0.0.1", port: int = 8000, **limits) -> None:
     """Serve `scorers` ({name: fn(images, prompts, metadata) -> scores}) until interrupted. The
-    first line on stdout gives the URL (with port 0, the port picked)."""
-    server = make_server(scorers, host, port, max_request_mb, read_timeout, max_request_pixels)
-    _serve_forever(server, scorers, host)
+    first line on stdout gives the URL (with port 0, the port picked). `limits`: make_server's
+    max_request_mb, read_timeout and max_request_pixels."""
+    _serve_forever(make_server(scorers, host, port, **limits), scorers, host)
 
 
 def _serve_forever(server: ThreadingHTTPServer, scorers: dict, host: str) -> None:

@@ -37,6 +37,15 @@ from common.rewards import build_reward, check_rewards, parse_model_paths, parse
 STUB = os.path.join(ROOT, "tests", "reward_stub.py")
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares", "a photo of a green triangle"]
 FAST = "?timeout=5&retries=1&backoff=0.05"  # faults end in a second, not in the defaults' minute
+# the project's server wrapping the stand-in scorer (the mean brightness, plus the metadata's bonus)
+BRIGHT = [
+    "-m",
+    "common.reward_server",
+    "--scorer",
+    "bright=tests.reward_stub:brightness",
+    "--port",
+    "0",
+]
 
 
 @contextlib.contextmanager
@@ -337,15 +346,7 @@ def test_safe_unpickle_takes_only_plain_types():
 # ============================================================ the project's server, wrapping another scorer
 def test_a_wrapped_scorer_is_served_with_its_metadata_and_bad_requests_are_one_line(tmp_path):
     (tmp_path / "meta.jsonl").write_text(json.dumps({"prompt": PROMPTS[1], "bonus": 10}) + "\n")
-    cmd = [
-        "-m",
-        "common.reward_server",
-        "--scorer",
-        "bright=tests.reward_stub:brightness",
-        "--port",
-        "0",
-    ]
-    with server(*cmd, "--max-request-mb", "0.02") as (url, _):
+    with server(*BRIGHT, "--max-request-mb", "0.02") as (url, _):
         health = json.loads(urllib_get(f"{url}/health"))
         assert health == {"protocol": "flow-rl-reward/1", "scorers": ["bright"]}
         model = build_reward(
@@ -771,16 +772,6 @@ def test_the_start_up_check_of_a_hostile_server_is_one_line_in_seconds():
 
 
 # ============================================================ the project's server bounds what it decodes (issue #68)
-BRIGHT = [
-    "-m",
-    "common.reward_server",
-    "--scorer",
-    "bright=tests.reward_stub:brightness",
-    "--port",
-    "0",
-]
-
-
 def exchange(url, data: bytes, wait_s=10) -> bytes:
     """All the server answers to `data` sent raw over one connection (left open), until it closes it; a server that
     answers nothing within wait_s gives b''."""
