@@ -592,7 +592,7 @@ class RemoteReward:
         )
         if status == 200:
             return reply
-        detail = f"answered {status} {reason}"
+        detail = f"answered {status} {_printable(reason, 80)}"
         if 300 <= status < 400:
             raise RemoteRewardError(
                 f"{self._where()} {detail}, a redirect to {show(headers.get('Location'))} that "
@@ -682,8 +682,15 @@ def _encode(array, fmt: str) -> bytes:
 
 
 def _reason(e: BaseException) -> str:
-    text = getattr(e, "strerror", None) or str(e) or "no detail"
-    return f"{type(e).__name__}: {text[:200]}"
+    return (
+        f"{type(e).__name__}: {_printable(getattr(e, 'strerror', None) or str(e) or 'no detail')}"
+    )
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """A server's text on one line: control characters (a newline in a bad status line) as spaces."""
+    text = " ".join("".join(c if c.isprintable() else " " for c in text[: limit * 2]).split())
+    return text[:limit] + ("..." if len(text) > limit else "")
 
 
 def _excerpt(body: bytes) -> str:
@@ -700,4 +707,4 @@ def _error_text(body: bytes) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     # a Python traceback ends with the exception's own line: the one worth showing
     line = lines[-1] if lines and lines[0].startswith("Traceback") else (lines or ["(no body)"])[0]
-    return line[:300]
+    return _printable(line, 300)

@@ -637,6 +637,7 @@ HOSTILE_REPLIES = [
         http_reply(b"", "302 Found", "Location: ftp://127.0.0.1:1/scores\r\n"),
         "answered 302 Found, a redirect to 'ftp://127.0.0.1:1/scores' that is not followed",
     ),
+    ("json", b"HELLO\r\n\r\n", "no reply (BadStatusLine: HELLO) (2 tries"),
 ]
 
 
@@ -650,6 +651,7 @@ HOSTILE_IDS = [
     "json-100000-deep",
     "content-length-abc",
     "redirect-to-ftp",
+    "status-line-with-a-newline",
 ]
 
 
@@ -659,7 +661,9 @@ def test_a_hostile_reply_is_one_line_naming_the_server_in_bounded_time(wire, rep
         model = build_reward(f"remote:stub@{'flowgrpo+' if wire == 'flowgrpo' else ''}{url}{FAST}")
         msg = stopped_with(bounded(lambda: model(images(), PROMPTS)), url)
     assert said in msg, msg
-    assert len(requests) == 1  # none of these is tried again
+    assert len(requests) == (
+        2 if "(2 tries" in said else 1
+    )  # FAST: one retry, of what is worth retrying
 
 
 @pytest.mark.parametrize("wire", ["json", "flowgrpo"])
