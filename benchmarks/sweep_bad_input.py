@@ -70,6 +70,7 @@ def issue_68(urls: dict) -> list[tuple[str, list[str]]]:
             "remote budget past an hour",
             ["--reward", "remote:g@http://127.0.0.1:1?timeout=900&retries=4"],
         ),
+        ("remote port 99999", ["--reward", "remote:g@http://127.0.0.1:99999"]),
         *[
             (f"remote server: {name}", ["--reward", f"remote:stub@{url}?timeout=1"])
             for name, url in urls.items()

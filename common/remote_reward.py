@@ -172,6 +172,15 @@ def parse_remote(item: str) -> tuple[RemoteSpec, str | None]:
             f"bad remote reward '{item.strip()}': expected {SPELLING}, e.g. "
             "'remote:geneval@http://127.0.0.1:8000' (the port is required)"
         )
+    try:
+        port = urllib.parse.urlsplit(m["url"]).port
+    except ValueError:  # past 65535
+        port = None
+    if not port:
+        raise ValueError(
+            f"bad remote reward '{item.strip()[:200]}': its port must be in 1..65535, e.g. "
+            "'remote:geneval@http://127.0.0.1:8000'"
+        )
     options = dict(DEFAULTS)
     try:
         pairs = urllib.parse.parse_qsl(m["query"] or "", strict_parsing=bool(m["query"]))
@@ -451,7 +460,9 @@ class RemoteReward:
                 f"remote:{self.spec.scorer}@flowgrpo+{self.spec.url}"
             )
         if self.spec.scorer not in scorers:
-            names = ", ".join(x if isinstance(x, str) else show(x) for x in scorers[:20])
+            names = ", ".join(
+                _printable(x, 80) if isinstance(x, str) else show(x) for x in scorers[:20]
+            )
             raise ValueError(
                 f"{self._where()}: the server serves {names}, not "
                 f"'{self.spec.scorer}': use one of those names, or start it with that scorer"
@@ -620,8 +631,8 @@ class RemoteReward:
         followed: a 3xx is returned as it is."""
         parts = urllib.parse.urlsplit(url)
         remaining = deadline - time.monotonic()
-        within = f"within the timeout of {self.spec.timeout:g} s"
-        late = _Retry(f"no complete reply {within}", f"no complete reply {within}")
+        within = f"no complete reply within the timeout of {round(remaining, 2):g} s"
+        late = _Retry(within, within)
         if remaining <= 0:
             raise late
         connection = (
@@ -649,7 +660,8 @@ class RemoteReward:
             if r.status == 200 and size is None and len(reply) >= cap:
                 raise RemoteRewardError(_too_big(self._where(), cap + 1))
             return r.status, r.reason, r.headers, reply
-        except (OSError, http.client.HTTPException) as e:  # refused, reset, cut short, late, ...
+        # refused, reset, cut short, late, ... (ValueError: a host name idna cannot encode)
+        except (OSError, http.client.HTTPException, ValueError) as e:
             if watchdog.fired or isinstance(e, TimeoutError):
                 raise late from None
             raise _Retry(f"no reply ({_reason(e)})", _reason(e)) from None

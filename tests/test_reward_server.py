@@ -722,15 +722,17 @@ BAD_OPTIONS = [
         "timeout=600, retries=5 and backoff=1 let one request take 3631 s (6 tries and the waits between them), "
         "over the limit of 3600 s",
     ),
+    ("", "bad remote reward 'remote:g@http://127.0.0.1:99999?': its port must be in 1..65535"),
 ]
 
 
-@pytest.mark.parametrize("query,said", BAD_OPTIONS, ids=[q for q, _ in BAD_OPTIONS])
+@pytest.mark.parametrize("query,said", BAD_OPTIONS, ids=[q or "port=99999" for q, _ in BAD_OPTIONS])
 def test_the_options_are_range_checked_when_the_reward_is_parsed(query, said):
     """Each was accepted before, then an OverflowError traceback (timeout or backoff 1e300), or a run that
-    never stopped against a dead server (retries 10**9), or one request that could take hours."""
+    never stopped against a dead server (retries 10**9), or one request that could take hours, or a port past
+    65535 (a ValueError from urllib at the first request)."""
     with pytest.raises(ValueError, match=re.escape(said)) as e:
-        parse_reward_spec(f"remote:g@http://127.0.0.1:1?{query}")
+        parse_reward_spec(f"remote:g@http://127.0.0.1:{99999 if not query else 1}?{query}")
     assert "\n" not in str(e.value)
     assert parse_remote("remote:g@http://127.0.0.1:1?timeout=3600&retries=0")[0].budget == 3600
 
