@@ -11,7 +11,6 @@ import pickle
 import re
 import socketserver
 import threading
-import time
 
 
 def http_reply(body: bytes, status: str = "200 OK", headers: str | None = None) -> bytes:
@@ -79,12 +78,3 @@ def shared_pickle(levels: int = 60) -> bytes:
 def memo_bomb(index: int = 10**7) -> bytes:
     """A 9-byte pickle (an empty list, memoized at `index`): the C unpickler sizes its memo by the index."""
     return b"\x80\x04]r" + index.to_bytes(4, "little") + b"."
-
-
-def wait_until(predicate, seconds: float) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
