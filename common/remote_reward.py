@@ -24,8 +24,8 @@ Query parameters after the URL: timeout (seconds per try, default 120, flow_grpo
 3600), retries (tries after the first, default 5; at most 100) and backoff (seconds before the first
 retry, doubled each time, default 1; at most 3600). One try has one deadline, `timeout` seconds
 after it starts, for all of it: connecting, sending, and the whole reply, however slowly it comes
-(a watchdog shuts the connection down at the deadline). All tries of a request and the waits
-between them end within its budget, (retries + 1) x timeout + backoff x (2^retries - 1) seconds
+(a watchdog shuts the connection down at the deadline). So all tries of a request and the waits
+between them take at most its budget, (retries + 1) x timeout + backoff x (2^retries - 1) seconds
 (751 s with the defaults), which may be at most MAX_BUDGET_S (an hour: a run stopped by its server
 resumes bit for bit, so waiting longer buys nothing); a spelling over it is refused in one line.
 Connection failures, timeouts and the statuses 429/502/503/504 are retried; a redirect is not
@@ -437,10 +437,10 @@ class RemoteReward:
                             "each prompt's metadata, so every prompt needs one"
                         )
         health = self.spec.url.rstrip("/") + "/health"
-        deadline = time.monotonic() + min(self.spec.timeout, CHECK_TIMEOUT_S)
+        seconds = min(self.spec.timeout, CHECK_TIMEOUT_S)
         url = health if self.spec.wire == "json" else self.spec.url
         try:
-            status, _, _, body = self._exchange("GET", url, None, {}, deadline)
+            status, _, _, body = self._exchange("GET", url, None, {}, seconds)
         except _Retry as e:
             raise ValueError(
                 f"{self._where()}: no server answers ({e.reason}): start it (e.g. `python -m "
@@ -578,16 +578,15 @@ class RemoteReward:
         url = s.url.rstrip("/") + "/score" if s.wire == "json" else s.url
         kind = "application/json" if s.wire == "json" else "application/octet-stream"
         start, delay = time.monotonic(), s.backoff
-        end = start + s.budget
-        self._give_up_at = end + GRACE_S
+        # each try takes at most `timeout` and each wait its backoff: together the budget
+        self._give_up_at = start + s.budget + GRACE_S
         try:
             for attempt in range(1, s.retries + 2):
                 try:
-                    return self._post_once(url, body, kind, min(time.monotonic() + s.timeout, end))
+                    return self._post_once(url, body, kind, s.timeout)
                 except _Retry as e:
                     last = str(e)
-                wait = min(delay, max(0.0, end - time.monotonic()))
-                if attempt > s.retries or cancel.is_set() or cancel.wait(wait):
+                if attempt > s.retries or cancel.is_set() or cancel.wait(delay):
                     break
                 delay *= 2
         finally:
@@ -597,9 +596,9 @@ class RemoteReward:
         )
         raise RemoteRewardError(f"{self._where()}: {last} ({tries})")
 
-    def _post_once(self, url: str, body: bytes, kind: str, deadline: float) -> bytes:
+    def _post_once(self, url: str, body: bytes, kind: str, seconds: float) -> bytes:
         status, reason, headers, reply = self._exchange(
-            "POST", url, body, {"Content-Type": kind}, deadline
+            "POST", url, body, {"Content-Type": kind}, seconds
         )
         if status == 200:
             return reply
@@ -622,24 +621,21 @@ class RemoteReward:
         raise RemoteRewardError(f"{self._where()} {detail}{hint}")
 
     def _exchange(
-        self, method: str, url: str, body: bytes | None, headers: dict, deadline: float
+        self, method: str, url: str, body: bytes | None, headers: dict, seconds: float
     ) -> tuple[int, str, http.client.HTTPMessage, bytes]:
-        """One HTTP exchange that ends by `deadline` (time.monotonic()) whatever the server does:
+        """One HTTP exchange that ends within `seconds` whatever the server does:
         (status, reason, headers, body: at most MAX_REPLY_BYTES of a 200, ERROR_BYTES of any
         other). A failure to connect or a reply cut short or late is _Retry; a Content-Length that
         is not a byte count, or a 200 over MAX_REPLY_BYTES, is RemoteRewardError. No redirect is
         followed: a 3xx is returned as it is."""
         parts = urllib.parse.urlsplit(url)
-        remaining = deadline - time.monotonic()
-        within = f"no complete reply within the timeout of {round(remaining, 2):g} s"
+        within = f"no complete reply within the timeout of {seconds:g} s"
         late = _Retry(within, within)
-        if remaining <= 0:
-            raise late
         connection = (
             http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         )
-        conn = connection(parts.hostname, parts.port, timeout=remaining)
-        watchdog = Watchdog(remaining, lambda: conn.sock, socket.SHUT_RDWR)
+        conn = connection(parts.hostname, parts.port, timeout=seconds)
+        watchdog = Watchdog(seconds, lambda: conn.sock, socket.SHUT_RDWR)
         try:
             conn.request(method, parts.path or "/", body, headers)
             r = conn.getresponse()

@@ -932,19 +932,20 @@ def test_what_a_request_may_hold_is_bounded_before_it_is_decoded(bright_server, 
 
 
 def test_a_bad_content_length_or_a_slow_client_is_answered_in_bounded_time(bright_server):
-    """Content-Length -1 made the server read to the end of the connection, past --max-request-mb; a client that
-    sends part of its request and waits held its thread forever (no read timeout)."""
+    """Content-Length -1 made the server read to the end of the connection, past --max-request-mb (a client that
+    keeps it open was never answered); a client that sends part of its body and waits held its thread forever."""
     start = time.monotonic()
     head = b"POST /score HTTP/1.0\r\nContent-Length: %s\r\n\r\n"
-    status, error = refusal(exchange(bright_server, head % b"-1" + b"x" * (3 << 20)))
+    # (headers only: a body the server leaves unread could make its close a reset, losing its answer)
+    status, error = refusal(exchange(bright_server, head % b"-1"))
     assert (status, error) == (400, "Content-Length '-1' is not one byte count")
-    assert refusal(exchange(bright_server, head % b"abc" + b"{}"))[0] == 400
-    both = b"POST /score HTTP/1.0\r\nContent-Length: 2\r\nContent-Length: 9\r\n\r\n{}"
+    assert refusal(exchange(bright_server, head % b"abc"))[0] == 400
+    both = b"POST /score HTTP/1.0\r\nContent-Length: 2\r\nContent-Length: 9\r\n\r\n"
     assert refusal(exchange(bright_server, both)) == (
         400,
         "Content-Length '2, 9' is not one byte count",
     )
-    chunked = b"POST /score HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+    chunked = b"POST /score HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n"
     assert refusal(exchange(bright_server, chunked))[0] == 411
     # a body that stops coming: 408 once the read timeout (1 s) is up
     status, error = refusal(exchange(bright_server, head % b"100" + b'{"scorer"'))
