@@ -32,6 +32,7 @@ import tyro
 from common.distributed import all_gather_cat, max_over_ranks, sum_over_ranks
 from common.plumbing.checkpoint import writing
 from common.plumbing.checks import (
+    MAX_BATCH,
     ConfigError,
     Rule,
     check_flag,
@@ -190,6 +191,9 @@ def check_args(args: Args, world_size: int) -> None:
     }
     for name, rule in calibration.items():
         check_flag(args, name, rule)
+    # sampled together: past MAX_BATCH a typo (10**20 was a traceback after the model loaded)
+    why = "trajectories per calibration iteration"
+    check_flag(args, "calibration_trajectories", Rule(hi=MAX_BATCH, integer=True, why=why))
     if args.psi_file is not None and not os.path.isfile(args.psi_file):
         what = "is a folder" if os.path.isdir(args.psi_file) else "does not exist"
         raise ConfigError(

@@ -4,7 +4,9 @@
 
 A case is clean when the script stops with one line that starts with "error:" (or tyro's usage error for a flag
 that does not parse), no traceback, before any model is loaded, and writes nothing into its output folder. The
-model load is replaced by a function that raises, so a case that reaches it is counted as late.
+model load is replaced by a function that raises, so a case that reaches it is counted as late. A case that does
+not end within CASE_S seconds is counted as hung (issue #68: reward servers that answer badly at the start-up
+check, served from loopback by tests/hostile_server.py).
 """
 
 import contextlib
@@ -13,14 +15,75 @@ import os
 import runpy
 import sys
 import tempfile
+import threading
 from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 SCRIPTS = ("flowgrpo_baseline.py", "g2rpo.py", "densegrpo.py", "diffusionnft.py")
+CASE_S = 30
+HUGE = "99999999999999999999"
+# issue #68: what a reward server answers to the start-up check (GET /health), raw; (reply, seconds between bytes)
+HEALTH = '{"protocol": "flow-rl-reward/1", "scorers": ["stub"]}'
+HOSTILE = {
+    "health 100,000 deep": ("[" * 100_000, 0),
+    "health redirected": ("", 0, "301 Moved Permanently", "Location: http://127.0.0.1:1/\r\n"),
+    "health with Content-Length abc": (HEALTH, 0, "200 OK", "Content-Length: abc\r\n"),
+    "health trickled a byte every 50 ms": (HEALTH, 0.05),
+}
 
 
-def cases(tmp: str) -> list[tuple[str, list[str]]]:
+@contextlib.contextmanager
+def hostile_servers():
+    """{case name: the URL of a loopback server answering as HOSTILE says}, while the sweep runs."""
+    from hostile_server import http_reply, scripted
+
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for name, (text, trickle_s, *status) in HOSTILE.items():
+            reply = http_reply(text.encode(), *status)
+            urls[name] = stack.enter_context(scripted(reply, trickle_s))[0]
+        yield urls
+
+
+def issue_68(urls: dict) -> list[tuple[str, list[str]]]:
+    """The cases of issue #68 every script shares: sizes past what a run holds (a traceback after the model
+    loaded), a remote reward's options, and reward servers (`urls`, from hostile_servers) that answer the start-up
+    check badly."""
+    return [
+        ("decode batch of 10**20 images", ["--decode-batch-size", HUGE]),
+        (
+            "decode batch past every batch decoded",
+            ["--decode-batch-size", "65", "--eval-batch-size", "64"],
+        ),
+        ("training batch of 10**20", ["--train-batch-size", HUGE]),
+        ("evaluation batch of 10**20", ["--eval-batch-size", HUGE]),
+        ("rollout batch of 10**20", ["--rollout-batch-size", HUGE]),
+        ("10**20 denoising steps", ["--num-steps", HUGE]),
+        ("10**20 evaluation steps", ["--eval-num-steps", HUGE]),
+        ("remote timeout 1e300", ["--reward", "remote:g@http://127.0.0.1:1?timeout=1e300"]),
+        ("remote backoff 1e300", ["--reward", "remote:g@http://127.0.0.1:1?backoff=1e300"]),
+        ("remote timeout nan", ["--reward", "remote:g@http://127.0.0.1:1?timeout=nan"]),
+        ("remote retries 10**9", ["--reward", f"remote:g@http://127.0.0.1:1?retries={10**9}"]),
+        (
+            "remote budget past an hour",
+            ["--reward", "remote:g@http://127.0.0.1:1?timeout=900&retries=4"],
+        ),
+        ("remote port 99999", ["--reward", "remote:g@http://127.0.0.1:99999"]),
+        *[
+            (f"remote server: {name}", ["--reward", f"remote:stub@{url}?timeout=1"])
+            for name, url in urls.items()
+        ],
+    ]
+
+
+OWN_68 = {
+    "densegrpo.py": [("10**20 calibration trajectories", ["--calibration-trajectories", HUGE])]
+}
+
+
+def cases(tmp: str, urls: dict | None = None) -> list[tuple[str, list[str]]]:
     empty = os.path.join(tmp, "empty.txt")
     open(empty, "w").close()
     a_file = os.path.join(tmp, "a_file")
@@ -74,6 +137,7 @@ def cases(tmp: str) -> list[tuple[str, list[str]]]:
         ("resume with args.json a list", ["--resume", args_list]),
         ("resume with args.json 200k deep", ["--resume", args_deep]),
         ("resume of another script's folder", ["--resume", other_script]),
+        *issue_68(urls or {}),
     ]
     own = {
         "diffusionnft.py": [
@@ -96,11 +160,24 @@ def cases(tmp: str) -> list[tuple[str, list[str]]]:
             ("clip range 1", ["--clip-range", "1"]),
         ],
     }
-    return [(s, name, flags) for s in SCRIPTS for name, flags in common + own[s]]
+    return [
+        (s, name, flags) for s in SCRIPTS for name, flags in common + own[s] + OWN_68.get(s, [])
+    ]
 
 
 def run_case(script: str, flags: list[str], out: str) -> tuple[bool, str]:
-    """(clean?, the first line it printed on stderr or its exit message)."""
+    """(clean?, the first line it printed on stderr or its exit message); a case still running after CASE_S is not
+    clean (it is left running in a daemon thread)."""
+    box = {}
+    thread = threading.Thread(
+        target=lambda: box.update(r=_run_case(script, flags, out)), daemon=True
+    )
+    thread.start()
+    thread.join(CASE_S)
+    return box.get("r", (False, f"hung: still running after {CASE_S} s"))
+
+
+def _run_case(script: str, flags: list[str], out: str) -> tuple[bool, str]:
     import common.plumbing.harness
 
     def no_load(*a, **k):
@@ -130,9 +207,9 @@ def run_case(script: str, flags: list[str], out: str) -> tuple[bool, str]:
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, hostile_servers() as urls:
         results = []
-        for k, (script, name, flags) in enumerate(cases(tmp)):
+        for k, (script, name, flags) in enumerate(cases(tmp, urls)):
             clean, msg = run_case(script, flags, os.path.join(tmp, f"out{k}"))
             results.append(clean)
             print(f"{'clean' if clean else 'NOT CLEAN'}  {script}  {name}: {msg}", flush=True)

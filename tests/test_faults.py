@@ -874,6 +874,43 @@ def test_every_bad_number_is_one_line_saying_given_allowed_and_usual(script_modu
     assert min(tried.values()) >= 38
 
 
+# ---- sizes past what a run can hold (issue #68): each was accepted, then a traceback after the model loaded (torch
+# cannot split by 10**20, nor allocate a schedule of 10**20 steps)
+HUGE = 99999999999999999999
+SIZE_BAD = [
+    "decode_batch_size",
+    "train_batch_size",
+    "num_steps",
+    "eval_num_steps",
+    "eval_batch_size",
+]
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS, "diffusionnft.py"])
+def test_sizes_past_what_the_run_holds_are_one_line_before_the_model_loads(script):
+    mod = runpy.run_path(os.path.join(ROOT, script), run_name="not_main")
+    own = ["calibration_trajectories"] if script == "densegrpo.py" else []
+    for field in SIZE_BAD + own:
+        args = dataclasses.replace(mod["Args"](), **{field: HUGE})
+        with pytest.raises(ConfigError) as e:
+            mod["check_args"](args, 1)
+        msg = str(e.value.code)
+        assert msg.startswith(f"error: --{field.replace('_', '-')} {HUGE}: ") and "\n" not in msg, (
+            msg
+        )
+    # a decode call gets a rollout batch or an evaluation batch: one image more than both is refused
+    args = mod["Args"]()
+    most = max(args.rollout_batch_size, args.eval_batch_size)
+    with pytest.raises(ConfigError) as e:
+        mod["check_args"](dataclasses.replace(args, decode_batch_size=most + 1), 1)
+    assert str(e.value.code) == (
+        f"error: --decode-batch-size {most + 1}: a VAE decode call here gets at most {most} images "
+        f"(--rollout-batch-size {args.rollout_batch_size}, --eval-batch-size {args.eval_batch_size}), so a larger "
+        f"value decodes the same: pass at most {most} (the default is 8)"
+    )
+    mod["check_args"](dataclasses.replace(mod["Args"](), decode_batch_size=most), 1)
+
+
 def test_the_defaults_pass_check_args(script_modules):
     for script in SCRIPTS:
         script_modules[script]["check_args"](script_modules[script]["Args"](), 1)

@@ -11,6 +11,7 @@ the lock truncated its target, the run wrote outside its folder).
 """
 
 import filecmp
+import json
 import os
 import pickle
 import shutil
@@ -110,14 +111,18 @@ def test_a_trainer_state_that_would_run_code_is_refused_unloaded(tmp_path, base_
     assert msg and "was not loaded" in msg, msg
 
 
-def test_a_checkpoint_written_before_the_change_is_refused_and_converts_when_trusted(tmp_path):
-    """numpy's RNG state was pickled as an ndarray: such a checkpoint is refused with the command that converts it
-    (for a user who trusts the file); converted, it loads with weights_only=True and restores the same RNG."""
-    run = str(tmp_path / "old")
+def old_checkpoint(run: str) -> str:
+    """checkpoint-1 of `run` as this project wrote it before 2026-12-05: numpy's RNG state pickled as an ndarray."""
     np.random.seed(7)
     old_rng = {**ck.rng_state(), "numpy": np.random.get_state()}  # as rng_state wrote it before
     ck.save_checkpoint(run, {**tiny_state(1), "rng": [old_rng]}, tiny_weights(1))
-    folder = ck.checkpoint_dir(run, 1)
+    return ck.checkpoint_dir(run, 1)
+
+
+def test_a_checkpoint_written_before_the_change_is_refused_and_converts_when_trusted(tmp_path):
+    """numpy's RNG state was pickled as an ndarray: such a checkpoint is refused with the command that converts it
+    (for a user who trusts the file); converted, it loads with weights_only=True and restores the same RNG."""
+    folder = old_checkpoint(str(tmp_path / "old"))
     with pytest.raises(ConfigError) as e:
         ck.load_checkpoint(folder)
     assert f"python -m common.plumbing.checkpoint --convert-trusted {folder}" in one_line(e)
@@ -128,6 +133,103 @@ def test_a_checkpoint_written_before_the_change_is_refused_and_converts_when_tru
     np.random.seed(99)
     ck.set_rng_state(state["rng"][0])
     assert np.random.rand() == expected
+
+
+def files_of(folder) -> dict:
+    """{path inside folder: (its bytes, its inode)}: what a conversion must leave as it was."""
+    out = {}
+    for d, _, names in os.walk(folder):
+        for n in names:
+            path = os.path.join(d, n)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = (f.read(), os.stat(path).st_ino)
+    return out
+
+
+def test_convert_trusted_holds_the_runs_lock(tmp_path):
+    """Before #68 it converted the newest checkpoint of a run that was writing its folder (and when the run rotated
+    it away mid-conversion: a FileNotFoundError traceback). Now one line, nothing converted."""
+    import fcntl
+
+    live = old_checkpoint(str(tmp_path / "live"))
+    before = files_of(live)
+    with open(tmp_path / "live" / ck.LOCK_FILE, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the run writing the folder holds it
+        msg = outcome(ck.convert_trusted, live)
+    assert files_of(live) == before
+    assert (
+        msg and f"the run folder {tmp_path / 'live'} is being written by another process" in msg
+    ), msg
+
+
+def test_convert_trusted_writes_nothing_through_a_link(tmp_path):
+    """Before #68 a checkpoint-N that linked out of the run folder was followed: trainer_state.pt and COMPLETE.json
+    rewritten in the folder it pointed to (security, low). Now refused in one line, as a run refuses it."""
+    outside = old_checkpoint(str(tmp_path / "outside"))
+    before = files_of(outside)
+    (tmp_path / "linked").mkdir()
+    os.symlink(outside, tmp_path / "linked" / "checkpoint-1")
+    msg = outcome(ck.convert_trusted, str(tmp_path / "linked" / "checkpoint-1"))
+    assert files_of(outside) == before
+    assert (
+        msg and f"{tmp_path / 'linked' / 'checkpoint-1'} is a symbolic link (to {outside})" in msg
+    ), msg
+
+
+def test_convert_trusted_leaves_a_checkpoint_that_loads_safely_as_it_is(tmp_path, capsys):
+    """Before #68 it re-saved it (a new file)."""
+    ck.save_checkpoint(str(tmp_path / "new"), tiny_state(1), tiny_weights(1))
+    safe = ck.checkpoint_dir(str(tmp_path / "new"), 1)
+    before = files_of(safe)
+    capsys.readouterr()
+    assert outcome(ck.convert_trusted, safe) is None
+    assert files_of(safe) == before
+    said = capsys.readouterr().out
+    assert said == f"{safe}/{ck.STATE_FILE} already loads with weights_only=True: left as it is\n"
+
+
+def reseal(folder: str, state: dict) -> None:
+    """`state` as the folder's trainer_state.pt, with COMPLETE.json re-sealed over it: what someone who edits a
+    checkpoint before sending it does, so that its checksums pass."""
+    path = os.path.join(folder, ck.STATE_FILE)
+    torch.save(state, path)
+    marker = ck.read_marker(folder)
+    marker["files"][ck.STATE_FILE] = {"size": os.path.getsize(path), "sha256": ck._sha256(path)}
+    with open(os.path.join(folder, ck.MARKER), "w") as f:
+        json.dump(marker, f)
+
+
+@pytest.mark.parametrize(
+    "change,said",
+    [
+        ({"iteration": 10**18}, "its COMPLETE.json says 1; its folder's name says 1"),
+        ({"iteration": 0}, "its COMPLETE.json says 1; its folder's name says 1"),
+        ({"counts": {"trajectories": -4}}, "its 'trajectories' is -4"),
+        ({"clocks": {"time/cpu_s": float("inf")}}, "its 'time/cpu_s' is out of range"),
+        ({"args": {"num_iterations": 10**18}}, "its 'args' differs from its COMPLETE.json's"),
+    ],
+    ids=["iteration-1e18", "iteration-0", "negative-count", "infinite-clock", "other-args"],
+)
+def test_a_trainer_state_whose_numbers_disagree_with_its_checkpoint_is_refused(
+    tmp_path, base_run, change, said
+):
+    """A received checkpoint-1 whose trainer_state.pt was edited and re-sealed. Before #68 each resumed with exit 0:
+    iteration 10**18 "finished" at once without training or saving, the others trained on from numbers that were
+    not the checkpoint's."""
+    run, flags = copy_run(base_run, tmp_path)
+    c1 = ck.checkpoint_dir(run, 1)
+    state = torch.load(os.path.join(c1, ck.STATE_FILE), weights_only=True)
+    for key, value in change.items():
+        state[key] = {**state[key], **value} if isinstance(value, dict) else value
+    reseal(c1, state)
+    metrics = open(os.path.join(run, "metrics.jsonl"), "rb").read()
+    msg = outcome(run_main, SCRIPT, *flags)
+    assert msg and msg.startswith(f"error: --resume {c1}: its trainer_state.pt (iteration "), msg
+    assert said in msg and msg.endswith(
+        "resume from another checkpoint-N folder, or start a new run"
+    ), msg
+    assert [i for i, _ in ck.list_checkpoints(run)] == [1] and ck.verify_checkpoint(c1) is None
+    assert open(os.path.join(run, "metrics.jsonl"), "rb").read() == metrics
 
 
 def test_rng_states_round_trip_through_a_safe_load(tmp_path):

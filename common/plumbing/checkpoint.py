@@ -1114,6 +1114,41 @@ def _refuse_layout(folder: str, state) -> None:
         )
 
 
+def _refuse_disagreement(folder: str, state: dict) -> None:
+    """The numbers a resume trusts agree with the checkpoint's COMPLETE.json and folder name: the
+    iteration it starts from (a trainer_state.pt re-sealed with iteration 10**18 in checkpoint-2
+    would end the run at once, "finished" without training), the script and flags it records, and
+    every counter and clock a plain count (finite, >= 0). One line, before anything is restored."""
+    marker = read_marker(folder)
+    named = re.fullmatch(rf"\.?{PREFIX}(\d+)", os.path.basename(folder.rstrip("/")))
+    says = {"its COMPLETE.json": marker["iteration"]}
+    if named:
+        says["its folder's name"] = int(named.group(1))
+    wrong = [f"{where} says {n}" for where, n in says.items() if n != state["iteration"]]
+    for field in ("script", "args"):
+        ours = json.dumps(state.get(field), default=str, sort_keys=True)
+        if (
+            field in state
+            and marker.get(field) is not None
+            and ours != json.dumps(marker[field], sort_keys=True)
+        ):
+            wrong.append(f"its '{field}' differs from its COMPLETE.json's")
+    numbers = [*state.get("counts", {}).items(), *state.get("clocks", {}).items()]
+    wrong += [
+        f"its '{k}' is {v if abs(v) < 1e30 else 'out of range'}"
+        for k, v in numbers
+        if isinstance(v, bool) or v < 0 or not (isinstance(v, int) or math.isfinite(v))
+    ]
+    if wrong:
+        iteration = state["iteration"]
+        shown = iteration if iteration < 2**63 else f"an integer of {iteration.bit_length()} bits"
+        raise ConfigError(
+            f"--resume {folder}: its {STATE_FILE} (iteration {shown}) does not agree with its "
+            f"checkpoint: {'; '.join(wrong)}; it was changed after it was saved: resume from "
+            "another checkpoint-N folder, or start a new run"
+        )
+
+
 def trainer_state_problem(state) -> str | None:
     """What is wrong with the layout of a loaded trainer state (None: nothing): the types the
     restore relies on, before it relies on them. Shapes are checked against the model by
@@ -1228,33 +1263,55 @@ def convert_trusted(folder: str) -> None:
     """Rewrite the trainer_state.pt of a checkpoint written before 2026-12-05 (numpy's RNG state
     pickled as an ndarray) into the plain form `load_checkpoint` reads, and re-seal its marker.
     It unpickles the file: run it only on a file you trust (`python -m common.plumbing.checkpoint
-    --convert-trusted FOLDER`)."""
+    --convert-trusted FOLDER`). FOLDER is a run's checkpoint-N; the conversion holds the run's
+    lock (a run writing the folder: one line, nothing converted), writes only inside the run
+    folder (a link in it is refused, as a run refuses it), and leaves a checkpoint that already
+    loads with weights_only=True as it is."""
     from common.plumbing.utils import atomic_file
 
-    problem = verify_checkpoint(folder)
-    if problem:
-        raise SystemExit(f"error: {problem}; nothing was converted")
-    path = os.path.join(folder, STATE_FILE)
-    state = torch.load(path, weights_only=False, map_location="cpu")  # the user trusts this file
-    for r in state.get("rng") or []:
-        n = r.get("numpy")
-        if isinstance(n, tuple):  # (kind, keys ndarray, pos, has_gauss, cached)
-            r["numpy"] = dict(
-                kind=str(n[0]),
-                keys=torch.from_numpy(np.asarray(n[1]).astype(np.int64)),
-                pos=int(n[2]),
-                has_gauss=int(n[3]),
-                cached_gaussian=float(n[4]),
-            )
-    atomic_file(path, lambda tmp: torch.save(state, tmp))
-    marker = read_marker(folder)
-    marker["files"][STATE_FILE] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
-    atomic_file(
-        os.path.join(folder, MARKER),
-        lambda tmp: open(tmp, "w").write(json.dumps(marker, indent=1)),  # noqa: SIM115
-    )
-    load_checkpoint(folder)  # what a resume will do: it must load now
-    print(f"converted {path}: it loads with weights_only=True")
+    folder = os.path.normpath(os.path.abspath(folder))
+    run_dir, name = os.path.split(folder)
+    if not re.fullmatch(rf"{PREFIX}\d+", name):
+        raise SystemExit(
+            f"error: {folder} is not a checkpoint-N folder: --convert-trusted takes a run's "
+            "checkpoint folder, e.g. runs/r/checkpoint-20; nothing was converted"
+        )
+    if not os.path.lexists(folder):
+        raise SystemExit(f"error: {folder} does not exist; nothing was converted")
+    hold_run_folder(run_dir)  # one line if a run holds it, or if it holds a link
+    try:
+        problem = verify_checkpoint(folder)
+        if problem:
+            raise SystemExit(f"error: {problem}; nothing was converted")
+        path = os.path.join(folder, STATE_FILE)
+        try:
+            torch.load(path, weights_only=True, map_location="cpu")
+            print(f"{path} already loads with weights_only=True: left as it is")
+            return
+        except Exception:  # noqa: BLE001 - the user trusts it: converted below, or refused there
+            pass
+        state = torch.load(path, weights_only=False, map_location="cpu")  # the user trusts it
+        for r in state.get("rng") or []:
+            n = r.get("numpy")
+            if isinstance(n, tuple):  # (kind, keys ndarray, pos, has_gauss, cached)
+                r["numpy"] = dict(
+                    kind=str(n[0]),
+                    keys=torch.from_numpy(np.asarray(n[1]).astype(np.int64)),
+                    pos=int(n[2]),
+                    has_gauss=int(n[3]),
+                    cached_gaussian=float(n[4]),
+                )
+        atomic_file(path, lambda tmp: torch.save(state, tmp))
+        marker = read_marker(folder)
+        marker["files"][STATE_FILE] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+        atomic_file(
+            os.path.join(folder, MARKER),
+            lambda tmp: open(tmp, "w").write(json.dumps(marker, indent=1)),  # noqa: SIM115
+        )
+        load_checkpoint(folder)  # what a resume will do: it must load now
+        print(f"converted {path}: it loads with weights_only=True")
+    finally:
+        release_run_folder(run_dir)
 
 
 def restore_checkpoint(
@@ -1297,6 +1354,7 @@ def restore_checkpoint(
             "an older one): resume it with the script that wrote it, or start a new run"
         )
     _refuse_layout(folder, state)  # (a checkpoint of another script is named as such above)
+    _refuse_disagreement(folder, state)
     scaling = loss_scaling_state(folder, state)  # checked before anything is copied in
     if now == "fsdp":
         _restore_sharded(folder, state, params, optimizer, ema, model, extras)

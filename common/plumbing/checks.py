@@ -72,8 +72,17 @@ class Rule:
         return not (self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi))
 
 
-def _int(lo: int, why: str = "", optional: bool = False) -> Rule:
-    return Rule(lo, integer=True, optional=optional, why=why)
+def _int(lo: int, why: str = "", optional: bool = False, hi: int | None = None) -> Rule:
+    return Rule(lo, hi, integer=True, optional=optional, why=why)
+
+
+# Rows one call may hold (a transformer forward, a VAE decode, a training batch): more than the
+# largest evaluation the scripts accept (MAX_EVAL_IMAGES) is a typo, and past 2**63 torch cannot
+# even split a tensor by it (a traceback after the model loaded).
+MAX_BATCH = 1_000_000
+# The schedulers of SD3, FLUX and the toy model are trained on 1000 timesteps: more steps than that
+# is a typo (a schedule of 10**20 steps cannot be allocated).
+MAX_STEPS = 1000
 
 
 # The shared table: flag (Args field) -> rule. A field a script does not have is skipped.
@@ -83,8 +92,8 @@ RANGES: dict[str, Rule] = {
     "noise_level": Rule(
         0, why="a scales the SDE's standard deviation; 0 = the deterministic ODE, no exploration"
     ),
-    "num_steps": _int(1, "denoising steps of a rollout"),
-    "eval_num_steps": _int(1, "ODE steps at evaluation"),
+    "num_steps": _int(1, "denoising steps of a rollout", hi=MAX_STEPS),
+    "eval_num_steps": _int(1, "ODE steps at evaluation", hi=MAX_STEPS),
     "shift": Rule(
         0, lo_open=True, optional=True, why="timestep shift of the schedule; unset = the model's"
     ),
@@ -99,12 +108,15 @@ RANGES: dict[str, Rule] = {
         2, "a group needs at least 2 images to have a mean and a std to compare against"
     ),
     "groups_per_iteration": _int(1, "prompts per iteration"),
-    "rollout_batch_size": _int(1, "images per transformer call"),
+    "rollout_batch_size": _int(1, "images per transformer call", hi=MAX_BATCH),
     "train_batch_size": _int(
-        1, "transitions per training forward; unset = --rollout-batch-size", optional=True
+        1,
+        "transitions per training forward; unset = --rollout-batch-size",
+        optional=True,
+        hi=MAX_BATCH,
     ),
-    "eval_batch_size": _int(1, "images per transformer call at evaluation"),
-    "decode_batch_size": _int(1, "images per VAE decode call"),
+    "eval_batch_size": _int(1, "images per transformer call at evaluation", hi=MAX_BATCH),
+    "decode_batch_size": _int(1, "images per VAE decode call"),  # and check_decode_batch_size
     "eval_seeds_per_prompt": _int(1, "images per evaluation prompt"),
     "optimizer_steps_per_iteration": _int(1, "optimizer steps per iteration"),
     "num_inner_epochs": _int(1, "passes over an iteration's transitions"),
@@ -172,10 +184,29 @@ def check_flag(args, name: str, rule: Rule) -> None:
 
 
 def check_ranges(args, table: dict[str, Rule] | None = None) -> None:
-    """Every flag of `table` (default RANGES) that `args` has."""
+    """Every flag of `table` (default RANGES) that `args` has; with RANGES, --decode-batch-size
+    also against what the run decodes (check_decode_batch_size)."""
     for name, rule in (table or RANGES).items():
         if hasattr(args, name):
             check_flag(args, name, rule)
+    if table is None and hasattr(args, "decode_batch_size"):
+        check_decode_batch_size(args)
+
+
+def check_decode_batch_size(args) -> None:
+    """A VAE decode call gets a rollout batch or an evaluation batch, so --decode-batch-size is at
+    most the larger of the two (any value above decodes the same), or its default."""
+    batches = {n: getattr(args, n, 1) for n in ("rollout_batch_size", "eval_batch_size")}
+    fields = dataclasses.fields(args) if dataclasses.is_dataclass(args) else ()
+    default = next((f.default for f in fields if f.name == "decode_batch_size"), 1)
+    most = max(*batches.values(), default)
+    if args.decode_batch_size > most:
+        given = ", ".join(f"{_flag(n)} {v}" for n, v in batches.items())
+        raise ConfigError(
+            f"--decode-batch-size {args.decode_batch_size}: a VAE decode call here gets at most "
+            f"{max(batches.values())} images ({given}), so a larger value decodes the same: pass "
+            f"at most {most} (the default is {default})"
+        )
 
 
 def check_sde_type(args, trains_last_step: bool, which: str) -> None:

@@ -16,15 +16,22 @@ format (docs/usage.md, "Rewards from a server"):
   "meta_datas": [...], "only_strict": ...} (plus "prompts", which those servers ignore), answered
   with a pickled dict whose "scores" (GenEval) or "outputs" (DeQA) holds one score per image. The server
   unpickles what it is sent, so it must trust every client that can reach it; the reply is decoded
-  here by an unpickler that resolves no global at all (`safe_unpickle`), so it can hold only plain
-  dicts, lists, strings, numbers, booleans and None: anything else, and any pickle that would run
-  code, is refused in one line.
+  here only after every opcode in it is read and found to build plain data (`safe_unpickle`), so
+  it can hold only dicts, lists, strings, numbers, booleans and None: anything else, and any
+  pickle that would run code, is refused in one line.
 
-Query parameters after the URL: timeout (seconds per request, default 120, flow_grpo's), retries
-(tries after the first, default 5) and backoff (seconds before the first retry, doubled each time,
-default 1). Connection failures, timeouts and the statuses 429/502/503/504 are retried; any other
-status, and a reply that is malformed, too big (16 MiB), of the wrong length or not finite, is not
-(it would only come again) and stops with one line naming the server and what it sent.
+Query parameters after the URL: timeout (seconds per try, default 120, flow_grpo's; at most
+3600), retries (tries after the first, default 5; at most 100) and backoff (seconds before the first
+retry, doubled each time, default 1; at most 3600). One try has one deadline, `timeout` seconds
+after it starts, for all of it: connecting, sending, and the whole reply, however slowly it comes
+(a watchdog shuts the connection down at the deadline). So all tries of a request and the waits
+between them take at most its budget, (retries + 1) x timeout + backoff x (2^retries - 1) seconds
+(751 s with the defaults), which may be at most MAX_BUDGET_S (an hour: a run stopped by its server
+resumes bit for bit, so waiting longer buys nothing); a spelling over it is refused in one line.
+Connection failures, timeouts and the statuses 429/502/503/504 are retried; a redirect is not
+followed (a reward request goes only to the URL in --reward); any other status, and a reply that is
+malformed, too big (MAX_REPLY_BYTES), of the wrong length or not finite, is not retried (it would
+only come again) and stops with one line naming the server and what it sent.
 
 A prompt's metadata (GenEval's task spec: tag, include, ...) comes from JSON lines, each an object
 with the "prompt" it belongs to: `--reward-model-paths remote:NAME=FILE.jsonl` (or a folder of
@@ -40,32 +47,45 @@ sequential arm of benchmarks/bench_reward_server.py): same requests, same scores
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import json
 import math
 import os
 import pickle
+import pickletools
 import queue
 import re
+import socket
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
-from http.client import HTTPException
 
 import torch
 from PIL import Image
 
-from common.plumbing.reward_server import PROTOCOL
+from common.plumbing.checks import MAX_JSON_DEPTH
+from common.plumbing.reward_server import PROTOCOL, Watchdog
 
 MAX_REQUEST_IMAGES = 64  # flow_grpo's geneval_score sends batches of 64
-MAX_REPLY_BYTES = 16 << 20  # a reply is one score (or a few) per image: far less than this
+# A reply is one score (or a few) per image: flow_grpo's GenEval reply for 64 images is a few KB.
+# The cap bounds what a reply can cost to decode (time and memory grow with its bytes).
+MAX_REPLY_BYTES = 1 << 20
+ERROR_BYTES = 4096  # of an error reply: its first line is shown
 CHECK_TIMEOUT_S = 5.0  # the start-up check: a wrong URL is one line in seconds
 RETRIED_STATUSES = (429, 502, 503, 504)  # busy or restarting; anything else would come again
 DEFAULTS = {"timeout": 120.0, "retries": 5, "backoff": 1.0}
+# option -> (lowest, highest, what is expected): checked when --reward is parsed
+OPTION_RANGES = {
+    "timeout": (0, 3600, "seconds in (0, 3600]"),
+    "retries": (0, 100, "an integer in [0, 100]"),
+    "backoff": (0, 3600, "seconds in [0, 3600]"),
+}
+MAX_BUDGET_S = 3600  # all tries of one request and the waits between them
+GRACE_S = 10.0  # past a request's budget, for decoding its reply, before gather gives up on it
 SPELLING = (
     "remote:NAME@http://HOST:PORT[/PATH][?timeout=S&retries=N&backoff=S][:WEIGHT], or "
     "flowgrpo+http://... for a flow_grpo reward-server"
@@ -76,6 +96,21 @@ _SPEC = re.compile(
     r"(?::(?P<weight>[^:]*))?"
 )
 PLAIN_TYPES = (dict, list, str, int, float, bool, type(None))
+# The pickle opcodes that build plain data, all that Python's pickler writes for dicts, lists,
+# strings, numbers, booleans and None in protocols 0-5 (pickletools names them); any other opcode
+# builds something else (a tuple, bytes, a set) or calls something (GLOBAL, REDUCE, ...).
+PLAIN_OPCODES = frozenset(
+    "PROTO FRAME STOP MARK EMPTY_DICT DICT EMPTY_LIST LIST APPEND APPENDS SETITEM SETITEMS "
+    "NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 LONG LONG1 LONG4 FLOAT BINFLOAT "
+    "UNICODE SHORT_BINUNICODE BINUNICODE BINUNICODE8 "
+    "PUT BINPUT LONG_BINPUT MEMOIZE GET BINGET LONG_BINGET".split()
+)
+_BUILDS = {  # what the other opcodes that build data build, for the refusal
+    **dict.fromkeys(("EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"), "tuple"),
+    **dict.fromkeys(("SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "BYTEARRAY8"), "bytes"),
+    **dict.fromkeys(("STRING", "BINSTRING", "SHORT_BINSTRING"), "bytes"),
+    **dict.fromkeys(("EMPTY_SET", "ADDITEMS", "FROZENSET"), "set"),
+}
 
 
 class RemoteRewardError(SystemExit):
@@ -114,6 +149,15 @@ class RemoteSpec:
     def name(self) -> str:
         return f"remote:{self.scorer}"
 
+    @property
+    def budget(self) -> float:
+        """Seconds that all tries of one request and the waits between them take at most."""
+        return budget_s(self.timeout, self.retries, self.backoff)
+
+
+def budget_s(timeout: float, retries: int, backoff: float) -> float:
+    return (retries + 1) * timeout + backoff * (2**retries - 1)
+
 
 def is_remote(item: str) -> bool:
     return item.strip().startswith("remote:")
@@ -128,6 +172,15 @@ def parse_remote(item: str) -> tuple[RemoteSpec, str | None]:
             f"bad remote reward '{item.strip()}': expected {SPELLING}, e.g. "
             "'remote:geneval@http://127.0.0.1:8000' (the port is required)"
         )
+    try:
+        port = urllib.parse.urlsplit(m["url"]).port
+    except ValueError:  # past 65535
+        port = None
+    if not port:
+        raise ValueError(
+            f"bad remote reward '{item.strip()[:200]}': its port must be in 1..65535, e.g. "
+            "'remote:geneval@http://127.0.0.1:8000'"
+        )
     options = dict(DEFAULTS)
     try:
         pairs = urllib.parse.parse_qsl(m["query"] or "", strict_parsing=bool(m["query"]))
@@ -139,22 +192,27 @@ def parse_remote(item: str) -> tuple[RemoteSpec, str | None]:
                 f"bad option '{key}' in remote reward '{item.strip()}': expected timeout, "
                 "retries or backoff, e.g. '?timeout=30&retries=3'"
             )
+        lo, hi, expected = OPTION_RANGES[key]
         try:
             number = int(value) if key == "retries" else float(value)
-        except ValueError:
-            number = -1
-        if not (0 <= number < math.inf) or (key == "timeout" and number == 0):
+        except ValueError:  # also an integer of more than 4300 digits
+            number = math.nan
+        # (nan fails every comparison; timeout 0 would never wait)
+        if not (lo <= number <= hi) or (key == "timeout" and number == 0):
             raise ValueError(
-                f"bad {key}={value} in remote reward '{item.strip()}': expected "
-                + (
-                    "an integer >= 0"
-                    if key == "retries"
-                    else "seconds > 0"
-                    if key == "timeout"
-                    else "seconds >= 0"
-                )
+                f"bad {key}={value[:40]} in remote reward '{item.strip()[:200]}': expected "
+                f"{expected}"
             )
         options[key] = number
+    budget = budget_s(**options)
+    if budget > MAX_BUDGET_S:
+        raise ValueError(
+            f"remote reward '{item.strip()[:200]}': timeout={options['timeout']:g}, "
+            f"retries={options['retries']} and backoff={options['backoff']:g} let one request take "
+            f"{budget:.0f} s ({options['retries'] + 1} tries and the waits between them), over "
+            f"the limit of {MAX_BUDGET_S} s: lower one of them (a run its server stops resumes bit "
+            "for bit with --resume)"
+        )
     weight = m["weight"]
     text = item.strip()[: m.start("weight") - 1] if weight is not None else item.strip()
     spec = RemoteSpec(text, m["scorer"], m["url"], "flowgrpo" if m["wire"] else "json", **options)
@@ -211,52 +269,140 @@ class _NoGlobals(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it needs the global '{module}.{name}'")
 
 
+def _scan_pickle(data: bytes) -> None:
+    """Every opcode of a pickle, read without building anything (pickletools.genops): only those of
+    plain data (PLAIN_OPCODES), and memo indices below the pickle's length, else UnpicklingError
+    naming what it would build. (The C unpickler sizes its memo by the largest index it is given:
+    a 9-byte pickle naming index 10**8 makes it take 1.5 GB.)"""
+    texts: list[str] = []  # the last strings pushed: what STACK_GLOBAL names
+    for op, arg, pos in pickletools.genops(data):
+        name = op.name
+        if isinstance(arg, str):
+            texts = [*texts[-1:], arg]
+        if name in ("GLOBAL", "STACK_GLOBAL", "INST"):
+            what = arg.replace(" ", ".") if isinstance(arg, str) else ".".join(texts[-2:])
+            raise pickle.UnpicklingError(f"it needs the global '{what}'")
+        if name not in PLAIN_OPCODES:
+            kind = _BUILDS.get(name)
+            raise pickle.UnpicklingError(
+                f"it holds a {kind}"
+                if kind
+                else f"its opcode {name} at byte {pos} builds or calls an object"
+            )
+        if name in ("PUT", "BINPUT", "LONG_BINPUT") and arg >= len(data):
+            raise pickle.UnpicklingError(
+                f"its opcode {name} at byte {pos} names memo entry {arg} in {len(data)} bytes"
+            )
+
+
 def safe_unpickle(data: bytes):
-    """The plain value a pickle holds (dict, list, str, int, float, bool, None, nested), or
-    ValueError naming what else it holds. Nothing in it is called."""
+    """The plain value a pickle holds (dict, list, str, int, float, bool, None, nested at most
+    MAX_JSON_DEPTH deep), or ValueError naming what else it holds. Nothing in it is called, and
+    decoding takes time and memory in proportion to its bytes: its opcodes are checked before
+    anything is built."""
     try:
+        _scan_pickle(data)
         value = _NoGlobals(io.BytesIO(data)).load()
-    except Exception as e:  # the C unpickler raises several kinds on malformed input
+    except Exception as e:  # genops and the C unpickler raise several kinds on malformed input
         raise ValueError(f"{type(e).__name__}: {str(e)[:160]}") from None
-    todo = [value]
-    while todo:
-        x = todo.pop()
-        if type(x) not in PLAIN_TYPES:
-            raise ValueError(f"it holds a {type(x).__name__}")
-        if isinstance(x, dict):
-            todo.extend(x.keys())
-            todo.extend(x.values())
-        elif isinstance(x, list):
-            todo.extend(x)
+    problem = plain_problem(value)
+    if problem:
+        raise ValueError(problem)
     return value
+
+
+def plain_problem(value) -> str | None:
+    """What keeps a decoded reply from being plain data (None: nothing): a type other than dict,
+    list, str, int, float, bool or None, or nesting deeper than MAX_JSON_DEPTH. Each list and dict
+    is visited once, so a reply whose lists contain themselves, or share one list down many
+    levels, is walked in time proportional to its bytes."""
+    seen: set[int] = set()
+    todo = [(value, 1)]
+    while todo:
+        x, depth = todo.pop()
+        if type(x) not in PLAIN_TYPES:
+            return f"it holds a {type(x).__name__}"
+        if not isinstance(x, (dict, list)) or id(x) in seen:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            return f"it nests deeper than {MAX_JSON_DEPTH} levels"
+        seen.add(id(x))
+        items = [*x.keys(), *x.values()] if isinstance(x, dict) else x
+        todo.extend((v, depth + 1) for v in items)
+    return None
+
+
+def show(x) -> str:
+    """A decoded value in a few words, whatever it is: a reply's content in a message (a repr of
+    a list that shares itself down 60 levels would never end, str of a 5000-digit int raises)."""
+    if isinstance(x, (dict, list)):
+        return f"a {type(x).__name__} of {len(x)}"
+    if isinstance(x, int) and not isinstance(x, bool) and x.bit_length() > 64:
+        return f"an integer of {x.bit_length()} bits"
+    text = repr(x)
+    return text[:80] + ("..." if len(text) > 80 else "")
 
 
 def _scores_of(reply, n: int, wire: str) -> list[float]:
     """The reply's list of n finite scores, or ValueError saying what it holds instead."""
+    expected = '{"scores": [one float per image]}' if wire == "json" else 'a dict with "scores"'
+    if not isinstance(reply, dict):
+        raise ValueError(f"the reply is {show(reply)}, not a dict: expected {expected}")
     key = "scores" if wire == "json" or "scores" in reply else "outputs"
-    if not isinstance(reply, dict) or not isinstance(reply.get(key), list):
-        keys = sorted(map(str, reply)) if isinstance(reply, dict) else type(reply).__name__
-        raise ValueError(
-            f'the reply has no "{key}" list (it holds {keys}): expected '
-            + ('{"scores": [one float per image]}' if wire == "json" else 'a dict with "scores"')
-        )
+    if not isinstance(reply.get(key), list):
+        keys = ", ".join(show(k) for k in list(reply)[:10]) + (", ..." if len(reply) > 10 else "")
+        raise ValueError(f'the reply has no "{key}" list (it holds {keys}): expected {expected}')
     scores = reply[key]
     if len(scores) != n:
         raise ValueError(
             f"the reply has {len(scores)} scores for {n} images: the server must return one "
             "score per image, in order"
         )
+    out = []
     for i, s in enumerate(scores):
         if isinstance(s, bool) or not isinstance(s, (int, float)):
-            raise ValueError(f"score {i} of {n} is {s!r}: a reward must be a number")
-        if not math.isfinite(s):
-            raise ValueError(f"score {i} of {n} is {s}: a reward must be a finite number")
-    return [float(s) for s in scores]
+            raise ValueError(f"score {i} of {n} is {show(s)}: a reward must be a number")
+        try:
+            value = float(s)
+        except OverflowError:  # an int past 1.8e308
+            value = math.inf
+        if not math.isfinite(value):
+            raise ValueError(f"score {i} of {n} is {show(s)}: a reward must be a finite number")
+        out.append(value)
+    return out
+
+
+def _json(body: bytes):
+    """A JSON reply, or ValueError (nesting deep enough to exhaust the parser's stack included)."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise ValueError(f"nested deeper than Python's parser goes ({_excerpt(body)})") from None
 
 
 # ----------------------------------------------------------------------------- the client
 class _Retry(Exception):
-    """A failure worth trying again (the server busy, restarting, slow or not yet up)."""
+    """A failure worth trying again (the server busy, restarting, slow or not yet up); `reason`:
+    what the connection said."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
+
+
+class _Scores(Future):
+    """The Future `RemoteReward.submit` returns. result() waits no longer than the request under way
+    on the reward's thread may take (its budget, plus GRACE_S): whatever that thread is stuck in
+    (a name lookup, which no socket timeout bounds), the caller gets one line, not a hang."""
+
+    def __init__(self, reward: RemoteReward):
+        super().__init__()
+        self._reward = reward
+
+    def result(self, timeout=None):
+        while timeout is None and not wait_for([self], 1.0).done:
+            self._reward.raise_if_stuck()
+        return super().result(timeout)
 
 
 class RemoteReward:
@@ -269,6 +415,7 @@ class RemoteReward:
         self.spec, self.metadata = spec, metadata
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
+        self._give_up_at: float | None = None  # the request under way: its budget's end + GRACE_S
 
     def __repr__(self):
         return f"RemoteReward({self.spec.text})"
@@ -290,37 +437,34 @@ class RemoteReward:
                             "each prompt's metadata, so every prompt needs one"
                         )
         health = self.spec.url.rstrip("/") + "/health"
+        seconds = min(self.spec.timeout, CHECK_TIMEOUT_S)
+        url = health if self.spec.wire == "json" else self.spec.url
         try:
-            with urllib.request.urlopen(
-                health if self.spec.wire == "json" else self.spec.url,
-                timeout=min(self.spec.timeout, CHECK_TIMEOUT_S),
-            ) as r:
-                body, status = r.read(MAX_REPLY_BYTES), r.status
-        except urllib.error.HTTPError as e:  # it answers: enough for flow_grpo's (POST only)
-            if self.spec.wire == "flowgrpo":
-                return
-            body, status = b"", e.code
-        except (OSError, HTTPException) as e:
+            status, _, _, body = self._exchange("GET", url, None, {}, seconds)
+        except _Retry as e:
             raise ValueError(
-                f"{self._where()}: no server answers ({_reason(e)}): start it (e.g. `python -m "
+                f"{self._where()}: no server answers ({e.reason}): start it (e.g. `python -m "
                 "common.plumbing.reward_server --reward toyworld --port 8000`) or fix the URL in --reward"
             ) from None
-        if self.spec.wire == "flowgrpo":
+        if self.spec.wire == "flowgrpo":  # it answers: enough for flow_grpo's (POST only)
             return
         try:
-            info = json.loads(body)
-            ok = info.get("protocol") == PROTOCOL and isinstance(info.get("scorers"), list)
-        except (ValueError, AttributeError):
-            ok = False
-        if status != 200 or not ok:
+            info = _json(body) if status == 200 else None
+        except ValueError:
+            info = None
+        scorers = info.get("scorers") if isinstance(info, dict) else None
+        if not isinstance(scorers, list) or info.get("protocol") != PROTOCOL:
             raise ValueError(
                 f"{self._where()}: not a {PROTOCOL} server (GET {health} answered {status} "
                 f"{_excerpt(body)}): a flow_grpo reward-server is spelled "
                 f"remote:{self.spec.scorer}@flowgrpo+{self.spec.url}"
             )
-        if self.spec.scorer not in info["scorers"]:
+        if self.spec.scorer not in scorers:
+            names = ", ".join(
+                _printable(x, 80) if isinstance(x, str) else show(x) for x in scorers[:20]
+            )
             raise ValueError(
-                f"{self._where()}: the server serves {', '.join(map(str, info['scorers']))}, not "
+                f"{self._where()}: the server serves {names}, not "
                 f"'{self.spec.scorer}': use one of those names, or start it with that scorer"
             )
 
@@ -329,7 +473,7 @@ class RemoteReward:
         """Future of `score(images, prompts)`, run on this reward's thread after the batches
         submitted before it (or at once, in this thread, when overlap is False). `cancel` set: it
         stops before its next try."""
-        future: Future = Future()
+        future = _Scores(self)
         job = (future, lambda: self.score(images, prompts, cancel))
         if not self.overlap:
             _run(*job)
@@ -345,6 +489,16 @@ class RemoteReward:
         while True:
             _run(*self._jobs.get())
 
+    def raise_if_stuck(self) -> None:
+        """RemoteRewardError when the request under way is past its budget and GRACE_S."""
+        give_up_at = self._give_up_at
+        if give_up_at is not None and time.monotonic() > give_up_at:
+            raise RemoteRewardError(
+                f"{self._where()}: no reply within the request's budget of "
+                f"{self.spec.budget:g} s and {GRACE_S:g} s more (its thread is stuck, e.g. in a "
+                "name lookup): check the server's host"
+            )
+
     def score(
         self, images: torch.Tensor, prompts: list[str], cancel: threading.Event | None = None
     ) -> torch.Tensor:
@@ -357,21 +511,38 @@ class RemoteReward:
             body = self._request(chunk, chunk_prompts)
             reply = self._post(body, cancel or threading.Event())
             try:
-                decoded = json.loads(reply) if self.spec.wire == "json" else safe_unpickle(reply)
+                decoded = self._decode(reply)
             except ValueError as e:
-                what = (
-                    f"a reply that is not JSON ({_excerpt(reply)})"
-                    if self.spec.wire == "json"
-                    else f"a pickle that was refused: {e}; only dict, list, str, int, float, "
-                    "bool and None are accepted, since anything else could run code on loading "
-                    "(a server that sends numpy numbers: have it send .tolist())"
-                )
-                raise RemoteRewardError(f"{self._where()} sent {what}") from None
+                raise RemoteRewardError(f"{self._where()} sent {e}") from None
             try:
                 out += _scores_of(decoded, len(chunk), self.spec.wire)
             except ValueError as e:
                 raise RemoteRewardError(f"{self._where()}: {e}") from None
         return torch.tensor(out, dtype=torch.float32)
+
+    def _decode(self, reply: bytes):
+        """A reply's plain value, or ValueError saying what the server sent instead."""
+        if self.spec.wire == "flowgrpo":
+            try:
+                return safe_unpickle(reply)
+            except ValueError as e:
+                raise ValueError(
+                    f"a pickle that was refused: {e}; only dict, list, str, int, float, bool and "
+                    "None are accepted, since anything else could run code on loading (a server "
+                    "that sends numpy numbers: have it send .tolist())"
+                ) from None
+        try:
+            value = json.loads(reply)
+        except ValueError:
+            raise ValueError(f"a reply that is not JSON ({_excerpt(reply)})") from None
+        except RecursionError:
+            value = None
+            problem = "it nests deeper than Python's parser goes"
+        else:
+            problem = plain_problem(value)
+        if problem:
+            raise ValueError(f"a JSON reply that {problem[3:]} ({_excerpt(reply)})")
+        return value
 
     def _request(self, images, prompts: list[str]) -> bytes:
         """The body of one request: this project's JSON (lossless PNG, base64) or flow_grpo's
@@ -401,51 +572,105 @@ class RemoteReward:
         )
 
     def _post(self, body: bytes, cancel: threading.Event) -> bytes:
-        """POST with retries; the reply's body, or RemoteRewardError naming what went wrong."""
+        """POST with retries, all within the spec's budget; the reply's body, or RemoteRewardError
+        naming what went wrong."""
         s = self.spec
         url = s.url.rstrip("/") + "/score" if s.wire == "json" else s.url
         kind = "application/json" if s.wire == "json" else "application/octet-stream"
         start, delay = time.monotonic(), s.backoff
-        for attempt in range(1, s.retries + 2):
-            try:
-                return self._post_once(url, body, kind)
-            except _Retry as e:
-                last = str(e)
-            if attempt > s.retries or cancel.is_set() or cancel.wait(delay):
-                break
-            delay *= 2
+        # each try takes at most `timeout` and each wait its backoff: together the budget
+        self._give_up_at = start + s.budget + GRACE_S
+        try:
+            for attempt in range(1, s.retries + 2):
+                try:
+                    return self._post_once(url, body, kind, s.timeout)
+                except _Retry as e:
+                    last = str(e)
+                if attempt > s.retries or cancel.is_set() or cancel.wait(delay):
+                    break
+                delay *= 2
+        finally:
+            self._give_up_at = None
         tries = (
             f"{attempt} tr{'y' if attempt == 1 else 'ies'} over {time.monotonic() - start:.1f} s"
         )
         raise RemoteRewardError(f"{self._where()}: {last} ({tries})")
 
-    def _post_once(self, url: str, body: bytes, kind: str) -> bytes:
-        request = urllib.request.Request(url, body, {"Content-Type": kind}, method="POST")
+    def _post_once(self, url: str, body: bytes, kind: str, seconds: float) -> bytes:
+        status, reason, headers, reply = self._exchange(
+            "POST", url, body, {"Content-Type": kind}, seconds
+        )
+        if status == 200:
+            return reply
+        detail = f"answered {status} {_printable(reason, 80)}"
+        if 300 <= status < 400:
+            raise RemoteRewardError(
+                f"{self._where()} {detail}, a redirect to {show(headers.get('Location'))} that "
+                "is not followed (a reward request goes only to the URL in --reward): give the "
+                "server's own URL"
+            )
+        detail += f": {_error_text(reply)}"
+        if status in RETRIED_STATUSES:
+            raise _Retry(detail)
+        hint = ""
+        if self.spec.wire == "flowgrpo" and self.metadata is None:
+            hint = (
+                f" (a GenEval server needs each prompt's metadata: --reward-model-paths "
+                f"{self.spec.name}=train_metadata.jsonl)"
+            )
+        raise RemoteRewardError(f"{self._where()} {detail}{hint}")
+
+    def _exchange(
+        self, method: str, url: str, body: bytes | None, headers: dict, seconds: float
+    ) -> tuple[int, str, http.client.HTTPMessage, bytes]:
+        """One HTTP exchange that ends within `seconds` whatever the server does:
+        (status, reason, headers, body: at most MAX_REPLY_BYTES of a 200, ERROR_BYTES of any
+        other). A failure to connect or a reply cut short or late is _Retry; a Content-Length that
+        is not a byte count, or a 200 over MAX_REPLY_BYTES, is RemoteRewardError. No redirect is
+        followed: a 3xx is returned as it is."""
+        parts = urllib.parse.urlsplit(url)
+        within = f"no complete reply within the timeout of {seconds:g} s"
+        late = _Retry(within, within)
+        connection = (
+            http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        )
+        conn = connection(parts.hostname, parts.port, timeout=seconds)
+        watchdog = Watchdog(seconds, lambda: conn.sock, socket.SHUT_RDWR)
         try:
-            with urllib.request.urlopen(request, timeout=self.spec.timeout) as r:
-                size = int(r.headers.get("Content-Length") or 0)
-                reply = r.read(MAX_REPLY_BYTES + 1) if size <= MAX_REPLY_BYTES else b""
-                if size > MAX_REPLY_BYTES or len(reply) > MAX_REPLY_BYTES:
-                    raise RemoteRewardError(
-                        f"{self._where()} sent a reply of more than {MAX_REPLY_BYTES >> 20} MiB "
-                        f"({size or len(reply)} bytes): a reply holds one score per image"
-                    )
-                return reply
-        except urllib.error.HTTPError as e:
-            detail = f"answered {e.code} {e.reason}: {_error_text(e)}"
-            if e.code in RETRIED_STATUSES:
-                raise _Retry(detail) from None
-            hint = ""
-            if self.spec.wire == "flowgrpo" and self.metadata is None:
-                hint = (
-                    f" (a GenEval server needs each prompt's metadata: --reward-model-paths "
-                    f"{self.spec.name}=train_metadata.jsonl)"
+            conn.request(method, parts.path or "/", body, headers)
+            r = conn.getresponse()
+            given = r.headers.get_all("Content-Length") or []
+            if given and (len(set(given)) != 1 or not re.fullmatch(r"[0-9]{1,20}", given[0])):
+                raise RemoteRewardError(
+                    f"{self._where()} sent a reply with Content-Length "
+                    f"{show(', '.join(given))}: expected one byte count"
                 )
-            raise RemoteRewardError(f"{self._where()} {detail}{hint}") from None
-        except TimeoutError:
-            raise _Retry(f"no reply within the timeout of {self.spec.timeout:g} s") from None
-        except (OSError, HTTPException) as e:  # refused, reset, closed without a reply, ...
-            raise _Retry(f"no reply ({_reason(e)})") from None
+            cap = MAX_REPLY_BYTES if r.status == 200 else ERROR_BYTES
+            size = int(given[0]) if given else None
+            if r.status == 200 and size is not None and size > cap:
+                raise RemoteRewardError(_too_big(self._where(), size))
+            # read() with a length: a reply cut short is IncompleteRead; without: up to the cap
+            reply = r.read() if size is not None and size <= cap else r.read(cap + 1)[:cap]
+            if watchdog.fired:  # cut at the deadline: what was read may look whole, and is not
+                raise late
+            if r.status == 200 and size is None and len(reply) >= cap:
+                raise RemoteRewardError(_too_big(self._where(), cap + 1))
+            return r.status, r.reason, r.headers, reply
+        # refused, reset, cut short, late, ... (ValueError: a host name idna cannot encode)
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            if watchdog.fired or isinstance(e, TimeoutError):
+                raise late from None
+            raise _Retry(f"no reply ({_reason(e)})", _reason(e)) from None
+        finally:
+            watchdog.cancel()
+            conn.close()
+
+
+def _too_big(where: str, size: int) -> str:
+    return (
+        f"{where} sent a reply of more than {MAX_REPLY_BYTES >> 10} KiB ({size} bytes): a reply "
+        "holds one score per image"
+    )
 
 
 def _run(future: Future, fn) -> None:
@@ -465,27 +690,29 @@ def _encode(array, fmt: str) -> bytes:
 
 
 def _reason(e: BaseException) -> str:
-    reason = getattr(e, "reason", None)  # URLError wraps the socket's error
-    e = reason if isinstance(reason, BaseException) else e
-    text = getattr(e, "strerror", None) or str(e) or "no detail"
-    return f"{type(e).__name__}: {text}"
+    return (
+        f"{type(e).__name__}: {_printable(getattr(e, 'strerror', None) or str(e) or 'no detail')}"
+    )
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """A server's text on one line: control characters (a newline in a bad status line) as spaces."""
+    text = " ".join("".join(c if c.isprintable() else " " for c in text[: limit * 2]).split())
+    return text[:limit] + ("..." if len(text) > limit else "")
 
 
 def _excerpt(body: bytes) -> str:
     return repr(body[:80]) + ("..." if len(body) > 80 else "")
 
 
-def _error_text(e: urllib.error.HTTPError) -> str:
+def _error_text(body: bytes) -> str:
     """The first line of an error reply: this project's {"error": ...}, else its text."""
     try:
-        body = e.read(4096)
-    except (OSError, HTTPException):
-        body = b""
-    try:
-        text = str(json.loads(body)["error"])
+        reply = _json(body)
+        text = reply["error"] if isinstance(reply["error"], str) else show(reply["error"])
     except (ValueError, KeyError, TypeError):
         text = body.decode("utf-8", "replace")
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     # a Python traceback ends with the exception's own line: the one worth showing
     line = lines[-1] if lines and lines[0].startswith("Traceback") else (lines or ["(no body)"])[0]
-    return line[:300]
+    return _printable(line, 300)

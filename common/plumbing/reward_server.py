@@ -8,8 +8,10 @@
 A scorer is `fn(images, prompts, metadata) -> one float per image`: images a list of RGB PIL
 images, prompts a list of strings, metadata a list of what the client sent for each prompt (a dict
 or None). `--scorer NAME=MODULE:FACTORY` imports MODULE and calls FACTORY() once, at start (load the
-models there), for the scorer; `serve({"ocr": fn}, port=8001)` does the same from Python. A registry
-reward is served under its own name and scores the 8-bit image as the training scripts send it.
+models there), for the scorer: FACTORY must be a function defined in MODULE that takes no argument
+(not a builtin, a class or a name MODULE imported); `serve({"ocr": fn}, port=8001)` does the same
+from Python. A registry reward is served under its own name and scores the 8-bit image as the
+training scripts send it.
 
 The wire format, "flow-rl-reward/1": JSON both ways, images in base64, nothing in it that can run
 code on either side.
@@ -18,10 +20,17 @@ code on either side.
     POST /score  {"scorer": "toyworld", "images": ["<base64 PNG or JPEG>", ...],
                   "prompts": ["...", ...], "metadata": [{...} or null, ...]}  (metadata optional)
               -> 200 {"scores": [float, ...]}   one per image, in order
-              -> 4xx or 5xx {"error": "one line"}
+              -> 4xx or 5xx {"error": "one line"}   (any other method or path too)
 
-Scoring is one request at a time (a model is not shared between threads); requests are read and
-their images decoded concurrently. A request body is refused above --max-request-mb (413).
+What a request may hold is bounded before it is decoded, so that no request under the limits can
+take more memory or time than they allow: its body at most --max-request-mb (a Content-Length is
+required: 411 without one, 413 over the limit, its body unread), read within --read-timeout seconds
+of the connection (and of the request's turn), JSON of at most MAX_JSON_VALUES values nested at most
+MAX_JSON_DEPTH deep, at most MAX_REQUEST_IMAGES images, each PNG or JPEG of at most
+MAX_IMAGE_PIXELS pixels and all together at most --max-request-pixels, checked from each image's
+header before its pixels are decoded (413). One request is read, decoded and scored at a time (a
+model is not shared between threads, and so at most one request's pixels are held); other
+connections wait for their turn with their bodies unread.
 
 Only the standard library and Pillow are imported at start (torch and the registry only for
 --reward), so the module runs in a scorer's own environment, from a checkout of this repository:
@@ -32,10 +41,14 @@ from __future__ import annotations
 
 import argparse
 import base64
-import binascii
+import errno
 import importlib
+import inspect
 import io
 import json
+import math
+import re
+import socket
 import sys
 import threading
 import time
@@ -43,12 +56,52 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from PIL import Image
 
+from common.plumbing.checks import kind_of, parse_json
+
 PROTOCOL = "flow-rl-reward/1"
 MAX_REQUEST_MB = 256  # 64 PNGs of 1024 px in base64 are ~150 MB
+# a request body is held whole in memory: a limit past this is a typo
+MAX_REQUEST_MB_LIMIT = 4096
+READ_TIMEOUT_S = 60.0  # to send a request (its line, headers and body): 256 MB at 5 MB/s
+MAX_REQUEST_IMAGES = 256  # 4 times a client's batch (64, flow_grpo's)
+MAX_IMAGE_PIXELS = 2**24  # 4096 x 4096
+MAX_REQUEST_PIXELS = 2**26  # 64 images of 1024 x 1024: the client's batch at SD3.5's resolution
+# A request's JSON holds about ten values per image (its image, prompt and metadata): a hundred
+# thousand is far above any request, and bounds the objects json.loads builds (~100 bytes each)
+MAX_JSON_VALUES = 100_000
+SCORER_NAME = re.compile(r"[\w.-]+")  # what a client can spell in remote:NAME@URL
+
+
+class Watchdog:
+    """Shuts a socket down (`how`: socket.SHUT_RD or SHUT_RDWR) `seconds` from now unless cancelled
+    first: a read or write blocked on it then returns at once, however slowly the other side
+    trickles its bytes (a socket timeout bounds each read, not their sum). `sock` is the socket, or
+    a function that returns it (None while it is not yet connected)."""
+
+    def __init__(self, seconds: float, sock, how: int):
+        self.fired = False
+        self._sock, self._how = sock, how
+        self._timer = threading.Timer(max(0.0, seconds), self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        self.fired = True
+        sock = self._sock() if callable(self._sock) else self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(self._how)
+            except OSError:  # already closed
+                pass
+
+    def cancel(self) -> None:
+        self._timer.cancel()
 
 
 def registry_scorer(name: str, device: str = "cpu", model_paths: str = ""):
-    """A registry reward (common/rewards.py) as a scorer: the 8-bit images, as floats in [0, 1]."""
+    """A registry reward (common/rewards.py) as a scorer: the 8-bit images (3 bytes a pixel, held
+    once), as floats in [0, 1] a batch of the model's batch size at a time (a whole request in
+    floats would take 12 bytes a pixel)."""
     import numpy as np
     import torch
 
@@ -57,21 +110,55 @@ def registry_scorer(name: str, device: str = "cpu", model_paths: str = ""):
     model = build_reward(name, device, parse_model_paths(model_paths))
 
     def score(images, prompts, metadata):
-        pixels = torch.from_numpy(np.stack([np.asarray(im) for im in images]))
-        return model(pixels.permute(0, 3, 1, 2).float() / 255, prompts)[:, 0].tolist()
+        if len({im.size for im in images}) > 1:
+            raise ValueError("the images of one request must all be of one size")
+        w, h = images[0].size if images else (0, 0)
+        pixels = np.empty((len(images), h, w, 3), np.uint8)  # filled one image at a time
+        for i, im in enumerate(images):
+            pixels[i] = np.asarray(im)
+        pixels = torch.from_numpy(pixels).permute(0, 3, 1, 2)
+        step = model.batch_size
+        return [
+            s
+            for i in range(0, len(images), step)
+            for s in model(pixels[i : i + step].float() / 255, prompts[i : i + step])[:, 0].tolist()
+        ]
 
     return score
 
 
 def load_scorer(target: str):
-    """'MODULE:FACTORY' -> FACTORY(), which must be a scorer (callable)."""
-    module, _, attr = target.partition(":")
-    if not module or not attr:
+    """'MODULE:FACTORY' -> FACTORY(), which must be a scorer (callable). FACTORY must be a function
+    defined in MODULE that takes no argument; anything else (a builtin such as os:system, a class,
+    a name MODULE imported) is a ValueError of one line, before it is called."""
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
         raise ValueError(f"bad scorer '{target}': expected MODULE:FACTORY, e.g. my_scorers:ocr")
-    factory = getattr(importlib.import_module(module), attr, None)
-    if not callable(factory):
-        raise ValueError(f"bad scorer '{target}': {module} has no callable '{attr}'")
-    scorer = factory()
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - whatever importing it raises, it is one line
+        raise ValueError(
+            f"bad scorer '{target}': importing {module_name} failed ({_first(e)})"
+        ) from None
+    factory = getattr(module, attr, None)
+    if not inspect.isfunction(factory) or factory.__module__ != module.__name__:
+        what = "nothing" if factory is None else f"a {type(factory).__name__}"
+        raise ValueError(
+            f"bad scorer '{target}': {module_name}.{attr} is {what}, not a function defined in "
+            f"{module_name}: FACTORY must be a `def` of MODULE that takes no argument and returns "
+            "fn(images, prompts, metadata) -> scores"
+        )
+    try:
+        inspect.signature(factory).bind()
+    except TypeError:
+        raise ValueError(
+            f"bad scorer '{target}': {attr}{inspect.signature(factory)} needs arguments: FACTORY "
+            "is called with none"
+        ) from None
+    try:
+        scorer = factory()
+    except Exception as e:  # noqa: BLE001 - a factory's failure is one line, whatever it is
+        raise ValueError(f"bad scorer '{target}': {attr}() failed ({_first(e)})") from None
     if not callable(scorer):
         raise ValueError(
             f"bad scorer '{target}': {attr}() returned a {type(scorer).__name__}, not a function "
@@ -80,87 +167,206 @@ def load_scorer(target: str):
     return scorer
 
 
+def _first(e: BaseException) -> str:
+    """'TypeError: its first line', at most 300 characters."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+
+
 class _Refused(Exception):
     """A request that cannot be scored: (HTTP status, one line)."""
 
 
-def _decode_image(text, i: int) -> Image.Image:
-    try:
-        data = base64.b64decode(text, validate=True)
-        image = Image.open(io.BytesIO(data), formats=["PNG", "JPEG"])
-        return image.convert("RGB")
-    except (binascii.Error, TypeError, ValueError, OSError) as e:
-        raise _Refused(
-            400, f"image {i} is not a base64 PNG or JPEG ({type(e).__name__}: {e})"
-        ) from None
+def _decode_images(texts: list, max_pixels: int) -> list:
+    """The RGB images of a request, each size read from its header before its pixels are decoded:
+    an image over MAX_IMAGE_PIXELS, or all of them together over `max_pixels`, is refused (413)
+    with nothing of it decoded."""
+    out, total = [], 0
+    for i, text in enumerate(texts):
+        try:
+            data = base64.b64decode(text, validate=True)
+            image = Image.open(io.BytesIO(data), formats=["PNG", "JPEG"])  # reads the header only
+            w, h = image.size
+            total += w * h
+            if w * h > MAX_IMAGE_PIXELS or total > max_pixels:
+                raise _Refused(
+                    413,
+                    f"image {i} is {w}x{h} pixels: a request may hold images of at most "
+                    f"{MAX_IMAGE_PIXELS:,} pixels each and {max_pixels:,} in all "
+                    "(--max-request-pixels): send smaller images, or fewer",
+                )
+            out.append(image.convert("RGB"))
+        except _Refused:
+            raise
+        except Image.DecompressionBombError as e:  # Image.open's own check, past twice its limit
+            raise _Refused(
+                413,
+                f"image {i} declares more than {MAX_IMAGE_PIXELS:,} pixels, the most an image may "
+                f"have ({_first(e)})",
+            ) from None
+        except Exception as e:  # noqa: BLE001 - PIL raises many kinds on a malformed file
+            raise _Refused(400, f"image {i} is not a base64 PNG or JPEG ({_first(e)})") from None
+    return out
 
 
 def _parse(body: bytes, scorers: dict) -> tuple:
-    """(scorer name, images, prompts, metadata) of a /score request, or _Refused."""
+    """(scorer name, images as base64 strings, prompts, metadata) of a /score request, every field
+    of its type, or _Refused."""
+    values = body.count(b",") + body.count(b"[") + body.count(b"{")  # at least the values - 1
+    if values > MAX_JSON_VALUES:
+        raise _Refused(
+            413, f"the body holds about {values:,} JSON values, at most {MAX_JSON_VALUES:,}"
+        )
     try:
-        request = json.loads(body)
-    except ValueError as e:
+        request = parse_json(body)  # a JSON object, at most MAX_JSON_DEPTH deep
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise _Refused(400, f"the body is not JSON ({e})") from None
-    if not isinstance(request, dict):
-        raise _Refused(400, "the body is not a JSON object")
+    except ValueError as e:  # nested too deep, or not an object
+        raise _Refused(400, f"the body is {e}: expected a JSON object") from None
     name, images, prompts = request.get("scorer"), request.get("images"), request.get("prompts")
+    if not isinstance(name, str):
+        raise _Refused(400, f'"scorer" is {kind_of(name)}, not a string: a scorer\'s name')
     if name not in scorers:
-        raise _Refused(404, f"no scorer {name!r} here: this server serves {', '.join(scorers)}")
+        raise _Refused(
+            404, f"no scorer {name[:80]!r} here: this server serves {', '.join(scorers)}"
+        )
     if not isinstance(images, list) or not isinstance(prompts, list):
         raise _Refused(400, 'expected "images" and "prompts" lists')
     if len(images) != len(prompts) or not all(isinstance(p, str) for p in prompts):
         raise _Refused(400, f"{len(images)} images but {len(prompts)} prompts: one string each")
-    metadata = request.get("metadata") or [None] * len(prompts)
-    if not isinstance(metadata, list) or len(metadata) != len(prompts):
-        raise _Refused(400, '"metadata" must be a list with one entry (or null) per prompt')
-    return name, [_decode_image(im, i) for i, im in enumerate(images)], prompts, metadata
+    if len(images) > MAX_REQUEST_IMAGES:
+        raise _Refused(413, f"{len(images)} images in one request, at most {MAX_REQUEST_IMAGES}")
+    metadata = request.get("metadata")
+    metadata = [None] * len(prompts) if metadata is None else metadata
+    if (
+        not isinstance(metadata, list)
+        or len(metadata) != len(prompts)
+        or not all(m is None or isinstance(m, dict) for m in metadata)
+    ):
+        raise _Refused(400, '"metadata" must be a list with one object (or null) per prompt')
+    return name, images, prompts, metadata
 
 
 def make_server(
-    scorers: dict, host: str = "127.0.0.1", port: int = 8000, max_request_mb: float = MAX_REQUEST_MB
+    scorers: dict,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_request_mb: float = MAX_REQUEST_MB,
+    read_timeout: float = READ_TIMEOUT_S,
+    max_request_pixels: int = MAX_REQUEST_PIXELS,
 ) -> ThreadingHTTPServer:
-    """An HTTP server (not yet serving) for `scorers` ({name: fn}); port 0 picks a free one."""
-    lock = threading.Lock()  # one scoring at a time
+    """An HTTP server (bound, not yet serving) for `scorers` ({name: fn}); port 0 picks a free one.
+    `scorers` is read at each request, so it may be filled after this returns."""
+    lock = threading.Lock()  # one request read, decoded and scored at a time
     limit = int(max_request_mb * 2**20)
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = read_timeout  # each read and write of the connection
+
+        def setup(self):
+            super().setup()
+            # the request line and headers arrive within read_timeout, however slowly trickled
+            self.watchdog = Watchdog(read_timeout, self.connection, socket.SHUT_RD)
+
+        def finish(self):
+            self.watchdog.cancel()
+            super().finish()
+
         def _reply(self, status: int, payload: dict) -> None:
             body = json.dumps(payload).encode()  # a non-finite score goes out as NaN: the client
-            self.send_response(status)  # refuses it, naming this server
+            # (refuses it, naming this server); headers even to a request line without a version
+            self.request_version = "HTTP/1.0"
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
+            if status == 405:
+                self.send_header("Allow", "GET, POST")
+            if status >= 400:
+                self.send_header("Connection", "close")
+                self.close_connection = True
             self.end_headers()
-            self.wfile.write(body)
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def _late(self) -> bool:
+            """The request line and headers are in, or were cut at the read timeout (True)."""
+            self.watchdog.cancel()
+            return self.watchdog.fired
+
+        def _too_slow(self) -> None:
+            message = f"the request did not arrive within {read_timeout:g} s (--read-timeout)"
+            self.log_message("refused (408): %s", message)
+            self._reply(408, {"error": message})
+
+        def send_error(self, code, message=None, explain=None):
+            """http.server's own refusals (a malformed request line, too long a header, a method
+            with no do_ handler), as the documented JSON error instead of an HTML page."""
+            if self._late():
+                return self._too_slow()
+            if code == 501:  # a method this server has no handler for
+                code, message = 405, f"no {str(self.command)[:40]} here"
+            text = message or self.responses.get(code, ("error",))[0]
+            self.log_message("refused (%d): %s", code, text)
+            self._reply(code, {"error": f"{text}: GET /health or POST /score"})
 
         def do_GET(self):
+            if self._late():
+                return self._too_slow()
             if self.path.rstrip("/") == "/health":
                 self._reply(200, {"protocol": PROTOCOL, "scorers": list(scorers)})
             else:
-                self._reply(404, {"error": f"no {self.path} here: GET /health or POST /score"})
+                self._reply(
+                    404, {"error": f"no {self.path[:200]} here: GET /health or POST /score"}
+                )
+
+        def _content_length(self) -> int:
+            """The body's size, from one Content-Length of digits at most the limit, or _Refused
+            (a negative one would read to the end of the connection, past the limit)."""
+            if self.headers.get("Transfer-Encoding") is not None:
+                raise _Refused(411, "a chunked request is not read: send it with a Content-Length")
+            given = self.headers.get_all("Content-Length") or []
+            if not given:
+                raise _Refused(411, "a request needs its Content-Length")
+            if len(set(given)) != 1 or not re.fullmatch(r"[0-9]{1,20}", given[0]):
+                shown = ", ".join(given)[:80]
+                raise _Refused(400, f"Content-Length {shown!r} is not one byte count")
+            size = int(given[0])
+            if size > limit:
+                raise _Refused(
+                    413,
+                    f"a request of {size} bytes is over this server's limit of "
+                    f"{max_request_mb:g} MiB (--max-request-mb): send fewer images",
+                )
+            return size
 
         def do_POST(self):
+            if self._late():
+                return self._too_slow()
             try:
                 if self.path.rstrip("/") != "/score":
-                    raise _Refused(404, f"no {self.path} here: POST /score")
-                try:
-                    size = int(self.headers["Content-Length"])
-                except (TypeError, ValueError):
-                    raise _Refused(411, "a request needs its Content-Length") from None
-                if size > limit:
-                    self.close_connection = True  # its body is not read
-                    raise _Refused(
-                        413,
-                        f"a request of {size} bytes is over this server's limit of "
-                        f"{max_request_mb:g} MiB (--max-request-mb): send fewer images",
-                    )
-                name, images, prompts, metadata = _parse(self.rfile.read(size), scorers)
+                    raise _Refused(404, f"no {self.path[:200]} here: POST /score")
+                size = self._content_length()
                 with lock:
+                    # its turn: the body arrives within read_timeout from now
+                    self.watchdog = Watchdog(read_timeout, self.connection, socket.SHUT_RD)
+                    try:
+                        body = self.rfile.read(size)
+                    except OSError:  # the per-read timeout
+                        body = b""
+                    self.watchdog.cancel()
+                    if len(body) < size:
+                        raise _Refused(
+                            408,
+                            f"the request's body did not arrive within {read_timeout:g} s (got "
+                            f"{len(body)} of its {size} bytes)",
+                        )
+                    name, texts, prompts, metadata = _parse(body, scorers)
+                    del body
+                    images = _decode_images(texts, max_request_pixels)
                     start = time.perf_counter()
                     try:
                         scores = [float(s) for s in scorers[name](images, prompts, metadata)]
                     except Exception as e:
-                        first = (str(e).strip().splitlines() or [""])[0][:300]
-                        raise _Refused(500, f"scorer {name!r}: {type(e).__name__}: {first}") from e
+                        raise _Refused(500, f"scorer {name!r}: {_first(e)}") from e
                     seconds = time.perf_counter() - start
                 if len(scores) != len(images):
                     raise _Refused(
@@ -179,12 +385,14 @@ def make_server(
     return server
 
 
-def serve(
-    scorers: dict, host: str = "127.0.0.1", port: int = 8000, max_request_mb: float = MAX_REQUEST_MB
-) -> None:
+def serve(scorers: dict, host: str = "127.0.0.1", port: int = 8000, **limits) -> None:
     """Serve `scorers` ({name: fn(images, prompts, metadata) -> scores}) until interrupted. The
-    first line on stdout gives the URL (with port 0, the port picked)."""
-    server = make_server(scorers, host, port, max_request_mb)
+    first line on stdout gives the URL (with port 0, the port picked). `limits`: make_server's
+    max_request_mb, read_timeout and max_request_pixels."""
+    _serve_forever(make_server(scorers, host, port, **limits), scorers, host)
+
+
+def _serve_forever(server: ThreadingHTTPServer, scorers: dict, host: str) -> None:
     print(
         f"serving {', '.join(scorers)} on http://{host}:{server.server_port} ({PROTOCOL})",
         flush=True,
@@ -197,8 +405,53 @@ def serve(
         server.server_close()
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's mistakes (an unknown flag, a value that does not parse) in one line."""
+
+    def error(self, message):
+        raise SystemExit(f"error: {message} (see python -m common.plumbing.reward_server --help)")
+
+
+# flag -> (lowest, highest, what it is): each checked before the server binds its port
+LIMITS = {
+    "port": (0, 65535, "a TCP port; 0: any free one"),
+    "max_request_mb": (2**-20, MAX_REQUEST_MB_LIMIT, "MiB of one request's body, held in memory"),
+    "read_timeout": (0.001, 3600, "seconds a client has to send a request"),
+    "max_request_pixels": (1, 2**31, "pixels of one request's images together"),
+}
+
+
+def _check_limits(a) -> None:
+    for name, (lo, hi, what) in LIMITS.items():
+        value = getattr(a, name)
+        if not (math.isfinite(value) and lo <= value <= hi):
+            raise SystemExit(
+                f"error: --{name.replace('_', '-')} {value}: must be in [{lo:g}, {hi:g}] ({what})"
+            )
+
+
+def _bind(a, scorers: dict) -> ThreadingHTTPServer:
+    """The server bound to --host and --port, or one line saying why it cannot be."""
+    try:
+        return make_server(
+            scorers, a.host, a.port, a.max_request_mb, a.read_timeout, a.max_request_pixels
+        )
+    except OSError as e:
+        fix = {
+            errno.EADDRINUSE: "another process serves on that port: stop it, or pick another "
+            "--port (0: any free one)",
+            errno.EADDRNOTAVAIL: "that address is not one of this machine's: use 127.0.0.1, "
+            "0.0.0.0 (every interface) or an address of one of its interfaces",
+            errno.EACCES: "ports below 1024 need privileges: pick a port from 1024 up",
+        }.get(e.errno, "check --host and --port")
+        raise SystemExit(
+            f"error: cannot serve on {a.host}:{a.port} ({type(e).__name__}: {e.strerror or e}): "
+            f"{fix}"
+        ) from None
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
+    p = _OneLineParser(
         prog="python -m common.plumbing.reward_server",
         description="Serve registry rewards, or any scorer, for --reward remote:NAME@http://HOST:PORT",
     )
@@ -212,15 +465,27 @@ def main(argv: list[str] | None = None) -> None:
         action="append",
         default=[],
         metavar="NAME=MODULE:FACTORY",
-        help="serve FACTORY() of MODULE as NAME (repeatable)",
+        help="serve FACTORY() of MODULE as NAME (repeatable): FACTORY is a function defined in "
+        "MODULE that takes no argument and returns fn(images, prompts, metadata) -> scores",
     )
     p.add_argument("--reward-model-paths", default="", help="as the training scripts' flag")
     p.add_argument("--device", default="cpu", help="device of the registry rewards")
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to be reached from other machines")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     p.add_argument("--max-request-mb", type=float, default=MAX_REQUEST_MB)
+    p.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S, help="seconds")
+    p.add_argument("--max-request-pixels", type=int, default=MAX_REQUEST_PIXELS)
     a = p.parse_args(argv)
-    scorers = {}
+    _check_limits(a)
+    for item in a.scorer:
+        name, eq, target = item.partition("=")
+        if not eq or not SCORER_NAME.fullmatch(name) or not target:
+            raise SystemExit(
+                f"error: --scorer {item}: expected NAME=MODULE:FACTORY, NAME of letters, digits, "
+                "'_', '.' and '-' (as a client spells remote:NAME@URL)"
+            )
+    scorers: dict = {}  # filled after the port is bound: a busy port is one line in a blink
+    server = _bind(a, scorers)
     try:
         if a.reward or not a.scorer:
             from common.rewards import is_remote, parse_reward_spec
@@ -230,15 +495,18 @@ def main(argv: list[str] | None = None) -> None:
                     raise ValueError(f"--reward {name}: a server serves local rewards")
                 scorers[name] = registry_scorer(name, a.device, a.reward_model_paths)
         for item in a.scorer:
-            name, eq, target = item.partition("=")
-            if not eq or not name or name in scorers:
-                raise ValueError(
-                    f"--scorer {item}: expected NAME=MODULE:FACTORY with a NAME not served yet"
-                )
+            name, _, target = item.partition("=")
+            if name in scorers:
+                raise ValueError(f"--scorer {item}: {name} is served already")
             scorers[name] = load_scorer(target)
-    except (ValueError, ImportError) as e:
-        raise SystemExit(f"error: {e}") from None
-    serve(scorers, a.host, a.port, a.max_request_mb)
+    except SystemExit:
+        server.server_close()
+        raise
+    except Exception as e:  # noqa: BLE001 - a scorer that cannot load is one line, whatever it is
+        server.server_close()
+        text = str(e) if isinstance(e, ValueError) else _first(e)
+        raise SystemExit(f"error: {text}") from None
+    _serve_forever(server, scorers, a.host)
 
 
 if __name__ == "__main__":
