@@ -57,8 +57,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from PIL import Image
 
 from common.plumbing.checks import kind_of, parse_json
+from common.plumbing.remote_reward import PROTOCOL, Watchdog
 
-PROTOCOL = "flow-rl-reward/1"
 MAX_REQUEST_MB = 256  # 64 PNGs of 1024 px in base64 are ~150 MB
 # a request body is held whole in memory: a limit past this is a typo
 MAX_REQUEST_MB_LIMIT = 4096
@@ -70,32 +70,6 @@ MAX_REQUEST_PIXELS = 2**26  # 64 images of 1024 x 1024: the client's batch at SD
 # thousand is far above any request, and bounds the objects json.loads builds (~100 bytes each)
 MAX_JSON_VALUES = 100_000
 SCORER_NAME = re.compile(r"[\w.-]+")  # what a client can spell in remote:NAME@URL
-
-
-class Watchdog:
-    """Shuts a socket down (`how`: socket.SHUT_RD or SHUT_RDWR) `seconds` from now unless cancelled
-    first: a read or write blocked on it then returns at once, however slowly the other side
-    trickles its bytes (a socket timeout bounds each read, not their sum). `sock` is the socket, or
-    a function that returns it (None while it is not yet connected)."""
-
-    def __init__(self, seconds: float, sock, how: int):
-        self.fired = False
-        self._sock, self._how = sock, how
-        self._timer = threading.Timer(max(0.0, seconds), self._fire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _fire(self) -> None:
-        self.fired = True
-        sock = self._sock() if callable(self._sock) else self._sock
-        if sock is not None:
-            try:
-                sock.shutdown(self._how)
-            except OSError:  # already closed
-                pass
-
-    def cancel(self) -> None:
-        self._timer.cancel()
 
 
 def registry_scorer(name: str, device: str = "cpu", model_paths: str = ""):
