@@ -533,7 +533,6 @@ if __name__ == "__main__":
                     policy_loss=policy_loss,
                     abs_adv=adv.abs(),
                 )
-                stats.extremes(weight, ratio=ratio)
                 forwards = len(mb[2]) * (2 if args.beta > 0 else 1)  # one per state (and ref)
                 stats.count(**{"nfe/train_forward": forwards, "nfe/train_backward": len(mb[2])})
                 if grad_share is not None:  # each trained step's part of this loss's gradient

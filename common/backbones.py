@@ -251,35 +251,25 @@ class Backbone:
     def encode(self, prompts: list[str]) -> PromptEmbeds:
         """Prompt embeddings without a graph (a graph here breaks multi-timestep backward
         passes)."""
-        p = self.pipe
-        if self.kind == "sd3":
-            emb, _, pooled, _ = p.encode_prompt(
-                prompts,
-                None,
-                None,
-                device=self.device,
-                do_classifier_free_guidance=False,
-                max_sequence_length=self.max_sequence_length,
+        if self.kind == "flux":
+            emb, pooled, text_ids = self.pipe.encode_prompt(
+                prompts, None, device=self.device, max_sequence_length=self.max_sequence_length
             )
-            # Flow-GRPO's negative prompt is the empty string, encoded once and broadcast.
-            neg, _, neg_pooled, _ = p.encode_prompt(
-                [""],
-                None,
-                None,
-                device=self.device,
-                do_classifier_free_guidance=False,
-                max_sequence_length=self.max_sequence_length,
-            )
-            return PromptEmbeds(
-                emb.to(self.dtype),
-                pooled.to(self.dtype),
-                neg.to(self.dtype),
-                neg_pooled.to(self.dtype),
-            )
-        emb, pooled, text_ids = p.encode_prompt(
-            prompts, None, device=self.device, max_sequence_length=self.max_sequence_length
+            return PromptEmbeds(emb.to(self.dtype), pooled.to(self.dtype), text_ids=text_ids)
+        # SD3; Flow-GRPO's negative prompt is the empty string, encoded once and broadcast
+        (emb, pooled), (neg, neg_pooled) = (self._encode_sd3(p) for p in (prompts, [""]))
+        return PromptEmbeds(emb, pooled, neg, neg_pooled)
+
+    def _encode_sd3(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        emb, _, pooled, _ = self.pipe.encode_prompt(
+            prompts,
+            None,
+            None,
+            device=self.device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
         )
-        return PromptEmbeds(emb.to(self.dtype), pooled.to(self.dtype), text_ids=text_ids)
+        return emb.to(self.dtype), pooled.to(self.dtype)
 
     # ---- latents ---------------------------------------------------------------------------------
     def initial_noise(self, n: int, height: int, width: int, generator=None) -> torch.Tensor:
@@ -331,34 +321,17 @@ class Backbone:
         transformer); default the bare transformer.
         """
         model = self.transformer if model is None else model
+        sigma = torch.as_tensor(sigma, device=self.device, dtype=torch.float32).expand(len(latents))
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
-            return self._velocity(model, latents, sigma, emb, guidance_scale, detach_uncond)
-
-    def _velocity(
-        self, model, latents, sigma, emb: PromptEmbeds, guidance_scale: float, detach_uncond: bool
-    ):
-        b = latents.shape[0]
-        sigma = torch.as_tensor(sigma, device=self.device, dtype=torch.float32).expand(b)
-        x = latents.to(self.dtype)
-        if self.kind == "flux":
-            guidance = None
-            if self.transformer.config.guidance_embeds:
-                guidance = torch.full(
-                    (b,), float(guidance_scale), device=self.device, dtype=torch.float32
+            if self.kind == "flux":
+                return self._flux_velocity(
+                    model, latents.to(self.dtype), sigma, emb, guidance_scale
                 )
-            gh, gw = self._packed_grid(latents.shape[1])
-            img_ids = self.pipe._prepare_latent_image_ids(b, gh, gw, self.device, self.dtype)
-            v = model(
-                hidden_states=x,
-                timestep=(sigma * 1000).to(self.dtype) / 1000,
-                guidance=guidance,
-                pooled_projections=emb.pooled,
-                encoder_hidden_states=emb.embeds,
-                txt_ids=emb.text_ids,
-                img_ids=img_ids,
-                return_dict=False,
-            )[0]
-            return v.float()
+            return self._sd3_velocity(
+                model, latents.to(self.dtype), sigma, emb, guidance_scale, detach_uncond
+            )
+
+    def _sd3_velocity(self, model, x, sigma, emb: PromptEmbeds, guidance_scale, detach_uncond):
         if guidance_scale <= 1.0:
             return model(
                 hidden_states=x,
@@ -367,19 +340,36 @@ class Backbone:
                 pooled_projections=emb.pooled,
                 return_dict=False,
             )[0].float()
-        embeds = torch.cat([emb.neg_embeds.expand(b, -1, -1), emb.embeds])
-        pooled = torch.cat([emb.neg_pooled.expand(b, -1), emb.pooled])
+        b = len(x)
         v = model(
             hidden_states=torch.cat([x, x]),
             timestep=torch.cat([sigma, sigma]) * 1000,
-            encoder_hidden_states=embeds,
-            pooled_projections=pooled,
+            encoder_hidden_states=torch.cat([emb.neg_embeds.expand(b, -1, -1), emb.embeds]),
+            pooled_projections=torch.cat([emb.neg_pooled.expand(b, -1), emb.pooled]),
             return_dict=False,
         )[0].float()
         v_u, v_c = v.chunk(2)
         if detach_uncond:
             v_u = v_u.detach()
         return v_u + guidance_scale * (v_c - v_u)
+
+    def _flux_velocity(self, model, x, sigma, emb: PromptEmbeds, guidance_scale):
+        b, guidance = len(x), None
+        if self.transformer.config.guidance_embeds:  # FLUX.1-dev: the guidance is an input
+            guidance = torch.full((b,), float(guidance_scale), device=self.device)
+        gh, gw = self._packed_grid(x.shape[1])
+        img_ids = self.pipe._prepare_latent_image_ids(b, gh, gw, self.device, self.dtype)
+        v = model(
+            hidden_states=x,
+            timestep=(sigma * 1000).to(self.dtype) / 1000,
+            guidance=guidance,
+            pooled_projections=emb.pooled,
+            encoder_hidden_states=emb.embeds,
+            txt_ids=emb.text_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+        return v.float()
 
     def set_image_size(self, height: int, width: int) -> None:
         """Remember the packed FLUX grid (needed for the position ids of non-square images)."""

@@ -241,17 +241,15 @@ def sde_step_with_logprob(
     sigma_max=None,
     sde_type: str = "sde",
 ):
-    """The step a script's --sde-type names: `sde_step` (Flow-GRPO) or `cps_step` (CPS). The name
-    is the released Flow-GRPO code's. Both draw one Gaussian tensor per step from `generator`, so
+    """The step a script's --sde-type names (the released Flow-GRPO code's name): `sde_step`
+    (Flow-GRPO) or `cps_step` (CPS). Both draw one Gaussian tensor per step from `generator`, so
     switching the type never shifts the noise stream."""
-    if sde_type == "sde":
-        return sde_step(
-            velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator, sigma_max
-        )
     if sde_type == "cps":
         return cps_step(velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator)
-    raise ValueError(
-        f"sde_type '{sde_type}': expected 'sde' (Flow-GRPO) or 'cps' (coefficients-preserving)"
+    if sde_type != "sde":
+        raise ValueError(f"sde_type '{sde_type}': expected 'sde' (Flow-GRPO) or 'cps'")
+    return sde_step(
+        velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator, sigma_max
     )
 
 

@@ -241,7 +241,7 @@ def test_run_logger_sends_captioned_panels_to_wandb(tmp_path, monkeypatch):
     import sys
     import types
 
-    from common.plumbing.utils import RunLogger
+    from common.plumbing.run import RunLogger
 
     logged = {}
     fake = types.ModuleType("wandb")

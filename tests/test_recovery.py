@@ -246,7 +246,8 @@ def test_every_write_on_a_full_disk_is_one_line_and_leaves_no_partial_file(small
     the checkpoint's one line, naming what exists to go on from."""
     from common.plumbing.checkpoint import writing
     from common.plumbing.plots import learning_curve
-    from common.plumbing.utils import RunLogger, append_line, atomic_write
+    from common.plumbing.run import RunLogger, append_line
+    from common.plumbing.utils import atomic_write
 
     run = os.path.join(small_disk, "run")
     os.makedirs(run)
@@ -457,7 +458,7 @@ def test_a_wandb_server_that_never_starts_the_run_is_bounded_and_leaves_no_run(
     """A key, a server that answers and then stalls: wandb.init waited 109 s, then a traceback, args.json left
     behind. Now it waits WANDB_INIT_TIMEOUT (here 1 s), says what to do in one line and removes what this run
     wrote."""
-    from common.plumbing.utils import RunLogger
+    from common.plumbing.run import RunLogger
 
     monkeypatch.setenv("WANDB_API_KEY", "a" * 40)
     monkeypatch.setenv("WANDB_INIT_TIMEOUT", "1")

@@ -18,12 +18,12 @@ from common.plumbing.checks import ConfigError  # noqa: E402
 from common.plumbing.run import (  # noqa: E402
     COUNTERS,
     Run,
+    RunLogger,  # noqa: E402
     Stats,
     restored_counts,
     summary_line,
     training_nfe,
 )
-from common.plumbing.utils import RunLogger  # noqa: E402
 
 
 def make_args(**kw):
@@ -102,7 +102,6 @@ def test_a_training_row_holds_the_counters_the_reduced_stats_and_the_phase_times
         abs_adv=torch.ones(3),
         kept=torch.ones(3),
     )
-    stats.extremes(torch.ones(3), ratio=torch.tensor([1.0, 1.2, 0.8]))
     stats.first(ratio_dev=torch.tensor(0.25))
     stats.first(ratio_dev=torch.tensor(9.0))  # only the first micro-batch counts
     stats.count(grad_norm=3.0, optimizer_steps=1)

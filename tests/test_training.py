@@ -125,7 +125,6 @@ def test_stats_weighted_means_per_step_and_extremes():
     st = Stats(3, ratio=1)
     w = torch.tensor([1.0, 1.0, 0.0, 1.0])
     st.add(w, torch.tensor([0, 0, 1, 2]), ratio=torch.tensor([1.0, 3.0, 100.0, 5.0]))
-    st.extremes(w, ratio=torch.tensor([1.0, 3.0, 100.0, 5.0]))
     st.count(grad_norm=2.0)
     st.count(grad_norm=1.0)
     out = st.reduce(1, "cpu")

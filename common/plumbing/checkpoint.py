@@ -389,21 +389,26 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
 def writing(run_dir: str):
     """Around a run's writes (metrics rows, pictures, args.json, side files): a write that fails
     (a full disk, no permission) stops the run in the one line a checkpoint's failure gives,
-    naming what exists to go on from. Each write is atomic (common/plumbing/utils.py), so nothing partial is
-    left behind."""
+    naming what exists to go on from. Each write is atomic (common/plumbing/utils.py), so nothing
+    partial is left behind."""
     try:
         yield
     except Exception as e:
-        full = _out_of_space(e, run_dir)
-        if not (isinstance(e, OSError) or full):
+        if not (isinstance(e, OSError) or _out_of_space(e, run_dir)):
             raise
-        path = re.sub(r"\.tmp\d+(?=\.\w+$|$)", "", str(getattr(e, "filename", None) or run_dir))
-        why = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [""])[0][:160]
-        failed = f"{e.__class__.__name__}: {why}{'; the disk is full' if full else ''}"
-        raise SystemExit(
-            f"error: could not write {path} ({failed}); {continue_hint(run_dir)} once there is "
-            "space (or the folder's permissions are fixed)"
-        ) from None
+        raise write_failed(e, run_dir) from None
+
+
+def write_failed(e: BaseException, run_dir: str) -> SystemExit:
+    """The one line a failed write stops the run with (`writing`'s)."""
+    full = _out_of_space(e, run_dir)
+    path = re.sub(r"\.tmp\d+(?=\.\w+$|$)", "", str(getattr(e, "filename", None) or run_dir))
+    why = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [""])[0][:160]
+    failed = f"{e.__class__.__name__}: {why}{'; the disk is full' if full else ''}"
+    return SystemExit(
+        f"error: could not write {path} ({failed}); {continue_hint(run_dir)} once there is "
+        "space (or the folder's permissions are fixed)"
+    )
 
 
 def _out_of_space(e: BaseException, folder: str) -> bool:

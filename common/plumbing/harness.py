@@ -50,9 +50,8 @@ from common.plumbing.checkpoint import (
 )
 from common.plumbing.checks import ConfigError, check_eval_size, check_run_name, read_prompt_file
 from common.plumbing.parallel import parallelize
-from common.plumbing.run import Run, setup_reached, stop_on_signals_in_setup
+from common.plumbing.run import Run, RunLogger, setup_reached, stop_on_signals_in_setup
 from common.plumbing.utils import (
-    RunLogger,
     seed_everything,
     set_tf32,
     setup_distributed,
@@ -230,15 +229,14 @@ class Harness:
     policy: torch.nn.Module  # the trained module, wrapped for DDP or FSDP2
     logger: RunLogger
     prompt_digests: dict = field(default_factory=dict)  # {path flag: sha256 of the file as read}
+    params: dict = field(init=False)  # the trained weights by name: what the optimizer steps
+
+    def __post_init__(self):
+        self.params = self.trainable.params  # FSDP: already re-pointed at the shards
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    @property
-    def params(self) -> dict:
-        """The trained weights, by name (what the optimizer steps)."""
-        return self.trainable.params
 
     def start(
         self,

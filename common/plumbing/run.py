@@ -37,8 +37,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -47,19 +49,21 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from common.distributed import max_over_ranks
 from common.plumbing.checkpoint import (
     continue_hint,
     release_run_folder,
     rng_state,
     save_checkpoint,
     trainer_state,
+    write_failed,
     writing,
 )
 from common.plumbing.checks import ConfigError
 from common.plumbing.evaluation import Panel, evaluate
 from common.plumbing.parallel import is_sharded, weights_digest
 from common.plumbing.plots import before_after, learning_curve, step_heatmap
-from common.plumbing.utils import all_reduce, atomic_file, atomic_write
+from common.plumbing.utils import atomic_file, atomic_write, read_metrics_lines
 from common.policy import ema_weights
 
 COUNTERS = (
@@ -100,31 +104,27 @@ class Timer:
 
 
 class Stats:
-    """The training section's metrics of one iteration: weighted means by name, overall and per
-    trained step (`add`), totals (`count`), extremes (`extremes`) and this rank's first value of a
-    name (`first`), reduced over the ranks in one all-reduce when the row is written (Run.log).
-    `defaults`: the means the section logs, and their value when nothing was trained. Every rank
-    must add the same names (they are reduced by name)."""
+    """The training section's metrics of one iteration, reduced over the ranks when the row is
+    written (Run.log): `add` weighted means by name, overall and per trained step, with their
+    extremes over the rows of weight > 0; `count` totals; `first` this rank's first value of a
+    name. `defaults`: the means the section logs, at their value when nothing was trained. Every
+    rank adds the same names (they are reduced by name)."""
 
     def __init__(self, num_steps: int, **defaults: float):
         self.num_steps, self.defaults = num_steps, defaults
-        self.sums, self.weights, self.maxima, self.totals, self.firsts = {}, {}, {}, {}, {}
+        self.sums, self.extremes, self.totals, self.firsts = {}, {}, {}, {}
 
     def add(self, weight: torch.Tensor, step_index: torch.Tensor, **values: torch.Tensor) -> None:
         w = weight.detach().double()
         for name, v in values.items():
-            for table, x in ((self.sums, w * v.detach().double()), (self.weights, w)):
-                zero = torch.zeros(self.num_steps, dtype=torch.float64, device=w.device)
-                table.setdefault(name, zero).index_add_(0, step_index.long(), x)
-
-    def extremes(self, weight: torch.Tensor, **values: torch.Tensor) -> None:
-        for name, v in values.items():
-            v = v.detach().double()[weight > 0]
-            low = torch.full((2,), -math.inf, dtype=torch.float64, device=weight.device)
-            cur = self.maxima.get(name, low)
-            self.maxima[name] = (
-                torch.maximum(cur, torch.stack([v.max(), -v.min()])) if len(v) else cur
-            )
+            v = v.detach().double()
+            zeros = torch.zeros(2, self.num_steps, dtype=torch.float64, device=w.device)
+            sums = self.sums.setdefault(name, zeros)  # [sum of w v, sum of w] per step
+            sums.index_add_(1, step_index, torch.stack([w * v, w]))
+            low = torch.full((2,), -math.inf, dtype=torch.float64, device=w.device)
+            kept = v[w > 0]  # [max v, -min v]
+            high = torch.stack([kept.max(), -kept.min()]) if len(kept) else low
+            self.extremes[name] = torch.maximum(self.extremes.get(name, low), high)
 
     def count(self, **values: float) -> None:
         for name, v in values.items():
@@ -135,39 +135,24 @@ class Stats:
             self.firsts.setdefault(name, float(v))
 
     def reduce(self, world_size: int, device) -> dict:
-        """{name: mean, name/per_step: {step: mean}, name/weight: sum of weights, total: sum,
-        name/max, name/min}, over all ranks."""
-        summed = _all_reduce_by_name(
-            {(k, "sum"): v for k, v in self.sums.items()}
-            | {(k, "weight"): v for k, v in self.weights.items()}
-            | {
-                (k, "total"): torch.tensor([v], dtype=torch.float64) for k, v in self.totals.items()
-            },
-            world_size,
-            device,
-        )
-        maxed = _all_reduce_by_name(self.maxima, world_size, device, dist.ReduceOp.MAX)
-        out = {k: summed[k, "total"].item() for k in self.totals}
-        for k in self.sums:
-            s, w = summed[k, "sum"], summed[k, "weight"]
+        """{name: mean, name/per_step: {step: mean}, name/weight, name/max, name/min, total}, over
+        all ranks (two all-reduces: the sums, the extremes)."""
+        names, counted = sorted(self.sums), sorted(self.totals)
+        totals = torch.tensor([self.totals[k] for k in counted], dtype=torch.float64)
+        flat = torch.cat([self.sums[k].flatten() for k in names] + [totals]).to(device)
+        high = torch.stack([self.extremes[k] for k in names]).to(device) if names else None
+        if world_size > 1:
+            dist.all_reduce(flat)
+            if names:
+                dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        out = dict(zip(counted, flat[flat.numel() - len(counted) :].tolist()))
+        for i, k in enumerate(names):
+            s, w = flat[2 * i * self.num_steps : 2 * (i + 1) * self.num_steps].view(2, -1)
             out[k] = (s.sum() / w.sum()).item() if w.sum() > 0 else self.defaults.get(k, 0.0)
             out[f"{k}/per_step"] = {j: (s[j] / w[j]).item() for j in range(len(w)) if w[j] > 0}
-            out[f"{k}/weight"] = w.sum().item()
-        for k, m in maxed.items():
-            out[f"{k}/max"], out[f"{k}/min"] = m[0].item(), -m[1].item()
+            out[f"{k}/weight"], out[f"{k}/max"], out[f"{k}/min"] = w.sum().item(), *high[i].tolist()
+            out[f"{k}/min"] = -out[f"{k}/min"]
         return out
-
-
-def _all_reduce_by_name(tensors: dict, world_size: int, device, op=None) -> dict:
-    """All-reduce a dict of float64 tensors in one collective: laid out in sorted-key order (the
-    same on every rank, since every rank has the same keys) and split back by key."""
-    keys = sorted(tensors)
-    if not keys:
-        return {}
-    flat = torch.cat([tensors[k].reshape(-1) for k in keys]).to(device)
-    if world_size > 1:
-        dist.all_reduce(flat, op=op or dist.ReduceOp.SUM)
-    return dict(zip(keys, flat.split([tensors[k].numel() for k in keys])))
 
 
 class NonFiniteUpdate(SystemExit):
@@ -212,10 +197,8 @@ def gradient_zeros(params) -> tuple[int, int]:
 
 
 def training_nfe(counts: dict) -> int:
-    """The `nfe` of metrics.jsonl: transformer forwards spent on training (rollout, completions,
-    training forwards incl. the KL reference), a CFG pair counted once. Backward passes and
-    evaluation are counted apart (`nfe/train_backward`, `nfe/eval`): the evaluation is the same for
-    every algorithm and buys no learning."""
+    """metrics.jsonl's `nfe`: the transformer forwards of training (rollout, completions, training
+    and KL-reference forwards; a CFG pair is one). Backward passes and evaluation are counted apart."""
     return sum(counts[f"nfe/{k}"] for k in ("rollout", "completion", "train_forward"))
 
 
@@ -232,6 +215,112 @@ def restored_counts(saved: dict | None) -> dict:
     counts = dict.fromkeys(COUNTERS, 0)
     counts.update({k: v for k, v in saved.items() if k in counts})
     return counts
+
+
+# ---------------------------------------------------------------------------------------- the rows
+# How long wandb.init may take to start the run before the run stops in one line (wandb's own
+# default is 90 s, and with a key but no network it hung past that); WANDB_INIT_TIMEOUT overrides
+# it. wandb's identity lookups come on top (5 s each when the server does not answer them); a
+# server nothing answers at is refused before the model loads (harness.check_reachable).
+WANDB_INIT_TIMEOUT_S = 30.0
+
+
+class RunLogger:
+    """metrics.jsonl (one JSON object per iteration) and, with --track, the same numbers to wandb.
+    Rank 0 only."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        enabled: bool,
+        track: bool,
+        config: dict,
+        project: str,
+        entity,
+        name: str,
+    ):
+        self.enabled, self.wandb = enabled, None
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        args_file, wandb_dir = os.path.join(run_dir, "args.json"), os.path.join(run_dir, "wandb")
+        new = [p for p in (args_file, wandb_dir) if not os.path.lexists(p)]
+        atomic_write(args_file, json.dumps(config, indent=1, default=str))
+        if track:
+            import wandb  # lazy: only runs that ask for wandb pay for it (WANDB_MODE=offline works)
+
+            timeout = float(os.environ.get("WANDB_INIT_TIMEOUT", WANDB_INIT_TIMEOUT_S))
+            start = time.monotonic()
+            try:
+                self.wandb = wandb.init(
+                    project=project,
+                    entity=entity,
+                    name=name,
+                    config=config,
+                    dir=run_dir,
+                    settings=wandb.Settings(init_timeout=timeout),
+                )
+            except Exception as e:  # noqa: BLE001 - no network, a refused key, a timeout: one line
+                from common.plumbing.checks import ConfigError
+
+                # a run that failed here wrote nothing else: leave no run behind (a resumed run's
+                # own args.json and wandb/ stay)
+                for path in new:
+                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+                first = " ".join(str(e).split())[:200] or e.__class__.__name__
+                raise ConfigError(
+                    f"--track: wandb did not start in {time.monotonic() - start:.0f} s "
+                    f"({e.__class__.__name__}: {first}; the run's start may take WANDB_INIT_TIMEOUT="
+                    f"{timeout:g} s): check the network and the API key, or "
+                    "log offline with WANDB_MODE=offline (then `wandb sync`), or drop --track"
+                ) from None
+
+    def log(self, metrics: dict, images: dict | None = None) -> None:
+        if not self.enabled:
+            return
+        append_line(self.path, json.dumps(metrics) + "\n")
+        if self.wandb is not None:
+            self._to_wandb(metrics, images or {})
+
+    def _to_wandb(self, metrics: dict, images: dict) -> None:
+        import wandb
+
+        # an image, or a list of (image, caption) pairs (wandb shows them as one captioned gallery)
+        extra = {
+            k: [wandb.Image(im, caption=c) for im, c in v]
+            if isinstance(v, list)
+            else wandb.Image(v)
+            for k, v in images.items()
+        }
+        self.wandb.log({**metrics, **extra}, step=metrics["iteration"])
+
+    def history(self) -> list[dict]:
+        return read_metrics_lines(self.path)[0]
+
+    def close(self):
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def append_line(path: str, line: str) -> None:
+    """Append one line whole or not at all: a failed write (a full disk) cuts the file back to its
+    old length, so no half row is ever left."""
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    try:
+        # O_NOFOLLOW: a metrics.jsonl that is a link (even a dangling one) is refused, never
+        # written through to the file it points to
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "a") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:
+        if os.path.exists(path):
+            os.truncate(path, size)
+        if isinstance(e, OSError) and not e.filename:
+            raise OSError(e.errno, e.strerror, path) from e
+        raise
 
 
 class Run:
@@ -283,8 +372,7 @@ class Run:
         )
 
     def cpu_seconds(self) -> float:
-        """Process CPU seconds (all threads) since the loop began: the budget's clock
-        (--cpu-budget-s)."""
+        """Process CPU seconds (all threads) since the loop began: --cpu-budget-s's clock."""
         return time.process_time() - self.cpu_start
 
     def is_last(self, iteration: int) -> bool:
@@ -293,9 +381,8 @@ class Run:
         self.iteration = iteration  # where a stop by signal says the run stands
         self.iteration_start = time.perf_counter()  # the train phase: what the others leave
         over = self.args.cpu_budget_s > 0 and self.cpu_seconds() > self.args.cpu_budget_s
-        op = dist.ReduceOp.MAX if self.world_size > 1 else None
-        flag = torch.tensor([float(over)], device=self.device)  # on the run's device, as NCCL needs
-        return iteration == self.args.num_iterations or bool(all_reduce(flag, self.world_size, op))
+        over = max_over_ranks(int(over), self.world_size, self.device)
+        return iteration == self.args.num_iterations or bool(over)
 
     def bind(
         self,
@@ -320,13 +407,10 @@ class Run:
         self.side_files, self.extras = dict(side_files or {}), dict(extras or {})
 
     def check_gradient(self, grad_norm: torch.Tensor, stats: Stats) -> None:
-        """The optimizer step's gradient, before `scaler.step`: its norm and its exact zeros into
-        the metrics. A non-finite norm under fp16 is the loss scaler's overflow: `scaler.step` skips
-        the update and `scaler.update` halves the scale (torch.amp); the skip is counted, and
-        MAX_SKIPS_IN_A_ROW in a row stop the run (by then the scale has fallen a million-fold, and
-        what overflows is not the scale). Without loss scaling a non-finite norm stops the run here,
-        before the update. Under DDP the gradients are all-reduced already, so every rank sees the
-        same norm and stops with the others."""
+        """Before `scaler.step`: the gradient's norm and exact zeros into the metrics. Non-finite
+        under fp16, it is the loss scale's overflow, a step `scaler.step` skips (counted; the 20th
+        in a row stops the run: the scale has then fallen a million-fold); without loss scaling it
+        stops the run here, before the update (every rank: DDP's gradients are all-reduced)."""
         if torch.isfinite(grad_norm):
             self.skips_in_a_row = 0
             zeros, entries = gradient_zeros(self.params.values())
@@ -346,17 +430,14 @@ class Run:
             )
 
     def after_step(self, grad_norm: torch.Tensor) -> None:
-        """After `scaler.step`: a step taken (a finite gradient; an fp16 overflow is skipped) must
-        leave every trained weight finite (a finite gradient times a huge learning rate can
-        overflow), else the run stops in one line before anything is saved; then the EMA follows
-        it. A skipped step changed nothing, and the EMA does not count it."""
+        """After `scaler.step`: a step taken must leave every weight finite (a huge learning rate
+        can overflow them), else the run stops in one line; then the EMA follows it (not a skip)."""
         if not torch.isfinite(grad_norm):
             return
         local = [getattr(p, "to_local", lambda p=p: p)() for p in self.params.values()]  # shards
-        finite = torch.tensor([float(all(bool(torch.isfinite(p).all()) for p in local))])
-        if is_sharded(self.params) and self.world_size > 1:  # each rank holds a shard
-            finite = all_reduce(finite.to(self.device), self.world_size, dist.ReduceOp.MIN).cpu()
-        if not finite.item():
+        finite = int(all(bool(torch.isfinite(p).all()) for p in local))
+        finite = -max_over_ranks(-finite, self.world_size, self.device)  # FSDP: every rank's shard
+        if not finite:
             raise stop_nonfinite("trained weight after the optimizer step", self.iteration)
         if self.ema is not None:
             self.ema.update()
@@ -408,8 +489,10 @@ class Run:
         return {"time/elapsed_s": time.time() - self.wall_start, "time/cpu_s": self.cpu_seconds()}
 
     def _write(self, metrics: dict) -> None:
-        with writing(self.dir):  # the row whole or not at all; a full disk: one line
+        try:  # the row whole or not at all
             self.logger.log(metrics, self.pictures)
+        except OSError as e:  # a full disk, no permission: one line
+            raise write_failed(e, self.dir) from None
         self.pictures = None
         self.timer.times.clear()
 
@@ -421,48 +504,35 @@ class Run:
         self._write(metrics)
 
     def log(self, metrics: dict, stats: Stats, rollout, grad_share=None) -> dict:
-        """One metrics.jsonl row for a training iteration: the training section's Stats reduced over
-        the ranks (one all-reduce), this rank's rollout counters added to the run's, seconds per
-        phase, peak memory, and, when the iteration measured them (`grad_share`), the per-step
-        gradient shares and norms (steps/grad_share/j, steps/grad_norm/j)."""
-        metrics.update(rollout.metrics)
-        if metrics["iteration"] == 0:
-            metrics.update(self.first_row)
+        """One metrics.jsonl row for a training iteration: the rollout's metrics and counters, the
+        training section's Stats reduced over the ranks, seconds per phase, and, on an iteration
+        that measured them (`grad_share`), each trained step's share and norm of the gradient."""
         stats.count(**rollout.counts)
         red = stats.reduce(self.world_size, self.device)
         self.counts.update({k: v + int(red.get(k, 0)) for k, v in self.counts.items()})
-        metrics.update({**self.counts, "nfe": training_nfe(self.counts)})
-        for k, default in stats.defaults.items():  # the means, and per step those PER_STEP names
+        metrics.update(rollout.metrics, **self.counts, nfe=training_nfe(self.counts))
+        if metrics["iteration"] == 0:
+            metrics.update(self.first_row)
+        for k, default in stats.defaults.items():  # the means; those named in PER_STEP per step too
             metrics[LOGGED_AS.get(k, k)] = red.get(k, default)
-        for name in PER_STEP:
-            metrics.update(
-                {f"steps/{name}/{j}": v for j, v in red.get(f"{name}/per_step", {}).items()}
-            )
-        for j, m in red.get("ratio/per_step", {}).items():  # std from the mean of squares
-            metrics[f"steps/ratio_std/{j}"] = max(red["ratio_sq/per_step"][j] - m**2, 0.0) ** 0.5
-        if "ratio" in stats.defaults:  # a ratio to log (no: DiffusionNFT)
-            metrics["ratio/min"], metrics["ratio/max"] = (
-                red.get("ratio/min", 1.0),
-                red.get("ratio/max", 1.0),
-            )
+        for k in PER_STEP:
+            metrics.update({f"steps/{k}/{j}": v for j, v in red.get(f"{k}/per_step", {}).items()})
+        if "ratio" in stats.defaults:  # GRPO's ratio (DiffusionNFT has none)
+            for j, m in red.get("ratio/per_step", {}).items():  # std from the mean of squares
+                metrics[f"steps/ratio_std/{j}"] = max(red["ratio_sq/per_step"][j] - m**2, 0) ** 0.5
+            metrics["ratio/min"] = red.get("ratio/min", 1.0)
+            metrics["ratio/max"] = red.get("ratio/max", 1.0)
             metrics["ratio/first_minibatch_max_dev"] = stats.firsts.get("ratio_dev", 0.0)
             metrics["train/kept_transitions"] = int(red.get("ratio/weight", 0))
-        n_opt = int(red.get("optimizer_steps", 0))
+        n = metrics["train/optimizer_steps"] = int(red.get("optimizer_steps", 0))
+        metrics["train/skipped_steps"] = int(red.get("skipped_steps", 0))
+        metrics["grad_norm"] = red["grad_norm"] / n if n else 0.0
+        # fp16 underflow shows as exact zeros in the gradient (docs/usage.md)
+        zeros, entries = red.get("grad_zeros", 0), red.get("grad_entries", 0)
+        metrics["train/grad_zero_fraction"] = zeros / entries if entries else 0.0
         times = self.timer.times
         times["train"] = time.perf_counter() - self.iteration_start - sum(times.values())
-        metrics.update(
-            {
-                "train/optimizer_steps": n_opt,
-                "grad_norm": red["grad_norm"] / n_opt if n_opt else 0.0,
-                # fp16 underflow shows as exact zeros in the gradient (docs/usage.md)
-                "train/grad_zero_fraction": (
-                    red["grad_zeros"] / red["grad_entries"] if red.get("grad_entries") else 0.0
-                ),
-                "train/skipped_steps": int(red.get("skipped_steps", 0)),
-                **{f"time/{k}_s": times.get(k, 0.0) for k in PHASES},
-                **self._clocks(),
-            }
-        )
+        metrics.update({f"time/{k}_s": times.get(k, 0.0) for k in PHASES}, **self._clocks())
         if grad_share is not None:
             metrics.update({f"steps/grad_share/{j}": v for j, v in grad_share.shares().items()})
             metrics.update({f"steps/grad_norm/{j}": v for j, v in grad_share.norms().items()})

@@ -13,7 +13,6 @@ import json
 import os
 import random
 import re
-import shutil
 import sys
 import time
 
@@ -158,90 +157,6 @@ def seed_everything(seed: int, deterministic: bool = True) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-# ---------------------------------------------------------------------------------------- logging
-# How long wandb.init may take to start the run before the run stops in one line (wandb's own
-# default is 90 s, and with a key but no network it hung past that); WANDB_INIT_TIMEOUT overrides
-# it. wandb's identity lookups come on top (5 s each when the server does not answer them); a
-# server nothing answers at is refused before the model loads (harness.check_reachable).
-WANDB_INIT_TIMEOUT_S = 30.0
-
-
-class RunLogger:
-    """metrics.jsonl (one JSON object per iteration) and, with --track, the same numbers to wandb.
-    Rank 0 only."""
-
-    def __init__(
-        self,
-        run_dir: str,
-        enabled: bool,
-        track: bool,
-        config: dict,
-        project: str,
-        entity,
-        name: str,
-    ):
-        self.enabled, self.wandb = enabled, None
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        if not enabled:
-            return
-        os.makedirs(run_dir, exist_ok=True)
-        args_file, wandb_dir = os.path.join(run_dir, "args.json"), os.path.join(run_dir, "wandb")
-        new = [p for p in (args_file, wandb_dir) if not os.path.lexists(p)]
-        atomic_write(args_file, json.dumps(config, indent=1, default=str))
-        if track:
-            import wandb  # lazy: only runs that ask for wandb pay for it (WANDB_MODE=offline works)
-
-            timeout = float(os.environ.get("WANDB_INIT_TIMEOUT", WANDB_INIT_TIMEOUT_S))
-            start = time.monotonic()
-            try:
-                self.wandb = wandb.init(
-                    project=project,
-                    entity=entity,
-                    name=name,
-                    config=config,
-                    dir=run_dir,
-                    settings=wandb.Settings(init_timeout=timeout),
-                )
-            except Exception as e:  # noqa: BLE001 - no network, a refused key, a timeout: one line
-                from common.plumbing.checks import ConfigError
-
-                # a run that failed here wrote nothing else: leave no run behind (a resumed run's
-                # own args.json and wandb/ stay)
-                for path in new:
-                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-                first = " ".join(str(e).split())[:200] or e.__class__.__name__
-                raise ConfigError(
-                    f"--track: wandb did not start in {time.monotonic() - start:.0f} s "
-                    f"({e.__class__.__name__}: {first}; the run's start may take WANDB_INIT_TIMEOUT="
-                    f"{timeout:g} s): check the network and the API key, or "
-                    "log offline with WANDB_MODE=offline (then `wandb sync`), or drop --track"
-                ) from None
-
-    def log(self, metrics: dict, images: dict | None = None) -> None:
-        if not self.enabled:
-            return
-        append_line(self.path, json.dumps(metrics) + "\n")
-        if self.wandb is not None:
-            import wandb
-
-            # an image, or a list of (image, caption) pairs (wandb shows them as one captioned
-            # gallery)
-            extra = {
-                k: [wandb.Image(im, caption=c) for im, c in v]
-                if isinstance(v, list)
-                else wandb.Image(v)
-                for k, v in (images or {}).items()
-            }
-            self.wandb.log({**metrics, **extra}, step=metrics["iteration"])
-
-    def history(self) -> list[dict]:
-        return read_metrics_lines(self.path)[0]
-
-    def close(self):
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
 def atomic_file(path: str, write) -> None:
     """Write the file at `path` so that a kill or a full disk at any instant leaves either the old
     file or the new one, whole: `write(tmp)` fills a temporary file beside it (same extension, so
@@ -272,26 +187,6 @@ def atomic_write(path: str, text: str) -> None:
             f.write(text)
 
     atomic_file(path, write)
-
-
-def append_line(path: str, line: str) -> None:
-    """Append one line whole or not at all: a failed write (a full disk) cuts the file back to its
-    old length, so no half row is ever left."""
-    size = os.path.getsize(path) if os.path.exists(path) else 0
-    try:
-        # O_NOFOLLOW: a metrics.jsonl that is a link (even a dangling one) is refused, never
-        # written through to the file it points to
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "a") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException as e:
-        if os.path.exists(path):
-            os.truncate(path, size)
-        if isinstance(e, OSError) and not e.filename:
-            raise OSError(e.errno, e.strerror, path) from e
-        raise
 
 
 def read_metrics_lines(path: str) -> tuple[list[dict], int]:
