@@ -68,9 +68,8 @@ import torch
 from PIL import Image
 
 from common.plumbing.checks import MAX_JSON_DEPTH
+from common.plumbing.wire import PROTOCOL, Watchdog
 
-# the reward server (common/plumbing/reward_server.py) speaks it and imports it from here
-PROTOCOL = "flow-rl-reward/1"
 MAX_REQUEST_IMAGES = 64  # flow_grpo's geneval_score sends batches of 64
 # A reply is one score (or a few) per image: flow_grpo's GenEval reply for 64 images is a few KB.
 # The cap bounds what a reply can cost to decode (time and memory grow with its bytes).
@@ -112,32 +111,6 @@ _BUILDS = {  # what the other opcodes that build data build, for the refusal
     **dict.fromkeys(("STRING", "BINSTRING", "SHORT_BINSTRING"), "bytes"),
     **dict.fromkeys(("EMPTY_SET", "ADDITEMS", "FROZENSET"), "set"),
 }
-
-
-class Watchdog:
-    """Shuts a socket down (`how`: socket.SHUT_RD or SHUT_RDWR) `seconds` from now unless cancelled
-    first: a read or write blocked on it then returns at once, however slowly the other side
-    trickles its bytes (a socket timeout bounds each read, not their sum). `sock` is the socket, or
-    a function that returns it (None while it is not yet connected)."""
-
-    def __init__(self, seconds: float, sock, how: int):
-        self.fired = False
-        self._sock, self._how = sock, how
-        self._timer = threading.Timer(max(0.0, seconds), self._fire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _fire(self) -> None:
-        self.fired = True
-        sock = self._sock() if callable(self._sock) else self._sock
-        if sock is not None:
-            try:
-                sock.shutdown(self._how)
-            except OSError:  # already closed
-                pass
-
-    def cancel(self) -> None:
-        self._timer.cancel()
 
 
 class RemoteRewardError(SystemExit):

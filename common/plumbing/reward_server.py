@@ -57,7 +57,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from PIL import Image
 
 from common.plumbing.checks import kind_of, parse_json
-from common.plumbing.remote_reward import PROTOCOL, Watchdog
+from common.plumbing.wire import PROTOCOL, Watchdog
 
 MAX_REQUEST_MB = 256  # 64 PNGs of 1024 px in base64 are ~150 MB
 # a request body is held whole in memory: a limit past this is a typo
