@@ -298,9 +298,9 @@ WARMUP_S = 5
 PREFLIGHT_S = 10
 BUILD_S = {"sd35": 16, "flux": 30, "reward": 3}
 BUILD_START_S = 8
-# --tiny on a 2-core CPU: a row is about 10 s (the 2026-12-05 tiny job), a build process and the preflight about as
-# much; estimated generously, since CI's machine is shared
-TINY_ROW_S, TINY_BUILD_S, TINY_PREFLIGHT_S = 20, 10, 10
+# --tiny on a 2-core CPU: planning numbers, generous: in the rehearsal of 2026-12-06, on a 2-core machine shared with
+# other work, a row took 27 to 104 s, a build 20 s and the preflight 13 to 21 s
+TINY_ROW_S, TINY_BUILD_S, TINY_PREFLIGHT_S = 60, 30, 20
 
 
 @dataclass
@@ -711,20 +711,50 @@ def stopping() -> None:
         raise Stopped(_signals[0])
 
 
+def processes() -> list[tuple[int, int, int, str]]:
+    """(pid, parent, process group, state) of every process, from Linux's /proc ([] elsewhere)."""
+    out = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after "pid (command)"
+            except (OSError, IndexError):
+                continue
+            out.append((int(name), int(fields[1]), int(fields[2]), fields[0]))
+    return out
+
+
+def groups_of(pid: int) -> set[int]:
+    """The process group of `pid` and those of all its descendants: torchrun starts each worker in a session of its
+    own, which a signal to torchrun's group does not reach."""
+    children = {}
+    for child, parent, group, _ in processes():
+        children.setdefault(parent, []).append((child, group))
+    groups, todo = {pid}, [pid]
+    while todo:
+        for child, group in children.get(todo.pop(), []):
+            groups.add(group)
+            todo.append(child)
+    return groups
+
+
 def end_group(p: subprocess.Popen) -> None:
-    """End the process group of `p` (started in a session of its own): SIGTERM, SIGKILL after STOP_GRACE_S, then
-    wait until no process of the group is left (torchrun's workers are in it)."""
+    """End `p` (started in a session of its own) and every process below it: SIGTERM to each of their process groups
+    (the scripts stop on it in one line, torchrun passes it on to its workers), SIGKILL after STOP_GRACE_S, then wait
+    until none of those groups has a running process (a zombie, dead and waiting for its parent, does not count)."""
+    groups = groups_of(p.pid)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            pass
+        groups |= groups_of(p.pid)  # a worker started since
+        for group in groups:
+            try:
+                os.killpg(group, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
         deadline = time.monotonic() + STOP_GRACE_S
         while time.monotonic() < deadline:
-            p.poll()  # reaps p itself: a zombie still counts in its group
-            try:
-                os.killpg(p.pid, 0)
-            except ProcessLookupError:
+            p.poll()  # reaps p itself
+            if not any(g in groups and state != "Z" for _, _, g, state in processes()):
                 return
             time.sleep(0.1)
 

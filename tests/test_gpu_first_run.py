@@ -154,13 +154,13 @@ def test_the_preflight_stops_the_job_in_one_line_before_the_build(tmp_path, monk
 
 
 def test_a_stop_signal_ends_the_running_childs_whole_process_group(tmp_path):
-    """SIGTERM to the job while a child runs (as an outer `timeout` sends it): run_process ends the child's whole
-    process group, grandchildren too (torchrun's workers), and returns; nothing outlives the job. (benchmarks/
-    rehearse_device_call.sh does the same to a real --tiny row mid-run.)"""
+    """SIGTERM to the job while a child runs (as an outer `timeout` sends it): run_process ends the child and every
+    process below it, a grandchild in a session of its own too (as torchrun starts its workers), and returns; nothing
+    outlives the job. (benchmarks/rehearse_device_call.sh does the same to a real --tiny row mid-run.)"""
     log = tmp_path / "child.log"
     grandchild = (
         "import subprocess, sys, time; "
-        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True); "
         "print(p.pid, flush=True); time.sleep(300)"
     )
     script = (
