@@ -1456,6 +1456,9 @@ def run_row(job: Job, row: Row, estimate: float, budget_s: float) -> dict:
         return dict(name=row.name, script=row.script, status="FAIL", why=failed)
     stopping()
     timeout = min(budget_s - job.elapsed(), cap)
+    if timeout < 1:
+        why = f"its folders' build took what was left of --budget-s {budget_s:g}"
+        return dict(name=row.name, script=row.script, status="SKIPPED", why=why)
     return run_one(job, row, timeout) if row.script else cudnn_probe(job, row, timeout)
 
 
