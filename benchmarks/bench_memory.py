@@ -30,19 +30,26 @@ A run's peak per GPU is what stays for the whole run plus the largest transient 
                 its backward (+ with a KL reference, its no-grad forward, which runs while they are kept; + under
                 DDP full fine-tuning, autocast's bf16 copies of the weights)
     eval        the no-grad forward at --eval-batch-size (CFG: 2 rows), one decode, one reward batch, + the images
+    step        the optimizer step: what the rollout keeps + the trained weights' gradients (sharded under FSDP) +
+                foreach AdamW's temporaries (`adamw_step_bytes`: torch's _multi_tensor_adam makes one fp32 tensor
+                per trained weight, the square root of the second moment, 4 bytes per trained entry, counted by
+                running one step on the meta device; the default on CUDA). No activations are alive then.
 
 Per GPU, with P weights in the transformer, T of them trained, N GPUs (`per_gpu`):
 
     DDP   weights  full: 4P (fp32 masters)            LoRA: 2P (bf16 base) + 4T
-          grads    4T (train phase), and 4T in DDP's buckets (gradient_as_bucket_view=False; N > 1 only)
+          grads    4T (train and step phases), and 4T in DDP's buckets (gradient_as_bucket_view=False; N > 1 only)
+          step     4T of foreach AdamW's temporaries (step phase)
           Adam     8T (two fp32 moments); copies 4T each (EMA, old policy)
           autocast full fine-tuning: a bf16 copy of every weight, 2P, kept for the backward (train phase)
     FSDP  weights  (the same) / N + two gathered blocks in their stored dtype (the one computing, the one prefetched:
                    bf16 for full fine-tuning, which gathers in the compute dtype; bf16 base + fp32 LoRA)
           grads    4T / N + one block's unsharded gradient before its reduce-scatter (every micro-batch
-                   reduce-scatters: nothing accumulates unsharded)
+                   reduce-scatters: nothing accumulates unsharded); 4T / N in the step phase
+          step     4T / N of foreach AdamW's temporaries (each rank steps its shards)
           Adam     8T / N; copies 4T / N each
-          offload  weights, grads and Adam live in host memory; the GPU keeps the gathered blocks
+          offload  weights, grads and Adam live in host memory, and the step runs there; the GPU keeps the
+                   gathered blocks
     KL reference of full fine-tuning: a frozen bf16 copy, 2P (DDP) or 2P / N (FSDP).
 
 Training activations are COMPUTED: one training forward of the meta-device model at the run's setting (tokens from
@@ -273,7 +280,8 @@ def per_gpu(
 ) -> dict:
     """Bytes per GPU of the weights, gradients, Adam state and `copies` fp32 copies of the trained weights (the EMA,
     DiffusionNFT's old policy), without activations (the module docstring). `grads` and `autocast` exist only
-    during the training phase; `buckets` (DDP) for the whole run. m: describe()'s dict, with T the trained count."""
+    during the training phase, `step` (the gradients and foreach AdamW's temporaries) during the optimizer step;
+    `buckets` (DDP) for the whole run. m: describe()'s dict, with T the trained count."""
     P, T = m["P"], (m["P"] if full else m["T"])
     weights = 4 * P if full else 2 * P + 4 * T
     ref = 2 * P if full and reference else 0
@@ -285,6 +293,7 @@ def per_gpu(
             adam=8 * T,
             copies=4 * T * copies,
             autocast=2 * P if full else 0,
+            step=4 * T + adamw_step_bytes(T),
         )
     # the gathered blocks: full fine-tuning gathers in the bf16 compute dtype; a LoRA block holds its bf16 base and
     # its fp32 LoRA
@@ -298,12 +307,29 @@ def per_gpu(
         adam=8 * T / n,
         copies=4 * T * copies / n,
         autocast=0,
+        step=4 * T / n + adamw_step_bytes(T) / n,
     )
     if (
         offload
     ):  # the shards in host memory; the gathered blocks and the block gradient stay on the GPU
-        out.update(weights=gathered, grads=block_grad, adam=0, copies=0)
+        out.update(weights=gathered, grads=block_grad, adam=0, copies=0, step=0)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def adamw_step_bytes(trained: int) -> int:
+    """Bytes torch.optim.AdamW (foreach, the default on CUDA) allocates inside one step for `trained` fp32 entries,
+    beyond its state: one step on the meta device under PeakLive, after a first step that made the state (exp_avg and
+    exp_avg_sq, the resident 8T). tests/test_memory_model.py checks it on real CPU tensors."""
+    if trained <= 0:
+        return 0
+    weight = torch.nn.Parameter(torch.empty(trained, device="meta"))
+    weight.grad = torch.empty_like(weight)
+    optimizer = torch.optim.AdamW([weight], lr=1e-4, weight_decay=1e-4, foreach=True)
+    optimizer.step()  # the state
+    with PeakLive() as p:
+        optimizer.step()
+    return p.peak
 
 
 # ---------------------------------------------------------------------------------------------------- activations
@@ -958,6 +984,7 @@ def estimate(
         + t["activations"]
         + (t["forward"][s.train_rows] if s.reference else 0),
         eval=max(t["forward"][s.eval_rows], decode, scoring) + s.eval_rows // s.eval_cfg * image,
+        step=s.kept + g["step"],
     )
     phase = max(phases, key=phases.get)
     return dict(

@@ -110,6 +110,38 @@ def test_the_decode_term_is_what_a_real_decode_takes():
     assert abs(d["rss"] / d["meta"] - 1) < 0.05, d
 
 
+# ------------------------------------------------------------------------------ the optimizer step, measured
+def test_the_optimizer_step_phase_is_what_foreach_adamw_allocates():
+    """torch's foreach AdamW (the default on CUDA) on the tiny SD3.5 transformer fully fine-tuned, on real CPU
+    tensors: its first step allocates the state (8 bytes per trained entry, the model's resident Adam) and the
+    temporaries, every later step the temporaries alone, and those are what the model counts on the meta device
+    (adamw_step_bytes: 4 bytes per trained entry). The step phase of an estimate is the gradients and that."""
+    from common.plumbing.tiny import build_sd3
+
+    torch.manual_seed(0)
+    model = build_sd3(sd35=True).transformer
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    T = sum(p.numel() for p in params)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4, foreach=True)
+    peaks = []
+    for _ in range(2):
+        with bm.PeakLive() as live:
+            optimizer.step()
+        peaks.append(live.peak)
+    assert bm.adamw_step_bytes(T) == 4 * T
+    assert peaks == [8 * T + bm.adamw_step_bytes(T), bm.adamw_step_bytes(T)]
+    m = dict(P=T, T=T, block_max=T // 4, lora_block_max=0)
+    assert (
+        bm.per_gpu(m, True, "ddp", 1)["step"] == 4 * T + 4 * T
+    )  # the gradients and the temporaries
+    assert (
+        bm.per_gpu(m, True, "fsdp", 4)["step"] == (4 * T + 4 * T) / 4
+    )  # each rank steps its shards
+    assert bm.per_gpu(m, True, "fsdp", 4, offload=True)["step"] == 0  # the step runs in host memory
+
+
 # ------------------------------------------------------------------------------------- every preset fits its GPU
 @pytest.fixture(scope="module")
 def preset_rows():
