@@ -580,7 +580,7 @@ def wrap(out_json: str, script: str, argv: list[str]) -> None:
     import torch
     from diffusers import AutoencoderKL
 
-    from common import run as run_module
+    from common.plumbing import run as run_module
 
     seen = dict(decode_max=0, decode_calls=0, checkpoints_skipped=[])
     decode = AutoencoderKL.decode
