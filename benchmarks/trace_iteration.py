@@ -39,11 +39,11 @@ def function_spans(path: str) -> dict[int, tuple[int, int]]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            spans.append((first, node.end_lineno))
+            spans.append((first, node.end_lineno, node.name))
     return spans
 
 
-def innermost(spans, line: int) -> tuple[int, int] | None:
+def innermost(spans, line: int) -> tuple[int, int, str] | None:
     inside = [s for s in spans if s[0] <= line <= s[1]]
     return min(inside, key=lambda s: s[1] - s[0]) if inside else None
 
@@ -114,12 +114,14 @@ def trace(script: str, root: str, extra: list[str]) -> dict:
         sys.settrace(None)
 
     read: dict[str, set[int]] = {}
+    names: dict[str, set[str]] = {}
     spans_of = {}
     for path, first in entered:
         spans = spans_of.setdefault(path, function_spans(path))
         span = innermost(spans, first)
         if span is not None:
             read.setdefault(path, set()).update(range(span[0], span[1] + 1))
+            names.setdefault(path, set()).add(f"{span[2]} {span[1] - span[0] + 1}")
     # the loop's own lines: those of its statement that ran in the traced iteration
     read.setdefault(script_path, set()).update(
         i for p, i in ran if p == script_path and loop[0] <= i <= loop[1]
@@ -129,6 +131,7 @@ def trace(script: str, root: str, extra: list[str]) -> dict:
         out[os.path.relpath(path, root)] = {
             "read": len(lines),
             "run": sum(1 for p, i in ran if p == path and i in lines),
+            "functions": sorted(names.get(path, ())),
         }
     return out
 
