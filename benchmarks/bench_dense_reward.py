@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 import densegrpo as D  # noqa: E402
 from common.backbones import load_backbone  # noqa: E402
 from common.plumbing.checks import read_prompt_file  # noqa: E402
-from common.rewards import build_reward  # noqa: E402
+from common.plumbing.reward_flags import build_reward  # noqa: E402
 
 
 def pearson(a: torch.Tensor, b: torch.Tensor) -> float:

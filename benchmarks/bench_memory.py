@@ -893,7 +893,7 @@ def setting(
     """The memory-relevant settings of a parsed run (benchmarks/presets.py parse_args) on a `kind` backbone: the
     flags, the batch arithmetic its check_args derived, and the script's own structure (which phases keep what).
     eval_images: the images one rank evaluates (default: at least a whole --eval-batch-size)."""
-    from common.rewards import parse_reward_spec
+    from common.plumbing.reward_flags import parse_reward_spec
 
     precision = {"auto": "bf16"}.get(args.mixed_precision, args.mixed_precision)
     msl = args.max_sequence_length or (128 if kind == "sd3" else 512)

@@ -155,7 +155,7 @@ def overlap(delays: dict, iterations: int, threads: int) -> list[str]:
 def round_trip(batch: int, sizes: list[int], repeats: int, threads: int) -> list[str]:
     import torch
 
-    from common.rewards import build_reward
+    from common.plumbing.reward_flags import build_reward
 
     server, url = start_server("zeros=benchmarks.bench_reward_server:zeros", threads)
     lines = [

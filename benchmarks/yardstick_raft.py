@@ -31,9 +31,9 @@ from common import toyworld  # noqa: E402
 from common.backbones import LORA_TARGETS, check_model_path, load_backbone  # noqa: E402
 from common.plumbing.checks import ConfigError  # noqa: E402
 from common.plumbing.evaluation import evaluate  # noqa: E402
+from common.plumbing.reward_flags import build_reward  # noqa: E402
 from common.plumbing.run import RunLogger
 from common.plumbing.utils import seed_everything  # noqa: E402
-from common.rewards import build_reward  # noqa: E402
 from common.sampler import sde_step_with_logprob  # noqa: E402
 
 TOY_MODEL = os.path.join(

@@ -1,16 +1,7 @@
-"""Reward registry: every reward the papers train or evaluate with, behind one flag.
-
-    --reward pickscore                         one reward
-    --reward "pickscore:1.0,clipscore:0.5"     a weighted mix (weights multiply the scores below)
-    --reward-mix score | advantage             Flow-GRPO mixes raw scores: A = norm(scores @ w);
-                                               G²RPO normalises each reward and sums:
-                                               A = norm(s_k) @ w
-    --guard-rewards "pickscore,aesthetic"      same registry, logged beside the target at evaluation
-    --reward-model-paths "pickscore=/ckpt/PickScore_v1,aesthetic=/ckpt/aesthetic"
-    --reward "toyworld,remote:geneval@http://127.0.0.1:8000:0.5"   a reward scored by a server
-                                               (common/plumbing/remote_reward.py, docs/usage.md)
-
-Each reward maps (images [B,3,H,W] float in [0,1], prompts) to one float per image:
+"""The rewards the papers train and evaluate with (each maps images and prompts to a float per
+image), their mix and the group advantages. Which ones a run uses, and their weight files, are
+flags: common/plumbing/reward_flags.py. A reward maps (images [B,3,H,W] float in [0,1], prompts)
+to one float per image:
 
 | name                   | source                                                | score              | range         |
 |------------------------|-------------------------------------------------------|--------------------|---------------|
@@ -29,41 +20,23 @@ Scales of the papers, to reproduce them with weights: Flow-GRPO's jpeg_compressi
 report 100·cos ≈ 21-23 (`pickscore:26`), G²RPO reports cos ≈ 0.23 (`pickscore:0.26`); the CLIPScore
 metric is 100·cos or 2.5·max(cos, 0).
 
-Weights (--reward-model-paths KEY=PATH; PATH is a local folder/file or a hub id, default in
-DEFAULT_PATHS):
-- pickscore, clipscore: a transformers CLIP checkpoint folder; its processor (tokenizer +
-  preprocessor_config.json) comes from `<name>_processor`, else the checkpoint folder if it holds
-  one, else laion/CLIP-ViT-H-14-laion2B-s32B-b79K (pickscore) or the checkpoint itself (clipscore).
-- aesthetic: a folder holding `sac+logos+ava1-l14-linearMSE.pth` and, optionally, the CLIP ViT-L/14
-  checkpoint; else that CLIP comes from `aesthetic_clip` (default openai/clip-vit-large-patch14).
-- hpsv2: `HPS_v2.1_compressed.pt`, a folder holding it, or the hub repo xswu/HPSv2.
-- imagereward: a folder holding `ImageReward.pt` + `med_config.json` (hub repo THUDM/ImageReward;
-  `ImageReward.load("ImageReward-v1.0")` puts them in ~/.cache/ImageReward), scored with
-  transformers' BLIP classes (no `image-reward` package); its tokenizer (bert-base-uncased) comes
-  from `imagereward_tokenizer`, else the ImageReward folder if it holds a vocab.txt, else the hub id
-  bert-base-uncased.
-
 Preprocessing stays on the reward's device, on tensors: bicubic (antialiased) resize of the shortest
 side to the processor's size, centre crop to its crop size, normalise with its mean/std: the
 CLIPImageProcessor recipe without the uint8/PIL round trip, so scores differ slightly from those of
 PIL-preprocessed images. Models load lazily (nothing heavy is imported before a reward is built),
 once per (name, device, paths): guard rewards reuse the target's instances.
 
-A remote reward (`remote:NAME@URL`) mixes, weighs, guards and evaluates like any other; it scores
-the 8-bit image ((x * 255).round()), which changes nothing for the rewards that quantise first
-(toyworld, jpeg_*). `RewardModel.submit` starts it on a batch in the background, so the scripts
-sample their next rollout batch while the server scores this one (`gather` waits for the scores).
+A remote reward (`remote:NAME@URL`, common/plumbing/remote_reward.py) mixes like any other;
+`RewardModel.submit` scores a batch with the in-process rewards in the call, and starts a remote
+one in the background, so the scripts sample their next batch while the server scores this one.
 """
 
 from __future__ import annotations
 
-import importlib
 import io
 import json
-import math
 import os
 import pickle
-import re
 import threading
 
 import numpy as np
@@ -73,25 +46,20 @@ from PIL import Image
 from torch import nn
 
 from common.plumbing.checks import pickled_global
-from common.plumbing.remote_reward import (
-    RemoteReward,
-    RemoteRewardError,
-    is_remote,
-    load_metadata,
-    parse_remote,
+from common.plumbing.remote_reward import RemoteReward, RemoteRewardError
+from common.plumbing.reward_files import (
+    RewardLoadError,
+    _blip_configs,
+    _find_file,
+    _first_line,
+    _from_pretrained,
+    _hub_hint,
+    _imagereward_state_dicts,
+    _needs_pickle,
+    _require,
+    _torch_load,
 )
 
-REWARD_NAMES: tuple[str, ...] = (
-    "toyworld",
-    "toyworld_coverage",
-    "jpeg_compressibility",
-    "jpeg_incompressibility",
-    "aesthetic",
-    "pickscore",
-    "clipscore",
-    "hpsv2",
-    "imagereward",
-)
 DEFAULT_PATHS = {
     "pickscore": "yuvalkirstain/PickScore_v1",
     "clipscore": "openai/clip-vit-large-patch14",
@@ -101,256 +69,10 @@ DEFAULT_PATHS = {
 DEFAULT_PROCESSORS = {"pickscore": "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"}
 # used when neither aesthetic_clip nor the aesthetic folder has one
 AESTHETIC_CLIP = "openai/clip-vit-large-patch14"
-PATH_KEYS = (
-    "aesthetic",
-    "aesthetic_clip",
-    "pickscore",
-    "pickscore_processor",
-    "clipscore",
-    "clipscore_processor",
-    "hpsv2",
-    "imagereward",
-    "imagereward_tokenizer",
-)
 PICKSCORE_DIVISOR = 26.0  # Flow-GRPO pickscore_scorer.py: reward = logit_scale * cos / 26
 AESTHETIC_MLP_FILE = "sac+logos+ava1-l14-linearMSE.pth"
 HPSV2_FILE, HPSV2_ARCH = "HPS_v2.1_compressed.pt", "ViT-H-14"
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
-# reward -> (module, package, install command (torchvision pinned to torch 2.13), note)
-OPTIONAL = {
-    "hpsv2": (
-        "open_clip",
-        "open_clip_torch",
-        "pip install open_clip_torch==3.3.0 torchvision==0.28.0",
-        "",
-    ),
-}
-
-
-class RewardLoadError(ValueError):
-    """A reward's weights could not be found or loaded; the message says what was expected."""
-
-
-class MissingRewardPackage(ImportError):
-    """An optional package a reward needs is not installed; the message gives the pip command."""
-
-
-# ----------------------------------------------------------------------------- parsing
-def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
-    """'pickscore:1.0,clipscore:0.5' or 'pickscore' (weight 1) -> [(name, weight), ...]; a remote
-    reward's name is its item without the weight ('remote:geneval@http://h:8000'). No imports."""
-    choices = (
-        f"choose from {', '.join(REWARD_NAMES)}, or remote:NAME@http://HOST:PORT (a reward "
-        "server); or a weighted mix like 'pickscore:1.0,clipscore:0.5'"
-    )
-    items = [s.strip() for s in spec.split(",") if s.strip()]
-    if not items:
-        raise ValueError(f"empty reward spec {spec!r}: {choices}")
-    out: list[tuple[str, float]] = []
-    for item in items:
-        if is_remote(item):  # its name: the item as spelled, without the weight
-            remote, weight = parse_remote(item)
-            name, given = remote.text, weight is not None
-        else:
-            name, given, weight = (p.strip() for p in item.partition(":"))
-            if name not in REWARD_NAMES:
-                raise ValueError(f"unknown reward '{name}': {choices}")
-        if reward_name(name) in (reward_name(n) for n, _ in out):
-            raise ValueError(f"reward '{reward_name(name)}' appears twice in {spec!r}")
-        try:
-            w = float(weight) if given else 1.0
-        except ValueError:
-            w = float("nan")
-        with np.errstate(over="ignore"):
-            # weights are float32 tensors: 1e39 is finite here, infinite there
-            finite = np.isfinite(np.float32(w))
-        if not finite:
-            raise ValueError(
-                f"bad weight '{weight}' for reward '{name}' in {spec!r}: expected a finite float32 "
-                "number (|w| < 3.4e38), e.g. 'pickscore:1.0'"
-            )
-        if w == 0:  # trains nothing: a silent no-op
-            raise ValueError(
-                f"weight 0 for reward '{name}' in {spec!r} trains nothing on it: drop it, or log it "
-                "at evaluation with --guard-rewards"
-            )
-        out.append((name, w))
-    return out
-
-
-def reward_name(name: str) -> str:
-    """A reward's name in metrics and RewardModel.names: a remote one's is 'remote:NAME'."""
-    return name.partition("@")[0]
-
-
-def _path_key(key: str) -> bool:
-    return key in PATH_KEYS or re.fullmatch(r"remote:[\w.-]+", key) is not None
-
-
-def parse_model_paths(s: str) -> dict[str, str]:
-    """'pickscore=/x/y,clipscore=/z' -> {'pickscore': '/x/y', 'clipscore': '/z'}; '' -> {}."""
-    out = {}
-    for item in (p.strip() for p in s.split(",")):
-        if not item:
-            continue
-        key, eq, path = (p.strip() for p in item.partition("="))
-        if not eq or not path or not _path_key(key):
-            raise ValueError(
-                f"bad model path '{item}': expected KEY=PATH with KEY one of {', '.join(PATH_KEYS)}, "
-                "or remote:NAME (a remote reward's prompt metadata, JSON lines)"
-            )
-        out[key] = path
-    return out
-
-
-def check_rewards(
-    spec: str, guard_spec: str, model_paths: str, prompt_files: dict[str, list[str]]
-) -> None:
-    """All that can be checked about the rewards before any model loads, as one line (ConfigError):
-    both specs and their weights, the --reward-model-paths keys, the optional packages, that every
-    reward server answers (and has the metadata of every prompt, if it is given some), and every
-    prompt a toy-world reward will score (it scores only prompts of its grammar). prompt_files:
-    {flag: its prompts}."""
-    from common.plumbing.checks import ConfigError
-
-    try:
-        # --reward is required (an empty one trains on nothing); --guard-rewards may be empty
-        specs = [spec, guard_spec] if guard_spec else [spec]
-        names = [n for s in specs for n, _ in parse_reward_spec(s)]
-        paths = parse_model_paths(model_paths)
-        for name in (n for n in names if n in OPTIONAL):
-            _require(name)
-        remotes = [n for n in names if is_remote(n)]
-        for key in (k for k in paths if k.startswith("remote:")):
-            if key not in map(reward_name, remotes):
-                raise ValueError(
-                    f"--reward-model-paths {key}=...: no reward {key}@URL in --reward or "
-                    "--guard-rewards to send this metadata to"
-                )
-        for name in dict.fromkeys(remotes):  # the servers answer, each once
-            _remote(name, paths).check(prompt_files)
-    except (ValueError, ImportError) as e:
-        raise ConfigError(str(e)) from None
-    if {"toyworld", "toyworld_coverage"} & set(names):
-        from common.toyworld.prompts import parse
-
-        for flag, prompts in prompt_files.items():
-            for i, prompt in enumerate(prompts, 1):
-                try:
-                    parse(prompt)
-                except ValueError as e:
-                    raise ConfigError(
-                        f"{flag}, prompt {i}: {e}; the toy-world rewards score only prompts of "
-                        "this grammar: give a toy-world prompt file "
-                        "(common/toyworld/prompts_*.txt) or another --reward"
-                    ) from None
-
-
-def load_rewards(
-    spec: str, guard_spec: str, model_paths: str, device
-) -> tuple[RewardModel, RewardModel | None]:
-    """The target reward and the guard rewards (None without --guard-rewards), each a RewardModel; a
-    weight file that is missing or unreadable is one line (ConfigError). The scripts load them
-    before the backbone, so that such a mistake costs seconds, not a model load."""
-    from common.plumbing.checks import ConfigError
-
-    try:
-        paths = parse_model_paths(model_paths)
-        return build_reward(spec, device, paths), build_reward(
-            guard_spec, device, paths
-        ) if guard_spec else None
-    except (ValueError, ImportError) as e:
-        raise ConfigError(str(e)) from None
-
-
-# ----------------------------------------------------------------------------- loading helpers
-def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
-
-
-def _is_hub_id(path: str) -> bool:
-    return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) is not None and not path.startswith(".")
-
-
-def _require(name: str):
-    """Import an optional package, or fail with one line naming it and its pip command."""
-    module, package, command, note = OPTIONAL[name]
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise MissingRewardPackage(
-            f"{name}: needs the optional package '{package}' ({_first_line(e)}); install it "
-            f"with `{command}` (see requirements-optional.txt){note}"
-        ) from None
-
-
-def _find_file(name: str, path: str, filename: str, hint: str) -> str:
-    """`path` is the file itself, a folder holding `filename`, or a hub repo id (fetched to the HF
-    cache)."""
-    if os.path.isfile(path):
-        return path
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, filename)):
-            return os.path.join(path, filename)
-        raise RewardLoadError(f"{name}: no {filename} in '{path}': expected {hint}")
-    if not _is_hub_id(path):
-        raise RewardLoadError(f"{name}: '{path}' does not exist: expected {hint}")
-    try:
-        from huggingface_hub import hf_hub_download
-
-        return hf_hub_download(path, filename)
-    except Exception as e:  # offline, unknown repo, missing file: all end here
-        raise RewardLoadError(
-            f"{name}: could not get {filename} from hub repo '{path}' ({_first_line(e)}): expected "
-            f"{hint}"
-        ) from None
-
-
-def _from_pretrained(name: str, cls, path: str, hint: str):
-    """`cls.from_pretrained(path)` (local folder or hub id) with one clear line on failure."""
-    if not os.path.isdir(path) and not _is_hub_id(path):
-        raise RewardLoadError(f"{name}: '{path}' does not exist: expected {hint}")
-    try:
-        return cls.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as e:
-        raise RewardLoadError(
-            f"{name}: could not load '{path}': expected {hint} ({_first_line(e)})"
-        ) from None
-
-
-def _torch_load(path: str, name: str):
-    """A reward's weight file, loaded without running anything (weights_only=True: tensors and
-    plain values only). A file that needs pickle is refused, never loaded: unpickling a file
-    someone else made can run code."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if pickled_global(e) is not None:
-            raise RewardLoadError(_needs_pickle(name, path)) from None
-        raise RewardLoadError(
-            f"{name}: '{path}' is not a weight file torch can read ({_first_line(e)})"
-        ) from None
-    except (OSError, RuntimeError, EOFError, ValueError) as e:  # a truncated or corrupt file
-        raise RewardLoadError(
-            f"{name}: '{path}' is not a weight file torch can read ({_first_line(e)})"
-        ) from None
-
-
-def _needs_pickle(name: str, path: str) -> str:
-    return (
-        f"{name}: '{path}' holds Python objects besides tensors, which only pickle loads, and "
-        "unpickling can run code, so it was not loaded; if you trust where it came from, re-save "
-        "its tensors once: python -c \"import torch; p = '" + path.replace("'", "\\'") + "'; "
-        "s = torch.load(p, weights_only=False); s = s.get('state_dict', s) if isinstance(s, dict) "
-        'else s.state_dict(); torch.save({k: v for k, v in s.items() if torch.is_tensor(v)}, p)"'
-    )
-
-
-def _hub_hint(what: str, hub_id: str, key: str, files: str = "") -> str:
-    return (
-        f"{what} (e.g. the hub id {hub_id} downloaded with `hf download {hub_id}{files}`; "
-        f"set with --reward-model-paths {key}=PATH)"
-    )
 
 
 # ----------------------------------------------------------------------------- shared preprocessing
@@ -579,83 +301,6 @@ class HPSv2:
 IMAGEREWARD_MEAN, IMAGEREWARD_STD = 0.16717362830052426, 1.0333394966054072
 # its init_tokenizer() and score()
 IMAGEREWARD_TOKENIZER, IMAGEREWARD_MAX_TOKENS = "bert-base-uncased", 35
-# BLIP's timm-style ViT -> transformers' BlipVisionModel (transformers 4 convert_blip_*.py rules)
-_BLIP_VIT_RENAMES = (
-    (r"^cls_token$", "embeddings.class_embedding"),
-    (r"^pos_embed$", "embeddings.position_embedding"),
-    (r"^patch_embed\.proj\.", "embeddings.patch_embedding."),
-    (r"^norm\.", "post_layernorm."),
-    (r"^blocks\.(\d+)\.", r"encoder.layers.\1."),
-    (r"\.attn\.proj\.", ".self_attn.projection."),
-    (r"\.attn\.qkv\.", ".self_attn.qkv."),  # fused q|k|v in both, same layout
-    (r"\.norm([12])\.", r".layer_norm\1."),
-)
-
-
-def _imagereward_state_dicts(state: dict) -> dict[str, dict]:
-    """The package's ImageReward.pt (one flat state dict) -> {"vision", "text", "mlp"} state dicts
-    in the names of BlipVisionModel, BlipTextModel and AestheticMLP. blip.visual_encoder.* is
-    renamed by _BLIP_VIT_RENAMES; blip.text_encoder.* is BLIP's med.py BERT, whose names
-    BlipTextModel kept (its position_ids buffer is dropped: transformers rebuilds it); mlp.* is
-    already nn.Sequential `layers.N`. Other keys (blip.vision_proj, blip.text_proj: BLIP's
-    contrastive heads) are not used for the score and are dropped."""
-    out: dict[str, dict] = {"vision": {}, "text": {}, "mlp": {}}
-    for key, value in state.items():
-        part, _, rest = key.partition(".")
-        if part == "mlp":
-            out["mlp"][rest] = value
-        elif part == "blip" and rest.startswith("visual_encoder."):
-            rest = rest.removeprefix("visual_encoder.")
-            for pattern, repl in _BLIP_VIT_RENAMES:
-                rest = re.sub(pattern, repl, rest)
-            out["vision"][rest] = value
-        elif (
-            part == "blip"
-            and rest.startswith("text_encoder.")
-            and not rest.endswith("position_ids")
-        ):
-            out["text"][rest.removeprefix("text_encoder.")] = value
-    return out
-
-
-def _blip_configs(vit: dict, med: dict):
-    """BlipVisionConfig from the ViT's weights (ImageReward-v1.0: ViT-L/16 at 224 px, 24 blocks 1024
-    wide; BLIP's ViTs have 64-wide heads and timm's LayerNorm eps 1e-6) and BlipTextConfig from
-    med_config.json (its BERT, with cross-attention from every layer to the image tokens, as BLIP's
-    med.py in 'multimodal' mode)."""
-    from transformers import BlipTextConfig, BlipVisionConfig
-
-    width, patch = (
-        vit["embeddings.class_embedding"].shape[-1],
-        vit["embeddings.patch_embedding.weight"].shape[-1],
-    )
-    vision = BlipVisionConfig(
-        hidden_size=width,
-        intermediate_size=vit["encoder.layers.0.mlp.fc1.weight"].shape[0],
-        num_hidden_layers=len({k.split(".")[2] for k in vit if k.startswith("encoder.layers.")}),
-        num_attention_heads=max(1, width // 64),
-        patch_size=patch,
-        layer_norm_eps=1e-6,
-        image_size=math.isqrt(vit["embeddings.position_embedding"].shape[1] - 1) * patch,
-    )
-    # is_decoder: build the cross-attention layers
-    text = BlipTextConfig(
-        vocab_size=med["vocab_size"],
-        hidden_size=med["hidden_size"],
-        intermediate_size=med["intermediate_size"],
-        num_hidden_layers=med["num_hidden_layers"],
-        num_attention_heads=med["num_attention_heads"],
-        max_position_embeddings=med["max_position_embeddings"],
-        hidden_act=med.get("hidden_act", "gelu"),
-        layer_norm_eps=med.get("layer_norm_eps", 1e-12),
-        pad_token_id=med.get("pad_token_id", 0),
-        bos_token_id=None,
-        eos_token_id=None,
-        sep_token_id=None,  # unused here; BLIP's defaults overflow tiny vocabs
-        encoder_hidden_size=width,
-        is_decoder=True,
-    )
-    return vision, text
 
 
 class ImageRewardScore:
@@ -750,7 +395,7 @@ class ImageRewardScore:
         return ((self.mlp(text[:, 0]) - IMAGEREWARD_MEAN) / IMAGEREWARD_STD).squeeze(-1)
 
 
-_LOADERS = {  # name -> (paths, device) -> callable(images on device [b,3,H,W], prompts) -> [b]
+LOADERS = {  # name -> (paths, device) -> callable(images on device [b,3,H,W], prompts) -> [b]
     "toyworld": lambda paths, device: _toyworld,
     "toyworld_coverage": lambda paths, device: _toyworld_coverage,
     "jpeg_compressibility": lambda paths, device: lambda images, prompts: -_jpeg_kb(images),
@@ -761,27 +406,6 @@ _LOADERS = {  # name -> (paths, device) -> callable(images on device [b,3,H,W], 
     "hpsv2": HPSv2,
     "imagereward": ImageRewardScore,
 }
-_CACHE: dict[tuple, object] = {}
-
-
-def _load(name: str, device: torch.device, paths: dict):
-    """Build a reward once per (name, device, its paths); later calls (guard rewards) reuse it."""
-    mine = sorted((k, v) for k, v in paths.items() if k == name or k.startswith(name + "_"))
-    key = (name, str(device), tuple(mine))
-    if key not in _CACHE:
-        _CACHE[key] = _LOADERS[name](paths, device)
-    return _CACHE[key]
-
-
-def _remote(name: str, paths: dict) -> RemoteReward:
-    """A remote reward's client, once per (spelling, metadata file): one thread per server."""
-    spec, _ = parse_remote(name)
-    metadata_path = paths.get(spec.name)
-    key = (spec.text, metadata_path)
-    if key not in _CACHE:
-        metadata = load_metadata(metadata_path) if metadata_path else None
-        _CACHE[key] = RemoteReward(spec, metadata)
-    return _CACHE[key]
 
 
 # ----------------------------------------------------------------------------- combined model
@@ -872,33 +496,6 @@ class RewardModel:
             f"{', '.join(f'{n}:{w:g}' for n, w in zip(self.names, self.weights.tolist()))}"
             ")"
         )
-
-
-def build_reward(
-    spec: str, device="cpu", model_paths: dict[str, str] | None = None, batch_size: int = 32
-) -> RewardModel:
-    """`spec` as in parse_reward_spec; `model_paths` as parse_model_paths returns (defaults:
-    DEFAULT_PATHS)."""
-    pairs = parse_reward_spec(spec)
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    bad = {k for k in model_paths or {} if not _path_key(k)}
-    if bad:
-        raise ValueError(
-            f"unknown model path keys {sorted(bad)}: expected some of {', '.join(PATH_KEYS)}"
-        )
-    paths = {**DEFAULT_PATHS, **{k: os.path.expanduser(v) for k, v in (model_paths or {}).items()}}
-    device = torch.device(device)
-    for name in (n for n, _ in pairs if n in OPTIONAL):
-        _require(name)  # a missing optional package fails before any model is loaded
-    fns = [_remote(n, paths) if is_remote(n) else _load(n, device, paths) for n, _ in pairs]
-    return RewardModel(
-        [reward_name(n) for n, _ in pairs],
-        torch.tensor([w for _, w in pairs], dtype=torch.float32),
-        fns,
-        device,
-        batch_size,
-    )
 
 
 def advantage_mix(advantages_per_reward: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from common import toyworld
 from common.backbones import load_backbone, sample_ode
 from common.plumbing.evaluation import accuracy_se, evaluate, panel_jobs
-from common.rewards import build_reward
+from common.plumbing.reward_flags import build_reward
 
 RES = toyworld.RESOLUTION
 

@@ -747,12 +747,13 @@ def test_non_finite_reward_stops_before_the_update_and_keeps_the_checkpoint(
 ):
     """The reward (a poisoned jpeg_compressibility, registered in this process only) turns non-finite in the first
     rollout after a resume from checkpoint-2: the run stops at iteration 2, before any update, checkpoint intact."""
+    import common.plumbing.reward_flags as reward_flags
     import common.rewards as rewards
 
-    real = rewards._LOADERS["jpeg_compressibility"]
-    monkeypatch.setattr(rewards, "_CACHE", {})
+    real = rewards.LOADERS["jpeg_compressibility"]
+    monkeypatch.setattr(reward_flags, "_CACHE", {})
     monkeypatch.setitem(
-        rewards._LOADERS,
+        rewards.LOADERS,
         "jpeg_compressibility",
         lambda paths, device: lambda im, p: real(paths, device)(im, p) * float(poison),
     )

@@ -325,7 +325,7 @@ def test_non_finite_reward_stops_and_keeps_checkpoint(
     tmp_path, tiny_sd3, prompts_file, monkeypatch
 ):
     """A reward that turns NaN at iteration 2 stops the run with the iteration number; checkpoint 2 survives."""
-    import common.rewards as rewards
+    import common.plumbing.reward_flags as rewards
 
     real_build = rewards.build_reward
     calls = {"n": 0}

@@ -24,7 +24,7 @@ from helpers import (  # noqa: E402
 
 import g2rpo  # noqa: E402
 from common.backbones import load_backbone  # noqa: E402
-from common.rewards import build_reward  # noqa: E402
+from common.plumbing.reward_flags import build_reward  # noqa: E402
 from common.sampler import ode_step, sde_step_with_logprob  # noqa: E402
 
 RES = 64  # tiny pipelines: VAE factor 2, so 32x32 latents

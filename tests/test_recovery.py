@@ -178,11 +178,11 @@ def test_a_signal_stops_the_run_with_one_line_that_says_how_to_go_on(
 
 def test_inputs_that_trained_nothing_or_were_misdiagnosed_get_the_right_line(tmp_path):
     from common.plumbing.checks import read_prompt_file
-    from common.rewards import parse_reward_spec
+    from common.plumbing.reward_flags import parse_reward_spec
 
     with pytest.raises(ValueError, match="trains nothing"):
         parse_reward_spec("toyworld:0")
-    from common.rewards import check_rewards
+    from common.plumbing.reward_flags import check_rewards
 
     with pytest.raises(ConfigError, match="empty reward spec"):  # refused before any folder exists
         check_rewards("", "", "", {})

@@ -16,15 +16,14 @@ from PIL import Image
 from torch import nn
 
 from common import rewards
-from common.rewards import (
+from common.plumbing.reward_files import MissingRewardPackage, RewardLoadError
+from common.plumbing.reward_flags import (
     REWARD_NAMES,
-    MissingRewardPackage,
-    RewardLoadError,
-    advantage_mix,
     build_reward,
     parse_model_paths,
     parse_reward_spec,
 )
+from common.rewards import advantage_mix
 
 # e.g. cuda: the model tests then run on the GPU
 DEVICE = os.environ.get("REWARD_TEST_DEVICE", "cpu")
@@ -100,7 +99,7 @@ def test_no_heavy_import_until_used():
     imports pulls in none of diffusers, peft or transformers (1.4 s on 2 cores), so a script's flags and files are
     checked, and a bad one refused, before anything heavy loads."""
     code = (
-        "import sys; from common import rewards as r; r.parse_reward_spec('pickscore:1,hpsv2:1');"
+        "import sys; from common.plumbing import reward_flags as r; r.parse_reward_spec('pickscore:1,hpsv2:1');"
         "r.build_reward('jpeg_compressibility'); print(any(m in sys.modules for m in "
         "('transformers', 'open_clip', 'ImageReward', 'common.toyworld')));"
         "import common.plumbing.harness; print(sorted({'diffusers', 'peft', 'transformers'} & set(sys.modules)))"

@@ -49,7 +49,7 @@ def one_line(e) -> str:
 def outcome(fn, *args) -> str | None:
     """The one line `fn(*args)` stopped with (ConfigError, SystemExit, a reward's load error), None if it ran on:
     a test checks what the call did to the files first, then what it said."""
-    from common.rewards import RewardLoadError
+    from common.plumbing.reward_files import RewardLoadError
 
     try:
         fn(*args)
@@ -245,6 +245,7 @@ def test_a_reward_weight_file_that_would_run_code_is_refused_unloaded(tmp_path, 
     """Security 2: a reward weight file that needs pickle is refused in one line that says how to convert it; the
     payload never ran (it ran before, on the retry with weights_only=False)."""
     from common import rewards
+    from common.plumbing.reward_flags import build_reward
 
     created = tmp_path / "payload-ran"
     folder = tmp_path / reward
@@ -256,7 +257,7 @@ def test_a_reward_weight_file_that_would_run_code_is_refused_unloaded(tmp_path, 
         folder.mkdir()
         path = folder / rewards.AESTHETIC_MLP_FILE
     torch.save({"layers.0.weight": torch.zeros(1, 4), "note": Payload(created)}, path)
-    msg = outcome(rewards.build_reward, reward, "cpu", {reward: str(folder)})
+    msg = outcome(build_reward, reward, "cpu", {reward: str(folder)})
     assert not created.exists(), "the payload ran"
     assert msg and "was not loaded" in msg and "torch.load(p, weights_only=False)" in msg, msg
 

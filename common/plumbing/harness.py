@@ -50,6 +50,7 @@ from common.plumbing.checkpoint import (
 )
 from common.plumbing.checks import ConfigError, check_eval_size, check_run_name, read_prompt_file
 from common.plumbing.parallel import parallelize
+from common.plumbing.reward_flags import check_rewards, load_rewards
 from common.plumbing.run import Run, RunLogger, setup_reached, stop_on_signals_in_setup
 from common.plumbing.utils import (
     seed_everything,
@@ -58,7 +59,6 @@ from common.plumbing.utils import (
     truncate_metrics,
 )
 from common.policy import EMA, Trainable, ema_weights
-from common.rewards import check_rewards, load_rewards
 
 TOY_MODEL = os.path.join(os.path.dirname(toyworld.__file__), "model")  # the shipped toy model
 

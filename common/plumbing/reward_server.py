@@ -79,7 +79,7 @@ def registry_scorer(name: str, device: str = "cpu", model_paths: str = ""):
     import numpy as np
     import torch
 
-    from common.rewards import build_reward, parse_model_paths
+    from common.plumbing.reward_flags import build_reward, parse_model_paths
 
     model = build_reward(name, device, parse_model_paths(model_paths))
 
@@ -462,7 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     server = _bind(a, scorers)
     try:
         if a.reward or not a.scorer:
-            from common.rewards import is_remote, parse_reward_spec
+            from common.plumbing.remote_reward import is_remote
+            from common.plumbing.reward_flags import parse_reward_spec
 
             for name, _ in parse_reward_spec(a.reward or "toyworld"):
                 if is_remote(name):

@@ -62,8 +62,8 @@ import torch.nn.functional as F
 from common import toyworld
 from common.backbones import Backbone, load_backbone
 from common.plumbing.evaluation import evaluate as evaluate_prompts
+from common.plumbing.reward_flags import build_reward
 from common.plumbing.tiny import build_sd3, tiny_vae
-from common.rewards import build_reward
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
