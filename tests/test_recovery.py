@@ -385,6 +385,7 @@ def test_track_to_a_server_nothing_answers_at_is_one_line_before_the_model_loads
     import wandb.sdk.wandb_setup as ws
 
     import common.plumbing.harness
+    import common.plumbing.tracking
 
     monkeypatch.setattr(
         common.plumbing.harness,
@@ -403,11 +404,11 @@ def test_track_to_a_server_nothing_answers_at_is_one_line_before_the_model_loads
         "error: --track logs online to http://127.0.0.1:9, and this machine cannot"
     )
     assert "ConnectionRefusedError" in msg and "WANDB_MODE=offline" in msg and "\n" not in msg
-    assert time.time() - t < common.plumbing.harness.REACH_TIMEOUT_S and not os.path.exists(
+    assert time.time() - t < common.plumbing.tracking.REACH_TIMEOUT_S and not os.path.exists(
         tmp_path / "out"
     )
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
-    common.plumbing.harness.check_reachable(
+    common.plumbing.tracking.check_reachable(
         "http://127.0.0.1:9", None
     )  # through a proxy: not probed
 

@@ -51,7 +51,9 @@ from common.plumbing.checkpoint import (
 from common.plumbing.checks import ConfigError, check_eval_size, check_run_name, read_prompt_file
 from common.plumbing.parallel import parallelize
 from common.plumbing.reward_flags import check_rewards, load_rewards
-from common.plumbing.run import Run, RunLogger, setup_reached, stop_on_signals_in_setup
+from common.plumbing.run import Run, RunLogger
+from common.plumbing.signals import setup_reached, stop_on_signals_in_setup
+from common.plumbing.tracking import check_tracking
 from common.plumbing.utils import (
     seed_everything,
     set_tf32,
@@ -420,81 +422,6 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
     )
     setup_reached(run_dir)  # a stop whose exit a library swallowed ends here
     return h
-
-
-def check_tracking(args: HarnessArgs) -> None:
-    """--track: what can be known before any model loads, in one line: wandb installed, a project
-    name wandb takes, and (online) an API key wandb will find and a server this machine can reach.
-    What cannot be known here (the key's validity, a server that accepts and never answers) is
-    bounded by RunLogger's timeout."""
-    if not args.track:
-        return
-    project = args.wandb_project_name
-    bad = sorted(set("/\\#?%:") & set(project)) + [c for c in project if not c.isprintable()]
-    if not project.strip() or len(project) > 128 or bad:
-        raise ConfigError(
-            f"--wandb-project-name {project[:80]!r}: wandb takes 1 to 128 printable characters "
-            "without / \\ # ? % :; pass another name"
-        )
-    try:
-        from wandb.sdk import wandb_setup
-    except ImportError:
-        raise ConfigError(
-            "--track needs wandb: pip install -r requirements.txt, or drop --track"
-        ) from None
-    settings = wandb_setup.singleton().settings  # reads WANDB_* from the environment
-    if settings.mode in ("offline", "dryrun", "disabled"):
-        return
-    try:
-        from wandb.sdk.lib.wbauth import authenticate, host_url
-
-        host = host_url.HostUrl(settings.base_url, app_url=settings.app_url)
-        auth = authenticate._use_system_auth(host=host, source="--track", update_session=False)
-    except (ImportError, AttributeError, TypeError):
-        return  # another wandb release: its own login is checked by wandb.init (bounded)
-    except Exception as e:  # noqa: BLE001 - wandb's AuthenticationError: a malformed key
-        raise ConfigError(
-            f"--track: wandb's credentials are unusable ({' '.join(str(e).split())[:160]}): fix "
-            "WANDB_API_KEY (or `wandb login`), or log offline with WANDB_MODE=offline"
-        ) from None
-    if auth is None:
-        raise ConfigError(
-            f"--track logs online to {settings.base_url}, and no wandb API key is set: export "
-            "WANDB_API_KEY (or run `wandb login`), or log offline with WANDB_MODE=offline (then "
-            "`wandb sync`), or drop --track"
-        )
-    check_reachable(
-        settings.base_url,
-        getattr(settings, "https_proxy", None) or getattr(settings, "http_proxy", None),
-    )
-
-
-# How long the --track check waits for a TCP connection to the wandb server. Without one, wandb
-# spends 5 s on each of its two identity lookups and then WANDB_INIT_TIMEOUT on the run, after
-# the model has loaded (measured 2026-12-05, wandb 0.31: 12.5 s with WANDB_INIT_TIMEOUT=2).
-REACH_TIMEOUT_S = 5.0
-
-
-def check_reachable(url: str, proxy: str | None) -> None:
-    """One line before the model loads when nothing answers at the wandb server's address (no
-    network, no DNS, a wrong WANDB_BASE_URL). Behind a proxy wandb connects through it, and the
-    proxy is what would have to be probed: the check is left to wandb.init then."""
-    import socket
-    from urllib.parse import urlsplit
-
-    names = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY")
-    if proxy or any(os.environ.get(n) or os.environ.get(n.lower()) for n in names):
-        return
-    where = urlsplit(url)
-    port = where.port or (443 if where.scheme == "https" else 80)
-    try:
-        socket.create_connection((where.hostname, port), timeout=REACH_TIMEOUT_S).close()
-    except OSError as e:
-        raise ConfigError(
-            f"--track logs online to {url}, and this machine cannot reach it ({e.__class__.__name__}: "
-            f"{' '.join(str(e).split())[:120]}): check the network (or WANDB_BASE_URL), or log "
-            "offline with WANDB_MODE=offline (then `wandb sync`), or drop --track"
-        ) from None
 
 
 def legacy_precision(saved: dict) -> None:

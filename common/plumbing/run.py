@@ -36,11 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -60,9 +58,11 @@ from common.plumbing.checkpoint import (
     writing,
 )
 from common.plumbing.checks import ConfigError
-from common.plumbing.evaluation import Panel, evaluate
+from common.plumbing.evaluation import evaluate
 from common.plumbing.parallel import is_sharded, weights_digest
-from common.plumbing.plots import before_after, learning_curve, step_heatmap
+from common.plumbing.report import run_pictures, summary_line
+from common.plumbing.signals import SIGNALS, _before_setup, _setup_state, stop_by_signal
+from common.plumbing.tracking import start_wandb, to_wandb
 from common.plumbing.utils import atomic_file, atomic_write, read_metrics_lines
 from common.policy import ema_weights
 
@@ -218,11 +218,6 @@ def restored_counts(saved: dict | None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- the rows
-# How long wandb.init may take to start the run before the run stops in one line (wandb's own
-# default is 90 s, and with a key but no network it hung past that); WANDB_INIT_TIMEOUT overrides
-# it. wandb's identity lookups come on top (5 s each when the server does not answer them); a
-# server nothing answers at is refused before the model loads (harness.check_reachable).
-WANDB_INIT_TIMEOUT_S = 30.0
 
 
 class RunLogger:
@@ -247,53 +242,15 @@ class RunLogger:
         args_file, wandb_dir = os.path.join(run_dir, "args.json"), os.path.join(run_dir, "wandb")
         new = [p for p in (args_file, wandb_dir) if not os.path.lexists(p)]
         atomic_write(args_file, json.dumps(config, indent=1, default=str))
-        if track:
-            import wandb  # lazy: only runs that ask for wandb pay for it (WANDB_MODE=offline works)
-
-            timeout = float(os.environ.get("WANDB_INIT_TIMEOUT", WANDB_INIT_TIMEOUT_S))
-            start = time.monotonic()
-            try:
-                self.wandb = wandb.init(
-                    project=project,
-                    entity=entity,
-                    name=name,
-                    config=config,
-                    dir=run_dir,
-                    settings=wandb.Settings(init_timeout=timeout),
-                )
-            except Exception as e:  # noqa: BLE001 - no network, a refused key, a timeout: one line
-                from common.plumbing.checks import ConfigError
-
-                # a run that failed here wrote nothing else: leave no run behind (a resumed run's
-                # own args.json and wandb/ stay)
-                for path in new:
-                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-                first = " ".join(str(e).split())[:200] or e.__class__.__name__
-                raise ConfigError(
-                    f"--track: wandb did not start in {time.monotonic() - start:.0f} s "
-                    f"({e.__class__.__name__}: {first}; the run's start may take WANDB_INIT_TIMEOUT="
-                    f"{timeout:g} s): check the network and the API key, or "
-                    "log offline with WANDB_MODE=offline (then `wandb sync`), or drop --track"
-                ) from None
+        if track:  # a failed start leaves no run behind (a resumed run's own files stay)
+            self.wandb = start_wandb(run_dir, config, project, entity, name, new)
 
     def log(self, metrics: dict, images: dict | None = None) -> None:
         if not self.enabled:
             return
         append_line(self.path, json.dumps(metrics) + "\n")
         if self.wandb is not None:
-            self._to_wandb(metrics, images or {})
-
-    def _to_wandb(self, metrics: dict, images: dict) -> None:
-        import wandb
-
-        # an image, or a list of (image, caption) pairs (wandb shows them as one captioned gallery)
-        extra = {
-            k: [wandb.Image(im, caption=c) for im, c in v]
-            if isinstance(v, list)
-            else wandb.Image(v)
-            for k, v in images.items()
-        }
-        self.wandb.log({**metrics, **extra}, step=metrics["iteration"])
+            to_wandb(self.wandb, metrics, images or {})
 
     def history(self) -> list[dict]:
         return read_metrics_lines(self.path)[0]
@@ -624,121 +581,3 @@ class Run:
             # leave together: tearing gloo down while a peer still runs can abort that peer
             dist.barrier()
             dist.destroy_process_group()
-
-
-# ------------------------------------------------------------------------------ signals in set-up
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# the handlers the process had before the set-up installed its own (Run.finish puts them back)
-_before_setup: dict = {}
-# where the set-up stands, for the line a signal prints: the run folder once it is known, and the
-# signal that stopped it (a library that swallows the SystemExit does not make the run go on)
-_setup_state: dict = {"run_dir": None, "signal": None}
-
-
-def stop_by_signal(signum: int, when: str, hint, show: bool) -> None:
-    """The one line a signal stops the process with (rank 0 prints it; `hint()` names what exists
-    to go on from), and exit code 128 + the signal."""
-    if show:
-        print(
-            f"stopped by {signal.Signals(signum).name} {when}; {hint()}",
-            file=sys.stderr,
-            flush=True,
-        )
-    raise SystemExit(128 + signum)
-
-
-def stop_on_signals_in_setup(setup):
-    """Decorates the set-up: SIGINT and SIGTERM from its first line (checks, reward and model loads)
-    stop the process with one line and exit code 128 + the signal, as they do during training
-    (where `Run.stop_on_signals` takes over). A second signal while the first unwinds leaves at
-    once. A set-up that stops (bad input, a signal) puts the previous handlers back, for a process
-    that goes on (a test runner, a notebook)."""
-    import functools
-    import threading
-
-    def stop(signum, frame):
-        if _setup_state["signal"] is not None:
-            os._exit(128 + signum)
-        _setup_state["signal"] = signum
-        stop_by_signal(
-            signum,
-            "during the set-up, before training started",
-            _setup_hint,
-            int(os.environ.get("RANK", "0")) == 0,
-        )
-
-    @functools.wraps(setup)
-    def guarded(*args, **kwargs):
-        if threading.current_thread() is not threading.main_thread():
-            return setup(*args, **kwargs)  # signal handlers belong to the main thread
-        _setup_state.update(run_dir=None, signal=None)
-        for sig in SIGNALS:
-            _before_setup.setdefault(sig, signal.signal(sig, stop))
-        try:
-            return setup(*args, **kwargs)
-        except BaseException:
-            for sig in SIGNALS:
-                if sig in _before_setup:
-                    signal.signal(sig, _before_setup.pop(sig))
-            raise
-
-    return guarded
-
-
-def setup_reached(run_dir: str) -> None:
-    """The set-up knows its run folder (a signal's line names it), and has not been stopped: a
-    stop whose SystemExit some library caught is raised again here."""
-    _setup_state["run_dir"] = run_dir
-    if _setup_state["signal"] is not None:
-        raise SystemExit(128 + _setup_state["signal"])
-
-
-def _setup_hint() -> str:
-    from common.plumbing.checkpoint import run_outputs
-
-    run_dir = _setup_state["run_dir"]
-    if run_dir and run_outputs(run_dir):
-        return continue_hint(run_dir)
-    return "nothing was written: run the same command again"
-
-
-def run_pictures(run_dir: str, history: list[dict], title: str) -> list[str]:
-    """The end-of-run pictures, from what the run wrote: learning_curve.png (metrics),
-    steps_heatmap.png (when a `steps/...` metric differs between steps) and before_after.png (the first and the
-    last evaluation's panel, samples/eval_*.npz, so a resumed run still compares with its starting
-    model). -> the paths written."""
-    written = [os.path.join(run_dir, "learning_curve.png")]
-    learning_curve(history, written[0], title)
-    heatmap = os.path.join(run_dir, "steps_heatmap.png")
-    # drawn only when some steps/* metric differs between the steps (on-policy with one advantage
-    # per trajectory and no KL, none does: the default Flow-GRPO and G²RPO runs write none)
-    if step_heatmap(history, "steps/", heatmap, f"{title}: per-step diagnostics"):
-        written.append(heatmap)
-    panels = sorted(glob.glob(os.path.join(run_dir, "samples", "eval_*.npz")))
-    if len(panels) >= 2:
-        try:
-            first, last = Panel.load(panels[0]), Panel.load(panels[-1])
-        except (OSError, ValueError, TypeError, KeyError) as e:  # not a panel this code wrote
-            print(
-                f"warning: before_after.png not drawn: {panels[0]} or {panels[-1]} is not an "
-                f"evaluation panel ({e.__class__.__name__}: {str(e)[:160]})"
-            )
-            return written
-        written.append(os.path.join(run_dir, "before_after.png"))
-        before_after(first, last, written[-1], title)
-    return written
-
-
-def summary_line(history: list[dict]) -> str:
-    """'held-out eval/accuracy: 0.471 ± 0.018 at iteration 0 -> 0.590 ± 0.017 at iteration 30'
-    (reward without a toy-world accuracy)."""
-    key = "eval/accuracy" if any("eval/accuracy" in h for h in history) else "eval/reward_mean"
-    evals = [h for h in history if key in h]
-    if not evals:
-        return f"held-out {key}: no evaluation"
-
-    def at(h):
-        se = f" ± {h['eval/accuracy_se']:.3f}" if "eval/accuracy_se" in h else ""
-        return f"{h[key]:.3f}{se} at iteration {h['iteration']}"
-
-    return f"held-out {key}: {at(evals[0])} -> {at(evals[-1])}"
