@@ -31,13 +31,14 @@ from reward_stub import brightness_of
 
 import common.plumbing.harness
 from common.plumbing.checks import ConfigError
-from common.plumbing.remote_reward import RemoteReward, parse_remote, safe_unpickle
+from common.plumbing.remote_reward import RemoteReward, parse_remote
 from common.plumbing.reward_flags import (
     build_reward,
     check_rewards,
     parse_model_paths,
     parse_reward_spec,
 )
+from common.plumbing.safe_decode import safe_unpickle
 
 STUB = os.path.join(ROOT, "tests", "reward_stub.py")
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares", "a photo of a green triangle"]

@@ -53,7 +53,6 @@ import json
 import math
 import os
 import pickle
-import pickletools
 import queue
 import re
 import socket
@@ -67,7 +66,15 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from common.plumbing.checks import MAX_JSON_DEPTH
+from common.plumbing.safe_decode import (
+    _excerpt,
+    _json,
+    _printable,
+    _scores_of,
+    plain_problem,
+    safe_unpickle,
+    show,
+)
 from common.plumbing.wire import PROTOCOL, Watchdog
 
 MAX_REQUEST_IMAGES = 64  # flow_grpo's geneval_score sends batches of 64
@@ -95,22 +102,6 @@ _SPEC = re.compile(
     r"(?:\[[0-9A-Fa-f:.]+\]|[^/:?@\[\]\s]+):\d+(?:/[^:?\s]*)?)(?:\?(?P<query>[^:\s]*))?"
     r"(?::(?P<weight>[^:]*))?"
 )
-PLAIN_TYPES = (dict, list, str, int, float, bool, type(None))
-# The pickle opcodes that build plain data, all that Python's pickler writes for dicts, lists,
-# strings, numbers, booleans and None in protocols 0-5 (pickletools names them); any other opcode
-# builds something else (a tuple, bytes, a set) or calls something (GLOBAL, REDUCE, ...).
-PLAIN_OPCODES = frozenset(
-    "PROTO FRAME STOP MARK EMPTY_DICT DICT EMPTY_LIST LIST APPEND APPENDS SETITEM SETITEMS "
-    "NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 LONG LONG1 LONG4 FLOAT BINFLOAT "
-    "UNICODE SHORT_BINUNICODE BINUNICODE BINUNICODE8 "
-    "PUT BINPUT LONG_BINPUT MEMOIZE GET BINGET LONG_BINGET".split()
-)
-_BUILDS = {  # what the other opcodes that build data build, for the refusal
-    **dict.fromkeys(("EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"), "tuple"),
-    **dict.fromkeys(("SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "BYTEARRAY8"), "bytes"),
-    **dict.fromkeys(("STRING", "BINSTRING", "SHORT_BINSTRING"), "bytes"),
-    **dict.fromkeys(("EMPTY_SET", "ADDITEMS", "FROZENSET"), "set"),
-}
 
 
 class RemoteRewardError(SystemExit):
@@ -257,127 +248,6 @@ def load_metadata(path: str) -> dict[str, dict]:
                     )
                 out[prompt] = meta
     return out
-
-
-# ----------------------------------------------------------------------------- decoding replies
-class _NoGlobals(pickle.Unpickler):
-    """Resolves no global: a pickle can then build only what its opcodes make by themselves (dicts,
-    lists, strings, numbers, ...); every class or function, the way a pickle runs code, is refused.
-    The Python docs' "Restricting Globals", with nothing allowed."""
-
-    def find_class(self, module, name):
-        raise pickle.UnpicklingError(f"it needs the global '{module}.{name}'")
-
-
-def _scan_pickle(data: bytes) -> None:
-    """Every opcode of a pickle, read without building anything (pickletools.genops): only those of
-    plain data (PLAIN_OPCODES), and memo indices below the pickle's length, else UnpicklingError
-    naming what it would build. (The C unpickler sizes its memo by the largest index it is given:
-    a 9-byte pickle naming index 10**8 makes it take 1.5 GB.)"""
-    texts: list[str] = []  # the last strings pushed: what STACK_GLOBAL names
-    for op, arg, pos in pickletools.genops(data):
-        name = op.name
-        if isinstance(arg, str):
-            texts = [*texts[-1:], arg]
-        if name in ("GLOBAL", "STACK_GLOBAL", "INST"):
-            what = arg.replace(" ", ".") if isinstance(arg, str) else ".".join(texts[-2:])
-            raise pickle.UnpicklingError(f"it needs the global '{what}'")
-        if name not in PLAIN_OPCODES:
-            kind = _BUILDS.get(name)
-            raise pickle.UnpicklingError(
-                f"it holds a {kind}"
-                if kind
-                else f"its opcode {name} at byte {pos} builds or calls an object"
-            )
-        if name in ("PUT", "BINPUT", "LONG_BINPUT") and arg >= len(data):
-            raise pickle.UnpicklingError(
-                f"its opcode {name} at byte {pos} names memo entry {arg} in {len(data)} bytes"
-            )
-
-
-def safe_unpickle(data: bytes):
-    """The plain value a pickle holds (dict, list, str, int, float, bool, None, nested at most
-    MAX_JSON_DEPTH deep), or ValueError naming what else it holds. Nothing in it is called, and
-    decoding takes time and memory in proportion to its bytes: its opcodes are checked before
-    anything is built."""
-    try:
-        _scan_pickle(data)
-        value = _NoGlobals(io.BytesIO(data)).load()
-    except Exception as e:  # genops and the C unpickler raise several kinds on malformed input
-        raise ValueError(f"{type(e).__name__}: {str(e)[:160]}") from None
-    problem = plain_problem(value)
-    if problem:
-        raise ValueError(problem)
-    return value
-
-
-def plain_problem(value) -> str | None:
-    """What keeps a decoded reply from being plain data (None: nothing): a type other than dict,
-    list, str, int, float, bool or None, or nesting deeper than MAX_JSON_DEPTH. Each list and dict
-    is visited once, so a reply whose lists contain themselves, or share one list down many
-    levels, is walked in time proportional to its bytes."""
-    seen: set[int] = set()
-    todo = [(value, 1)]
-    while todo:
-        x, depth = todo.pop()
-        if type(x) not in PLAIN_TYPES:
-            return f"it holds a {type(x).__name__}"
-        if not isinstance(x, (dict, list)) or id(x) in seen:
-            continue
-        if depth > MAX_JSON_DEPTH:
-            return f"it nests deeper than {MAX_JSON_DEPTH} levels"
-        seen.add(id(x))
-        items = [*x.keys(), *x.values()] if isinstance(x, dict) else x
-        todo.extend((v, depth + 1) for v in items)
-    return None
-
-
-def show(x) -> str:
-    """A decoded value in a few words, whatever it is: a reply's content in a message (a repr of
-    a list that shares itself down 60 levels would never end, str of a 5000-digit int raises)."""
-    if isinstance(x, (dict, list)):
-        return f"a {type(x).__name__} of {len(x)}"
-    if isinstance(x, int) and not isinstance(x, bool) and x.bit_length() > 64:
-        return f"an integer of {x.bit_length()} bits"
-    text = repr(x)
-    return text[:80] + ("..." if len(text) > 80 else "")
-
-
-def _scores_of(reply, n: int, wire: str) -> list[float]:
-    """The reply's list of n finite scores, or ValueError saying what it holds instead."""
-    expected = '{"scores": [one float per image]}' if wire == "json" else 'a dict with "scores"'
-    if not isinstance(reply, dict):
-        raise ValueError(f"the reply is {show(reply)}, not a dict: expected {expected}")
-    key = "scores" if wire == "json" or "scores" in reply else "outputs"
-    if not isinstance(reply.get(key), list):
-        keys = ", ".join(show(k) for k in list(reply)[:10]) + (", ..." if len(reply) > 10 else "")
-        raise ValueError(f'the reply has no "{key}" list (it holds {keys}): expected {expected}')
-    scores = reply[key]
-    if len(scores) != n:
-        raise ValueError(
-            f"the reply has {len(scores)} scores for {n} images: the server must return one "
-            "score per image, in order"
-        )
-    out = []
-    for i, s in enumerate(scores):
-        if isinstance(s, bool) or not isinstance(s, (int, float)):
-            raise ValueError(f"score {i} of {n} is {show(s)}: a reward must be a number")
-        try:
-            value = float(s)
-        except OverflowError:  # an int past 1.8e308
-            value = math.inf
-        if not math.isfinite(value):
-            raise ValueError(f"score {i} of {n} is {show(s)}: a reward must be a finite number")
-        out.append(value)
-    return out
-
-
-def _json(body: bytes):
-    """A JSON reply, or ValueError (nesting deep enough to exhaust the parser's stack included)."""
-    try:
-        return json.loads(body)
-    except RecursionError:
-        raise ValueError(f"nested deeper than Python's parser goes ({_excerpt(body)})") from None
 
 
 # ----------------------------------------------------------------------------- the client
@@ -693,16 +563,6 @@ def _reason(e: BaseException) -> str:
     return (
         f"{type(e).__name__}: {_printable(getattr(e, 'strerror', None) or str(e) or 'no detail')}"
     )
-
-
-def _printable(text: str, limit: int = 200) -> str:
-    """A server's text on one line: control characters (a newline in a bad status line) as spaces."""
-    text = " ".join("".join(c if c.isprintable() else " " for c in text[: limit * 2]).split())
-    return text[:limit] + ("..." if len(text) > limit else "")
-
-
-def _excerpt(body: bytes) -> str:
-    return repr(body[:80]) + ("..." if len(body) > 80 else "")
 
 
 def _error_text(body: bytes) -> str:

@@ -234,7 +234,10 @@ def make_server(
     limit = int(max_request_mb * 2**20)
 
     class Handler(BaseHTTPRequestHandler):
-        timeout = read_timeout  # each read and write of the connection
+        # each read and write of the connection; longer than the watchdog's deadline, so a request
+        # that stops coming is cut by the watchdog, which answers 408, and not by a read's timeout,
+        # which http.server ends without an answer
+        timeout = read_timeout + 5
 
         def setup(self):
             super().setup()
@@ -322,10 +325,12 @@ def make_server(
                 with lock:
                     # its turn: the body arrives within read_timeout from now
                     self.watchdog = Watchdog(read_timeout, self.connection, socket.SHUT_RD)
+                    body = bytearray()  # what arrived, kept when a read times out
                     try:
-                        body = self.rfile.read(size)
+                        while len(body) < size and (chunk := self.rfile.read1(size - len(body))):
+                            body += chunk
                     except OSError:  # the per-read timeout
-                        body = b""
+                        pass
                     self.watchdog.cancel()
                     if len(body) < size:
                         raise _Refused(
