@@ -361,7 +361,8 @@ def test_resume_is_exact(tiny_sd3, tmp_path, prompts_file):
 def test_a_checkpoint_without_the_old_policy_is_refused_in_one_line(tmp_path):
     """A checkpoint another script wrote (it holds no old policy) is refused before any weight is
     loaded."""
-    from common.plumbing.checkpoint import restore_checkpoint, save_checkpoint, trainer_state
+    from common.plumbing.checkpoint import save_checkpoint, trainer_state
+    from common.plumbing.resume import restore_checkpoint
 
     w = torch.nn.Parameter(torch.zeros(3))
     optimizer = torch.optim.AdamW([w])

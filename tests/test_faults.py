@@ -25,6 +25,8 @@ from helpers import ROOT, read_metrics, run_main, script_env, tiny_flags, write_
 from safetensors.torch import load_file
 
 import common.plumbing.checkpoint as ck
+import common.plumbing.resume as rs
+import common.plumbing.run_folder as rf
 from common.plumbing.checks import ConfigError
 
 SCRIPTS = ["flowgrpo_baseline.py", "g2rpo.py", "densegrpo.py"]
@@ -37,8 +39,8 @@ def _resume_point(run_dir: str) -> int:
     """The iteration a resume of run_dir starts from (0: no checkpoint), checking the checkpoint's content."""
     if not ck.list_checkpoints(run_dir):
         return 0
-    folder = ck.find_resume_checkpoint(run_dir, log=lambda *_: None)
-    state = ck.load_checkpoint(folder)
+    folder = rf.find_resume_checkpoint(run_dir, log=lambda *_: None)
+    state = rs.load_checkpoint(folder)
     # checkpoint-N, or the complete copy of a save killed between its two renames (a resave of the same N)
     assert folder in (
         ck.checkpoint_dir(run_dir, state["iteration"]),
@@ -319,7 +321,7 @@ def test_damaged_checkpoint_is_one_line_or_falls_back(tmp_path, how):
     problem = DAMAGE[how].format(c=c2)
     # The checkpoint folder named explicitly: stop, and name the older complete one to pass instead.
     with pytest.raises(ConfigError) as e:
-        ck.find_resume_checkpoint(c2)
+        rf.find_resume_checkpoint(c2)
     assert str(e.value.code).startswith(f"error: --resume: {problem}") and "\n" not in str(
         e.value.code
     )
@@ -328,7 +330,7 @@ def test_damaged_checkpoint_is_one_line_or_falls_back(tmp_path, how):
     )
     # The run folder: say so in one line, and use the older complete one.
     said = []
-    assert ck.find_resume_checkpoint(run, log=said.append) == c1
+    assert rf.find_resume_checkpoint(run, log=said.append) == c1
     assert (
         len(said) == 1
         and said[0].startswith(f"warning: {problem}")
@@ -337,7 +339,7 @@ def test_damaged_checkpoint_is_one_line_or_falls_back(tmp_path, how):
     # Nothing complete left: one line, no fallback.
     _damage(c1, how)
     with pytest.raises(ConfigError) as e:
-        ck.find_resume_checkpoint(run)
+        rf.find_resume_checkpoint(run)
     assert str(e.value.code).startswith(f"error: --resume: {problem}") and str(
         e.value.code
     ).endswith(
@@ -348,13 +350,13 @@ def test_damaged_checkpoint_is_one_line_or_falls_back(tmp_path, how):
 
 def test_missing_or_empty_resume_folder_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as e:
-        ck.find_resume_checkpoint(str(tmp_path / "nope"))
+        rf.find_resume_checkpoint(str(tmp_path / "nope"))
     assert str(e.value.code) == (
         f"error: --resume '{tmp_path}/nope' does not exist: pass a run folder "
         "({output_dir}/{run_name}) or one of its checkpoint-N folders"
     )
     with pytest.raises(ConfigError) as e:
-        ck.find_resume_checkpoint(str(tmp_path))
+        rf.find_resume_checkpoint(str(tmp_path))
     assert "holds no checkpoint-N folder" in str(e.value.code)
 
 
@@ -364,7 +366,7 @@ def test_a_checkpoint_that_passes_its_checksum_but_will_not_unpickle_is_one_line
     with open(os.path.join(folder, ck.STATE_FILE), "wb") as f:
         f.write(b"not a zip")
     with pytest.raises(ConfigError) as e:
-        ck.load_checkpoint(folder)
+        rs.load_checkpoint(folder)
     assert str(e.value.code).startswith(
         f"error: --resume: {folder}/trainer_state.pt is unreadable ("
     )
@@ -404,7 +406,7 @@ def test_a_complete_json_of_the_wrong_shape_falls_back_to_the_previous_checkpoin
     c1, c2 = ck.checkpoint_dir(run, 1), ck.checkpoint_dir(run, 2)
     _write_marker(c2, MARKER_DAMAGE[how])
     said = []
-    assert ck.find_resume_checkpoint(run, log=said.append) == c1
+    assert rf.find_resume_checkpoint(run, log=said.append) == c1
     assert len(said) == 1 and said[0].startswith(f"warning: {c2}/COMPLETE.json is "), said
     assert "\n" not in said[0] and said[0].endswith(
         f"resuming from {c1}, the latest complete checkpoint, instead"
@@ -466,14 +468,14 @@ def test_every_restored_state_is_checked_before_any_is_copied(tmp_path, how):
     before = {k: p.detach().clone() for k, p in params.items()}
     shadow = {k: t.clone() for k, t in extras["old_policy"].shadow.items()}
     with pytest.raises(ConfigError) as e:
-        ck.restore_checkpoint(folder, 0, params, opt, ema, extras=extras)
+        rs.restore_checkpoint(folder, 0, params, opt, ema, extras=extras)
     msg = str(e.value.code)
     assert msg.startswith("error: --resume") and folder in msg and "\n" not in msg, msg
     assert all(torch.equal(before[k], params[k]) for k in params)
     assert all(torch.equal(shadow[k], extras["old_policy"].shadow[k]) for k in shadow)
     # and the undamaged checkpoint restores
     good = _save_tiny(str(tmp_path / "good"))
-    assert ck.restore_checkpoint(good, 0, params, opt, ema, extras=extras)[0] == 1
+    assert rs.restore_checkpoint(good, 0, params, opt, ema, extras=extras)[0] == 1
 
 
 def test_the_ema_refuses_a_shadow_of_another_shape():
@@ -580,8 +582,8 @@ def test_resume_with_a_damaged_latest_checkpoint_falls_back_and_is_exact(
         f"resuming from {ck.checkpoint_dir(run, 1)}, the latest complete checkpoint, instead"
     )
     assert ck.verify_checkpoint(c2) is None
-    a = ck.load_checkpoint(ck.checkpoint_dir(base_run["run"], 2))
-    b = ck.load_checkpoint(c2)
+    a = rs.load_checkpoint(ck.checkpoint_dir(base_run["run"], 2))
+    b = rs.load_checkpoint(c2)
     assert a["iteration"] == b["iteration"] == 2
     assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
     assert [m["iteration"] for m in read_metrics(run)] == [0, 1, 2]

@@ -13,7 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.plumbing.checkpoint import run_outputs  # noqa: E402
+from common.plumbing.run_folder import run_outputs  # noqa: E402
 
 
 def _files(tmp_path, tiny_sd3) -> dict:

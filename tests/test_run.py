@@ -13,8 +13,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common.plumbing.run as run_module  # noqa: E402
-from common.plumbing.checkpoint import list_checkpoints, load_checkpoint  # noqa: E402
+from common.plumbing.checkpoint import list_checkpoints  # noqa: E402
 from common.plumbing.checks import ConfigError  # noqa: E402
+from common.plumbing.resume import load_checkpoint  # noqa: E402
 from common.plumbing.run import (  # noqa: E402
     COUNTERS,
     Run,

@@ -18,7 +18,7 @@ SCRIPT = "flowgrpo_baseline.py"
 HOLD = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, sys.argv[2])
-    from common.plumbing.checkpoint import hold_run_folder
+    from common.plumbing.run_folder import hold_run_folder
     hold_run_folder(sys.argv[1])
     print("held", flush=True)
     time.sleep(120)
@@ -98,7 +98,7 @@ def test_a_folder_held_by_a_live_process_is_refused_before_the_model_loads(
 
 
 def test_the_lock_of_a_killed_run_is_gone_with_it(tmp_path):
-    from common.plumbing.checkpoint import hold_run_folder, release_run_folder
+    from common.plumbing.run_folder import hold_run_folder, release_run_folder
 
     run = str(tmp_path / "run")
     p = holder(run)
@@ -157,7 +157,7 @@ def test_a_run_killed_after_its_last_save_resumes_to_its_final_evaluation(
 def test_path_flags_are_compared_by_what_they_point_to(tmp_path, monkeypatch):
     """The same prompts file by a relative path, or a copy of it (a second clone of the repository), is the same
     experiment; a file with other content is not."""
-    from common.plumbing.checkpoint import changed_flags
+    from common.plumbing.run_folder import changed_flags
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -202,7 +202,8 @@ def test_a_path_that_is_gone_is_compared_with_what_the_checkpoint_recorded(tmp_p
     """A checkpoint records each path flag's fingerprint: when the saved path no longer exists (the first clone was
     deleted), a path with the same content is the same experiment and one with other content is not; without a
     record (a checkpoint from before 2026-12-03) a vanished path counts as changed."""
-    from common.plumbing.checkpoint import changed_flags, path_fingerprints
+    from common.plumbing.checkpoint import path_fingerprints
+    from common.plumbing.run_folder import changed_flags
 
     old = tmp_path / "clone_a" / "prompts.txt"
     old.parent.mkdir()

@@ -23,6 +23,8 @@ from fault_worker import tiny_state, tiny_weights
 from helpers import read_metrics, run_main, tiny_flags, write_prompts
 
 import common.plumbing.checkpoint as ck
+import common.plumbing.resume as rs
+import common.plumbing.run_folder as rf
 from common.plumbing.checks import ConfigError
 
 SCRIPT = "flowgrpo_baseline.py"
@@ -97,7 +99,7 @@ def test_a_trainer_state_that_would_run_code_is_refused_unloaded(tmp_path, base_
     run = str(tmp_path / "forged")
     state = {**tiny_state(1), "note": Payload(created)}
     ck.save_checkpoint(run, state, tiny_weights(1))  # sealed: it passes its checksums
-    msg = outcome(ck.load_checkpoint, ck.checkpoint_dir(run, 1))
+    msg = outcome(rs.load_checkpoint, ck.checkpoint_dir(run, 1))
     assert not created.exists(), "the payload ran"
     assert msg and "holds Python objects (io.open)" in msg and "was not loaded" in msg, msg
     # the same through the script: a received copy of a real run, its trainer state swapped and re-sealed
@@ -124,11 +126,11 @@ def test_a_checkpoint_written_before_the_change_is_refused_and_converts_when_tru
     (for a user who trusts the file); converted, it loads with weights_only=True and restores the same RNG."""
     folder = old_checkpoint(str(tmp_path / "old"))
     with pytest.raises(ConfigError) as e:
-        ck.load_checkpoint(folder)
-    assert f"python -m common.plumbing.checkpoint --convert-trusted {folder}" in one_line(e)
-    ck.convert_trusted(folder)
+        rs.load_checkpoint(folder)
+    assert f"python -m common.plumbing.resume --convert-trusted {folder}" in one_line(e)
+    rs.convert_trusted(folder)
     assert ck.verify_checkpoint(folder) is None  # re-sealed
-    state = ck.load_checkpoint(folder)
+    state = rs.load_checkpoint(folder)
     expected = np.random.rand()
     np.random.seed(99)
     ck.set_rng_state(state["rng"][0])
@@ -153,9 +155,9 @@ def test_convert_trusted_holds_the_runs_lock(tmp_path):
 
     live = old_checkpoint(str(tmp_path / "live"))
     before = files_of(live)
-    with open(tmp_path / "live" / ck.LOCK_FILE, "w") as lock:
+    with open(tmp_path / "live" / rf.LOCK_FILE, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the run writing the folder holds it
-        msg = outcome(ck.convert_trusted, live)
+        msg = outcome(rs.convert_trusted, live)
     assert files_of(live) == before
     assert (
         msg and f"the run folder {tmp_path / 'live'} is being written by another process" in msg
@@ -169,7 +171,7 @@ def test_convert_trusted_writes_nothing_through_a_link(tmp_path):
     before = files_of(outside)
     (tmp_path / "linked").mkdir()
     os.symlink(outside, tmp_path / "linked" / "checkpoint-1")
-    msg = outcome(ck.convert_trusted, str(tmp_path / "linked" / "checkpoint-1"))
+    msg = outcome(rs.convert_trusted, str(tmp_path / "linked" / "checkpoint-1"))
     assert files_of(outside) == before
     assert (
         msg and f"{tmp_path / 'linked' / 'checkpoint-1'} is a symbolic link (to {outside})" in msg
@@ -182,7 +184,7 @@ def test_convert_trusted_leaves_a_checkpoint_that_loads_safely_as_it_is(tmp_path
     safe = ck.checkpoint_dir(str(tmp_path / "new"), 1)
     before = files_of(safe)
     capsys.readouterr()
-    assert outcome(ck.convert_trusted, safe) is None
+    assert outcome(rs.convert_trusted, safe) is None
     assert files_of(safe) == before
     said = capsys.readouterr().out
     assert said == f"{safe}/{ck.STATE_FILE} already loads with weights_only=True: left as it is\n"
@@ -271,13 +273,13 @@ def test_a_sharded_checkpoints_metadata_that_would_run_code_is_refused(tmp_path)
     good = tmp_path / "good"
     with pytest.warns(UserWarning):  # "assuming the intent is to save in a single process"
         dcp.save({"model": {"w": torch.randn(3, 4, dtype=torch.bfloat16)}}, checkpoint_id=str(good))
-    ck.check_sharded_metadata(str(good))
+    rs.check_sharded_metadata(str(good))
     bad = tmp_path / "bad"
     bad.mkdir()
     with open(bad / ".metadata", "wb") as f:
         pickle.dump(Payload(created), f)
     with pytest.raises(ConfigError) as e:
-        ck.check_sharded_metadata(str(bad))
+        rs.check_sharded_metadata(str(bad))
     assert "io.open" in one_line(e) and not created.exists()
 
 
@@ -318,7 +320,7 @@ def test_a_lock_link_is_refused_and_its_target_kept(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / ".lock").symlink_to(outside / "precious.txt")
-    msg = outcome(ck.hold_run_folder, str(run))
+    msg = outcome(rf.hold_run_folder, str(run))
     _unchanged(outside, snapshot)
     assert msg and "is a symbolic link" in msg, msg
 

@@ -41,17 +41,13 @@ from common.backbones import (
     load_backbone,
     resolve_precision,
 )
-from common.plumbing.checkpoint import (
-    adopt_run_flags,
-    resolve_run_dir,
-    restore_checkpoint,
-    resume_source,
-    writing,
-)
+from common.plumbing.checkpoint import writing
 from common.plumbing.checks import ConfigError, check_eval_size, check_run_name, read_prompt_file
 from common.plumbing.parallel import parallelize
+from common.plumbing.resume import restore_checkpoint
 from common.plumbing.reward_flags import check_rewards, load_rewards
 from common.plumbing.run import Run, RunLogger
+from common.plumbing.run_folder import adopt_run_flags, resolve_run_dir, resume_source
 from common.plumbing.signals import setup_reached, stop_on_signals_in_setup
 from common.plumbing.tracking import check_tracking
 from common.plumbing.utils import (

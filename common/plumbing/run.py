@@ -50,7 +50,6 @@ from tqdm import tqdm
 from common.distributed import max_over_ranks
 from common.plumbing.checkpoint import (
     continue_hint,
-    release_run_folder,
     rng_state,
     save_checkpoint,
     trainer_state,
@@ -61,6 +60,7 @@ from common.plumbing.checks import ConfigError
 from common.plumbing.evaluation import evaluate
 from common.plumbing.parallel import is_sharded, weights_digest
 from common.plumbing.report import run_pictures, summary_line
+from common.plumbing.run_folder import release_run_folder
 from common.plumbing.signals import SIGNALS, _before_setup, _setup_state, stop_by_signal
 from common.plumbing.tracking import start_wandb, to_wandb
 from common.plumbing.utils import atomic_file, atomic_write, read_metrics_lines

@@ -77,7 +77,7 @@ def setup_reached(run_dir: str) -> None:
 
 
 def _setup_hint() -> str:
-    from common.plumbing.checkpoint import run_outputs
+    from common.plumbing.run_folder import run_outputs
 
     run_dir = _setup_state["run_dir"]
     if run_dir and run_outputs(run_dir):
