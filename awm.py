@@ -20,8 +20,9 @@ The equations, numbered E1-E12 as in docs/awm.md (its table quotes the released 
   (E6) A_hat = clip(A, -5, 5) / 5 * advantage_max   (advantage_max = 1)
   (E7-E9) the released PPO form: rho = exp(lp - lp_old), lp_old = lp.detach(): rho = 1, the clip is
        inert, the gradient is -A_hat grad lp (below, beside the loss)
-  (E10) + beta mean (v_theta - v_base)^2,  v_base = the model with its LoRA off
-  (E11) + ema_beta mean (v_theta - v_ema)^2, v_ema = the fast EMA's velocity (same x_t)
+  (E10) + kl_weight mean (v_theta - v_base)^2,  v_base = the model with its LoRA off (released: beta)
+  (E11) + ema_kl_weight mean (v_theta - v_ema)^2, v_ema = the fast EMA's velocity at the same x_t
+        (released: ema_beta)
   (E12) after each iteration's update: ema <- d ema + (1 - d) theta, d = min(0.3, 0.001 step)
 No transitions: as DiffusionNFT, AWM keeps one row per image, so it shares the GRPO scripts' rollout
 plumbing (prompts, groups, seeds, rewards, group advantages) but not their training section.
@@ -91,10 +92,10 @@ class Args(HarnessArgs):
     """time and robust weighting of each row's matching loss"""
     ghuber_power: float = 0.25
     """p of the ghuber weighting: t (l^p - 1e-10^p) / p"""
-    beta: float = 0.001
-    """weight of the velocity KL to the base model (LoRA off); 0 = none"""
-    ema_beta: float = 1.0
-    """weight of the velocity KL to the fast EMA of the policy; 0 = none"""
+    kl_weight: float = 0.001
+    """weight of |v_theta - v_ref|^2, v_ref the model without LoRA (0 = no reference forward)"""
+    ema_kl_weight: float = 1.0
+    """weight of |v_theta - v_ema|^2, v_ema the fast EMA of theta (0 = no EMA forward)"""
     kl_ema_decay: float = 0.3
     """the fast EMA's largest decay: d = min(this, 0.001 * optimizer steps)"""
     burn_in_iterations: int = 0
@@ -117,7 +118,7 @@ class Args(HarnessArgs):
     """timesteps trained per image: train_timesteps"""
 
     def wants_reference(self) -> bool:
-        return self.beta > 0  # the base KL's reference forward (E10)
+        return self.kl_weight > 0  # the base KL's reference forward (E10)
 
 
 def check_args(args: Args, world_size: int) -> None:
@@ -130,7 +131,8 @@ def check_args(args: Args, world_size: int) -> None:
     check_flag(args, "advantage_max", Rule(0, lo_open=True, why="the clipped advantage's scale"))
     check_flag(args, "train_timesteps", Rule(1, integer=True, why="timestep strata per image"))
     check_flag(args, "ghuber_power", Rule(0, 1, lo_open=True, why="ghuber's l^p: 0 < p <= 1"))
-    check_flag(args, "ema_beta", Rule(0, why="weight of the KL to the fast EMA; 0 = none"))
+    check_flag(args, "kl_weight", Rule(0, why="weight of the KL to the base model; 0 = none"))
+    check_flag(args, "ema_kl_weight", Rule(0, why="weight of the KL to the fast EMA; 0 = none"))
     check_flag(args, "kl_ema_decay", Rule(0, 1, hi_open=True, why="the fast EMA's largest decay"))
     check_flag(args, "burn_in_iterations", Rule(0, integer=True, why="iterations that skip all"))
     lo, hi = args.noise_window
@@ -230,7 +232,7 @@ def awm_loss(v, x0, eps, t, adv, v_ref, v_ema, args: Args):
     zero = torch.zeros_like(policy_loss)
     kl = zero if v_ref is None else velocity_kl(v, v_ref)  # (E10)
     ema_kl = zero if v_ema is None else velocity_kl(v, v_ema)  # (E11)
-    return policy_loss + args.beta * kl + args.ema_beta * ema_kl, policy_loss, kl, ema_kl
+    return policy_loss + args.kl_weight * kl + args.ema_kl_weight * ema_kl, policy_loss, kl, ema_kl
 
 
 def anchor_decay(step: int, cap: float) -> float:
@@ -321,7 +323,7 @@ class AWMStats:
             matching_loss=matching_loss,
         )
         rows, a = len(weight), self.args  # forwards: v_theta (and v_base, v_ema); one backward
-        forwards = rows * (1 + (a.beta > 0) + (a.ema_beta > 0))
+        forwards = rows * (1 + (a.kl_weight > 0) + (a.ema_kl_weight > 0))
         self.stats.count(**{"nfe/train_forward": forwards, "nfe/train_backward": rows})
 
     def step(self, grad_norm: float | None) -> None:
@@ -340,7 +342,7 @@ if __name__ == "__main__":
     )
     # (E11-E12) the fast EMA, the KL anchor: a copy of the trained weights that follows them once
     # per iteration (the released code keeps it as a second LoRA adapter, "ema"); swapped into the
-    # trained parameters for v_ema. Kept (and saved) whatever --ema-beta.
+    # trained parameters for v_ema. Kept (and saved) whatever --ema-kl-weight.
     anchor = EMA(h.params, decay=0.0, interval=1, warmup=False)  # starts as a copy of theta
     # fp16: dynamic loss scaling (torch.amp), as the released code's GradScaler; otherwise a no-op
     scaler = torch.amp.GradScaler(h.device.type, enabled=h.backbone.dtype == torch.float16)
@@ -403,12 +405,14 @@ if __name__ == "__main__":
                 set_grad_sync(h.policy, mb.sync)
                 v = h.backbone.velocity(x_t, sigma, emb, args.guidance_scale, model=h.policy)
                 v_ref = v_ema = None  # a weight of 0: no forward (the released code crashes)
-                if args.beta > 0:  # (E10) the base model: the LoRA off
+                if args.kl_weight > 0:  # (E10) the base model: the LoRA off
                     with torch.no_grad():
                         v_ref = h.backbone.velocity(
                             x_t, sigma, emb, args.guidance_scale, model=h.trainable.reference
                         )
-                if args.ema_beta > 0:  # (E11) the fast EMA, same x_t (released: only if beta > 0)
+                if (
+                    args.ema_kl_weight > 0
+                ):  # (E11) the fast EMA, same x_t (released: only if beta > 0)
                     with torch.no_grad(), anchor.swapped():
                         v_ema = h.backbone.velocity(x_t, sigma, emb, args.guidance_scale)
                 row_loss, policy_loss, kl, ema_kl = awm_loss(v, x0, eps, t, adv, v_ref, v_ema, args)

@@ -341,6 +341,15 @@ RUNS = [
     ),
     ("cudnn", None, None, "flux", "bf16", None, None),
     ("g2rpo SD3.5-M full bf16 ddp", "g2rpo.py", 0, "sd35", "bf16", "ddp", G2RPO_SD35_FULL),
+    (  # GenEval's 18 rows per training forward; no burn-in, so that iteration 1 trains
+        "awm SD3.5-M fp16 ddp",
+        "awm.py",
+        0,
+        "sd35",
+        "fp16",
+        "ddp",
+        {"--group-size": [6], "--groups-per-iteration": [1], "--burn-in-iterations": [0]},
+    ),
 ]
 EVAL_64 = {
     "g2rpo FLUX.1-dev LoRA 720 px bf16 fsdp eval 64",

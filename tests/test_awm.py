@@ -235,7 +235,7 @@ def test_the_loss_has_the_released_gradient_and_kl_terms(weighting):
         v + 0.01 * torch.randn(v.shape, generator=g),
     )
     a = torch.tensor([2.0, -7.0, 0.3], dtype=torch.float64)  # A before the clip: one beyond 5
-    args = awm.Args(weighting=weighting, beta=0.001, ema_beta=1.0)
+    args = awm.Args(weighting=weighting, kl_weight=0.001, ema_kl_weight=1.0)
 
     v1 = v.clone().requires_grad_()
     log_prob, out = released_log_prob(v1, eps, x0, t, weighting, 0.25)
@@ -273,12 +273,12 @@ def test_the_clip_is_inert_on_policy_for_any_clip_range():
 
 
 def test_a_zero_weight_needs_no_forward():
-    """beta = 0 or ema_beta = 0 (the released code raises UnboundLocalError at log_prob_ref / model_output_ema): the
-    term is 0 and its velocity is never read."""
+    """--kl-weight 0 or --ema-kl-weight 0 (the released beta = 0 or ema_beta = 0 raise UnboundLocalError at
+    log_prob_ref / model_output_ema): the term is 0 and its velocity is never read."""
     v, x0, eps, t = fixed_rows(2, 2)
     adv = torch.ones(4, dtype=torch.float64)
     for beta, ema_beta in ((0.0, 0.0), (0.0, 1.0), (1e-3, 0.0)):
-        args = awm.Args(beta=beta, ema_beta=ema_beta)
+        args = awm.Args(kl_weight=beta, ema_kl_weight=ema_beta)
         v_ref = v + 1 if beta else None
         v_ema = v - 1 if ema_beta else None
         row, policy, kl, ema_kl = awm.awm_loss(v, x0, eps, t, adv, v_ref, v_ema, args)
@@ -310,6 +310,17 @@ def test_the_noise_window_and_the_sa_solver_noise_scale():
             ours = float(std_dev_t.flatten()[0]) * math.sqrt(ds)
             ratio = ours / released_sa_noise_std(s, s - ds, 0.4)
             assert abs(ratio - 1) < 2 * ds / (1 - s) + 1e-6, (s, ds, ratio)
+    # at the 14 steps themselves the Euler-Maruyama step is noisier: 1.15x to 1.37x SA-Solver's per-step std
+    ratios = []
+    for j in noisy:
+        s, s_next = float(grid[j]), float(grid[j + 1])
+        _, _, _, std_dev_t = sde_step(x, x, s, s_next, a[j])
+        ratios.append(
+            float(std_dev_t.flatten()[0])
+            * math.sqrt(s - s_next)
+            / released_sa_noise_std(s, s_next, 0.4)
+        )
+    assert 1.14 < min(ratios) < 1.15 and 1.36 < max(ratios) < 1.37, ratios
 
 
 # ---- the script end to end, on the tiny models
@@ -333,10 +344,10 @@ def saved(checkpoint, *path):
 
 @pytest.mark.parametrize("beta,ema_beta", [(0.0, 0.0), (0.0, 1.0), (1e-3, 0.0), (1e-3, 1.0)])
 def test_runs_with_either_kl_weight_at_zero(tiny_sd3, tmp_path, prompts_file, beta, ema_beta):
-    """The released code crashes at beta = 0 or ema_beta = 0; here each runs, each forward is counted only when its
+    """The released code crashes at beta = 0 or ema_beta = 0 (--kl-weight, --ema-kl-weight here); here each runs, each forward is counted only when its
     weight is > 0, and a term at weight 0 logs 0. Rows: 4 images x 2 strata."""
     m = two_iterations(
-        tiny_sd3, tmp_path, prompts_file, "--beta", str(beta), "--ema-beta", str(ema_beta)
+        tiny_sd3, tmp_path, prompts_file, "--kl-weight", str(beta), "--ema-kl-weight", str(ema_beta)
     )
     assert [x["iteration"] for x in m] == [0, 1, 2] and m[-1]["final"]
     per_row = 1 + (beta > 0) + (ema_beta > 0)
@@ -443,8 +454,8 @@ def run_inprocess(monkeypatch, *flags) -> str:
 @pytest.mark.parametrize(
     "flags,expect",
     [
-        (["--beta", "-1"], "--beta -1.0: must be a finite number >= 0"),
-        (["--ema-beta", "-1"], "--ema-beta -1.0: must be a finite number >= 0"),
+        (["--kl-weight", "-1"], "--kl-weight -1.0: must be a finite number >= 0"),
+        (["--ema-kl-weight", "-1"], "--ema-kl-weight -1.0: must be a finite number >= 0"),
         (["--kl-ema-decay", "1"], "--kl-ema-decay 1.0: must be"),
         (["--ghuber-power", "0"], "--ghuber-power 0.0: must be"),
         (["--train-timesteps", "0"], "--train-timesteps 0: must be"),
