@@ -913,7 +913,7 @@ def setting(
         decode_batch=args.decode_batch_size,
         prompts_at_once=max(prompts, eval_batch),
         reference=args.wants_reference(),
-        anchor=script == "awm.py" and args.ema_beta > 0,
+        anchor=script == "awm.py" and args.ema_kl_weight > 0,
         # the EMA; DiffusionNFT's old policy, AWM's fast EMA
         copies=int(args.ema_decay > 0) + int(script in ("diffusionnft.py", "awm.py")),
         rewards=tuple(dict.fromkeys(rewards)),
