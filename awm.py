@@ -101,9 +101,9 @@ class Args(HarnessArgs):
     burn_in_iterations: int = 0
     """iterations that neither sample nor train at the start (the released code: 2)"""
     # ---- optimizer
-    num_iterations: int = 20
+    num_iterations: int = 18
     """rollout + update iterations (0 = only evaluate the starting model)"""
-    learning_rate: float = 3e-4
+    learning_rate: float = 1e-3
     """AdamW learning rate"""
     adam_betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas"""
