@@ -49,6 +49,7 @@ SCRIPTS = {
     "g2rpo": "g2rpo.py",
     "densegrpo": "densegrpo.py",
     "diffusionnft": "diffusionnft.py",
+    "awm": "awm.py",
     "yardstick": "benchmarks/yardstick_raft.py",
 }
 ALGOS = tuple(SCRIPTS)

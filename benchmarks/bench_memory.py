@@ -19,7 +19,7 @@ A run's peak per GPU is what stays for the whole run plus the largest transient 
   resident      text encoders in the run's dtype (fp16: T5's `wo` layers stay fp32, transformers'
                 _keep_in_fp32_modules); the VAE in fp32; the reward models in fp32; the transformer and what training
                 keeps beside it (`per_gpu`: weights, Adam, fp32 copies of the trained weights for the EMA and for
-                DiffusionNFT's old policy, DDP's gradient buckets)
+                DiffusionNFT's old policy and AWM's fast EMA, DDP's gradient buckets)
   + the largest of these phases:
     encode      the text encoders' forward on the most prompts encoded at once (a rank's rollout prompts, or one
                 evaluation batch); SD3 keeps every CLIP layer's output (diffusers asks for the hidden states)
@@ -27,8 +27,8 @@ A run's peak per GPU is what stays for the whole run plus the largest transient 
                 no-grad transformer forward at --rollout-batch-size (CFG: 2 rows; DenseGRPO's completions at
                 --completion-batch-size), one VAE decode of --decode-batch-size images, one reward batch
     train       what the rollout keeps + the trained weights' gradients + the activations one micro-batch saves for
-                its backward (+ with a KL reference, its no-grad forward, which runs while they are kept; + under
-                DDP full fine-tuning, autocast's bf16 copies of the weights)
+                its backward (+ with a KL reference or AWM's fast EMA, one no-grad forward, which runs while they are
+                kept; + under DDP full fine-tuning, autocast's bf16 copies of the weights)
     eval        the no-grad forward at --eval-batch-size (CFG: 2 rows), one decode, one reward batch, + the images
     step        the optimizer step: what the rollout keeps + the trained weights' gradients (sharded under FSDP) +
                 foreach AdamW's temporaries (`adamw_step_bytes`: torch's _multi_tensor_adam makes one fp32 tensor
@@ -751,7 +751,9 @@ def reward(name: str, batch: int = REWARD_BATCH, config: str | None = None) -> t
     """(fp32 weights, the transient of one scoring call of `batch` images) of a reward model; rewards without
     weights (toyworld, JPEG) are 0. config: a CLIPModel config (JSON) instead of the published one (a run's own
     reward folder)."""
-    if name in NO_WEIGHTS:
+    if name in NO_WEIGHTS or name.startswith(
+        "remote:"
+    ):  # a served reward's weights are on its server
         return 0, 0
     if name not in REWARD_MODELS:
         raise ValueError(
@@ -856,7 +858,8 @@ class Setting:
     decode_batch: int
     prompts_at_once: int  # the most prompts one encode call sees
     reference: bool  # a KL reference forward in training
-    copies: int  # fp32 copies of the trained weights: the EMA, DiffusionNFT's old policy
+    anchor: bool  # AWM's no-grad forward of its fast EMA in training (beside or instead of the reference's)
+    copies: int  # fp32 copies of the trained weights: the EMA, DiffusionNFT's old policy, AWM's fast EMA
     rewards: tuple
     kept: int  # bytes the rollout keeps until training (held_by_rollout)
     rollout_held: int  # bytes it holds besides them at its fullest
@@ -872,7 +875,7 @@ def held_by_rollout(script: str, args, latent: int, image: int) -> tuple[int, in
       trained step's completion and the SDE image), in a list and concatenated for the reward.
     - g2rpo.py: keeps the branch states and next latents; holds each branch's final latent (images are decoded and
       scored one rollout batch at a time).
-    - diffusionnft.py: keeps x0 of every image; holds the decoded images, in a list and concatenated."""
+    - diffusionnft.py, awm.py: keep x0 of every image; hold the decoded images, in a list and concatenated."""
     n = args.images_per_rank
     if script == "flowgrpo_baseline.py":
         kept = 3 * args.trained_steps * n * latent
@@ -882,7 +885,7 @@ def held_by_rollout(script: str, args, latent: int, image: int) -> tuple[int, in
         return (2 * T + 1) * n * latent, T * n * latent + 2 * (T + 1) * n * (latent + image)
     if script == "g2rpo.py":
         return 2 * n * latent, n * latent
-    if script == "diffusionnft.py":
+    if script in ("diffusionnft.py", "awm.py"):
         return n * latent, 2 * n * image
     raise ValueError(f"{script}: no rollout accounting in the memory model")
 
@@ -927,13 +930,18 @@ def setting(
         offload=args.fsdp_offload,
         cfg=cfg,
         eval_cfg=eval_cfg,
-        train_rows=args.train_batch_size * cfg,
+        # AWM's --train-batch-size counts images, each trained at --train-timesteps rows in one forward
+        train_rows=args.train_batch_size
+        * cfg
+        * (args.train_timesteps if script == "awm.py" else 1),
         rollout_rows=tuple(rollout_rows),
         eval_rows=eval_batch * eval_cfg,
         decode_batch=args.decode_batch_size,
         prompts_at_once=max(prompts, eval_batch),
         reference=args.wants_reference(),
-        copies=int(args.ema_decay > 0) + int(script == "diffusionnft.py"),
+        anchor=script == "awm.py" and args.ema_kl_weight > 0,
+        # the EMA; DiffusionNFT's old policy, AWM's fast EMA
+        copies=int(args.ema_decay > 0) + int(script in ("diffusionnft.py", "awm.py")),
         rewards=tuple(dict.fromkeys(rewards)),
         kept=kept,
         rollout_held=rollout_held,
@@ -982,7 +990,7 @@ def estimate(
         + g["grads"]
         + g["autocast"]
         + t["activations"]
-        + (t["forward"][s.train_rows] if s.reference else 0),
+        + (t["forward"][s.train_rows] if s.reference or s.anchor else 0),
         eval=max(t["forward"][s.eval_rows], decode, scoring) + s.eval_rows // s.eval_cfg * image,
         step=s.kept + g["step"],
     )
@@ -1013,6 +1021,7 @@ TITLES = {
     "g2rpo.py": "G²RPO",
     "densegrpo.py": "DenseGRPO",
     "diffusionnft.py": "DiffusionNFT",
+    "awm.py": "AWM",
 }
 
 

@@ -429,6 +429,18 @@ RUNS = [
         eval_s=0.5,
         what="full fine-tuning with loss scaling",
     ),
+    Row(  # GenEval's 18 rows per training forward; no burn-in, so that iteration 1 trains
+        "awm SD3.5-M fp16 ddp",
+        "sd35",
+        "fp16",
+        "awm.py",
+        parallel="ddp",
+        scaled={"--group-size": [6], "--groups-per-iteration": [1], "--burn-in-iterations": [0]},
+        load_s=15,
+        iteration_s=3,
+        eval_s=0.5,
+        what="AWM's matching loss with loss scaling",
+    ),
     Row(
         "cudnn probe",
         "flux",

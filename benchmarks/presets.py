@@ -18,6 +18,7 @@ DOCS = {
     "g2rpo.py": "docs/g2rpo.md",
     "densegrpo.py": "docs/densegrpo.md",
     "diffusionnft.py": "docs/diffusionnft.md",
+    "awm.py": "docs/awm.md",
 }
 PRESET = re.compile(r"^## Paper preset\n(?P<body>.*?)(?=^## |\Z)", re.S | re.M)
 BASH = re.compile(r"```bash\n(?P<code>.*?)```", re.S)

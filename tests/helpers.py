@@ -56,6 +56,19 @@ def run_main(script: str, *flags: str) -> None:
                 raise
 
 
+def exit_message(monkeypatch, script: str, *flags: str) -> str:
+    """Run `script` as __main__ in this process with `flags` and return the message it exits with (bad input: one
+    line); monkeypatch is pytest's fixture (sys.argv is restored after the test)."""
+    import runpy
+
+    import pytest
+
+    monkeypatch.setattr(sys, "argv", [script, *flags])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    return str(e.value.code)
+
+
 def read_metrics(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -39,7 +39,13 @@ REF = re.compile(
 )
 # anything that looks like a line reference: a `file.py:N` label or a `#LN` link target
 LOOSE = re.compile(r"[\w./-]*[\w-]\.py:\d+|\]\([^)\s]*#L\d+\)")
-ALGO_DOCS = ["docs/flowgrpo.md", "docs/g2rpo.md", "docs/densegrpo.md", "docs/diffusionnft.md"]
+ALGO_DOCS = [
+    "docs/flowgrpo.md",
+    "docs/g2rpo.md",
+    "docs/densegrpo.md",
+    "docs/diffusionnft.md",
+    "docs/awm.md",
+]
 MIN_REFS = 10
 KEY_LEN = (10, 60)
 MAIN = "main"  # the scope name of the `if __name__ == "__main__":` block
@@ -425,6 +431,14 @@ OTHER_CODE = {
     "flow_grpo_step": "G²RPO's official code",
     "create_app": "yifan123/reward-server app_geneval.py (flow_grpo's GenEval server)",
     "geneval_score": "yifan123/flow_grpo flow_grpo/rewards.py",
+    "geneval_sd3_no_cfg_1node": "scxue/advantage_weighted_matching config/dgx_awm.py",
+    "ocr_sd3_no_cfg_1node": "scxue/advantage_weighted_matching config/dgx_awm.py",
+    "pickscore_sd3_no_cfg_1node": "scxue/advantage_weighted_matching config/dgx_awm.py",
+    "gradient_accumulation_steps": "scxue/advantage_weighted_matching config/dgx_awm.py",
+    "log_prob_ref": "scxue/advantage_weighted_matching scripts/train_sd3_awm.py",
+    "awm_trainer": "verl-project/verl-omni examples/awm_trainer",
+    "awm_kl_coef": "verl-project/verl-omni examples/awm_trainer (its README)",
+    "ref_kl_coef": "verl-project/verl-omni examples/awm_trainer (its README)",
     # a placeholder the usage page's `--scorer NAME=MODULE:FACTORY` spelling names
     "FACTORY": "docs/usage.md's placeholder for a user's own function",
     # a former name of ours, said as such ("until 2026-12-01 ... `ode_complete`")

@@ -158,12 +158,16 @@ def test_every_paper_preset_fits_the_gpu_it_names(preset_rows):
         "G²RPO, FLUX.1-dev",
         "DenseGRPO, SD3.5-M",
         "DiffusionNFT, SD3.5-M",
+        "AWM, SD3.5-M",
     }, names
     assert {r["name"]: r["gpu"] for r in preset_rows}["G²RPO, FLUX.1-dev"] == "141 GB"
     bad = [r["name"] for r in preset_rows if not bm.fits(r["peak"], r["gpu"])]
     assert not bad, f"{bad} do not fit:\n{bm.preset_table(preset_rows)}"
-    for r in preset_rows:  # every component is there
-        assert min(r["resident"].values()) > 0 and r["phases"]["train"] > 0, r["name"]
+    for r in preset_rows:  # every component is there; a served reward's weights are on its server
+        served = all(n.startswith("remote:") for n in r["setting"].rewards)
+        held = {k: v for k, v in r["resident"].items() if not (k == "reward" and served)}
+        assert min(held.values()) > 0 and r["phases"]["train"] > 0, r["name"]
+        assert (r["resident"]["reward"] == 0) == served, r["name"]
 
 
 def test_the_fit_test_sees_a_preset_that_does_not_fit(preset_rows):

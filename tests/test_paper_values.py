@@ -112,11 +112,53 @@ DIFFUSION_NFT = {  # Zheng et al., arXiv 2509.16117; NVlabs/DiffusionNFT config/
     "ema_decay": {0.9},
     "optimizer_steps_per_iteration": {1},
 }
+AWM = {  # Xue et al., arXiv 2509.25050; scxue/advantage_weighted_matching at be51372, config/dgx_awm.py (the 1-node
+    # GenEval, OCR and PickScore configs), config/base_awm.py, scripts/train_sd3_awm.py; reference/awm.md §3
+    "resolution": {512},
+    "max_sequence_length": {128},
+    "mixed_precision": {"fp16"},
+    "lora_rank": {32},
+    "lora_alpha": {64},
+    "num_steps": {14},
+    "noise_level": {0.4, 0.0},  # SA-Solver's tau: GenEval and OCR 0.4, PickScore 0.0
+    "noise_window": {0.3, 0.9},  # `0.3 <= t <= 0.9` in sd3_pipeline_with_logprob.py
+    "guidance_scale": {1.0},
+    "eval_guidance_scale": {1.0},
+    "group_size": {24},
+    "groups_per_iteration": {72, 24},  # 36 (PickScore: 12) batches x 6 images x 8 GPUs / 24
+    "rollout_batch_size": {6},
+    "train_batch_size": {3, 2},  # train.batch_size: GenEval and OCR 3, PickScore 2
+    "optimizer_steps_per_iteration": {1},
+    "burn_in_iterations": {2},
+    "std_eps": {1e-4},
+    "adv_clip_max": {5},
+    "advantage_max": {1},
+    "train_timesteps": {6},
+    "timestep_fraction": {0.9},
+    "time_type": {"discrete_wo_init", "discrete"},  # PickScore: discrete
+    "weighting": {"ghuber"},
+    "ghuber_power": {0.25},
+    "kl_weight": {0.001, 0.003, 0.0001},  # train.beta: GenEval (since be51372), OCR, PickScore
+    "ema_kl_weight": {1},  # train.ema_beta
+    "kl_ema_decay": {0.3},
+    "learning_rate": {3e-4},
+    "adam_betas": {0.9, 0.999},
+    "weight_decay": {1e-4},
+    "max_grad_norm": {1.0},
+    "ema_decay": {0.99},
+    "ema_update_interval": {1},
+    "eval_num_steps": {40},
+    "eval_batch_size": {6},
+    "eval_every": {50, 20},  # eval_freq: GenEval and PickScore 50, OCR 20
+    "save_every": {50, 20},
+    "seed": {42},
+}
 SCRIPTS = {
     "flowgrpo_baseline.py": FLOW_GRPO,
     "g2rpo.py": G2RPO,
     "densegrpo.py": DENSE_GRPO,
     "diffusionnft.py": DIFFUSION_NFT,
+    "awm.py": AWM,
 }
 GRPO_SCRIPTS = ("flowgrpo_baseline.py", "g2rpo.py", "densegrpo.py")
 

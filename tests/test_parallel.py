@@ -32,7 +32,7 @@ from helpers import (
 
 from common.plumbing.checks import ConfigError
 
-SCRIPTS = ["flowgrpo_baseline.py", "g2rpo.py", "densegrpo.py", "diffusionnft.py"]
+SCRIPTS = ["flowgrpo_baseline.py", "g2rpo.py", "densegrpo.py", "diffusionnft.py", "awm.py"]
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
 FAST = ["--learning-rate", "1e-2", "--eval-every", "100"]
 CALIB = [
@@ -512,8 +512,8 @@ def test_fsdp_full_finetune_ends_with_ddps_weights(two_nodes, tiny_sd3, script):
     i = names.index(f"{script}-fsdp")
     assert res[i, 0]["digest"] == res[i, 1]["digest"]
     m = read_metrics(out / f"{script}-fsdp")
-    assert m[-2]["train/optimizer_steps"] > 0  # NFT has no transitions to count as kept
-    assert script == "diffusionnft.py" or m[-2]["train/kept_transitions"] > 0
+    assert m[-2]["train/optimizer_steps"] > 0  # NFT and AWM have no transitions to count as kept
+    assert script in ("diffusionnft.py", "awm.py") or m[-2]["train/kept_transitions"] > 0
 
 
 def test_fsdp_holds_half_the_parameters_and_optimizer_state_per_rank(two_nodes):
