@@ -28,7 +28,7 @@ No transitions: as DiffusionNFT, AWM keeps one row per image, so it shares the G
 plumbing (prompts, groups, seeds, rewards, group advantages) but not their training section.
 Docs: docs/awm.md.  Run: `python awm.py` (toy world, CPU, minutes, no downloads) or
 `torchrun --nproc_per_node 8 awm.py --model-path DIR ...` (see the docs for the released presets).
-The shared flags and the set-up are in common/harness.py.
+The shared flags and the set-up are in common/plumbing/harness.py.
 """
 
 from __future__ import annotations
@@ -41,21 +41,15 @@ from typing import Literal
 import torch
 import tyro
 
-from common.checks import ConfigError, Rule, check_flag, check_ranges
-from common.harness import Harness, HarnessArgs, derived, setup, split_batch
-from common.parallel import check_parallel, set_grad_sync
+from common.distributed import all_gather_cat
+from common.plumbing.checks import ConfigError, Rule, check_flag, check_ranges
+from common.plumbing.harness import Harness, HarnessArgs, derived, setup, split_batch
+from common.plumbing.parallel import check_parallel
+from common.plumbing.run import Stats, check_finite
+from common.plumbing.transitions import Rollout
 from common.policy import EMA
 from common.rewards import group_advantages, group_reward_metrics
 from common.sampler import sde_step
-from common.training import (
-    GradShare,
-    Rollout,
-    Stats,
-    check_finite_rewards,
-    count_step,
-    plan_updates,
-)
-from common.utils import all_gather_cat
 
 
 @dataclass
@@ -124,9 +118,9 @@ class Args(HarnessArgs):
 def check_args(args: Args, world_size: int) -> None:
     """Flag ranges and batch arithmetic, checked before any model is loaded. Every message says what
     to change. --train-batch-size counts images here (each trains at --train-timesteps rows)."""
-    check_ranges(args)  # common/checks.py: the numeric flags the scripts share
-    check_parallel(args, world_size)  # common/parallel.py: --parallel fsdp needs torchrun
-    split_batch(args, world_size)  # common/harness.py: images per iteration and per rank
+    check_ranges(args)  # common/plumbing/checks.py: the numeric flags the scripts share
+    check_parallel(args, world_size)  # common/plumbing/parallel.py: --parallel fsdp needs torchrun
+    split_batch(args, world_size)  # common/plumbing/harness.py: images per iteration and per rank
     check_flag(args, "std_eps", Rule(0, lo_open=True, why="a group of equal rewards has std 0"))
     check_flag(args, "advantage_max", Rule(0, lo_open=True, why="the clipped advantage's scale"))
     check_flag(args, "train_timesteps", Rule(1, integer=True, why="timestep strata per image"))
@@ -280,9 +274,9 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
                 image = h.backbone.decode(x, args.resolution, args.resolution)
                 pending.append(h.reward_model.submit(image, prompts[b : b + len(x)]))
     with timer("reward"):
-        scores = h.reward_model.gather(pending, h.run_dir)  # [n, R]: one column per reward
+        scores = h.reward_model.gather(pending)  # [n, R]: one column per reward
         all_scores = all_gather_cat(scores.to(h.device), h.world_size).cpu()  # rank-major = global
-        check_finite_rewards(all_scores, iteration, h.run_dir)
+        check_finite("reward", iteration, all_scores)
         mixed = h.reward_model.mix(all_scores)
         advantages = group_advantages(mixed, group, args.global_std, args.std_eps)  # (E5)
         adv = advantage_weight(advantages, args.adv_clip_max, args.advantage_max)  # (E6)
@@ -301,33 +295,11 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
     return Rollout(samples, emb, prompts, counts, metrics)
 
 
-class AWMStats:
-    """The training section's metrics in the interface Run.log reads (`stats`, `grad_share`): the
-    policy loss (-A_hat lp), the base KL and the EMA KL per trained timestep, the unweighted
-    matching loss l, the forwards and backwards, and per optimizer step its gradient norm. AWM has
-    no ratio to log."""
-
-    ratio_metrics, own_names = False, ("ema_kl", "matching_loss")
-
-    def __init__(self, args: Args, params: dict):
-        self.args, self.stats, self.params = args, Stats(num_slots=args.num_steps), params
-        self.grad_share = GradShare({}, args.num_steps, active=False)  # a GRPO diagnostic: off
-
-    def add(self, weight, step_index, policy_loss, kl, ema_kl, matching_loss) -> None:
-        self.stats.add(
-            weight,
-            step_index,
-            policy_loss=policy_loss,
-            kl=kl,
-            ema_kl=ema_kl,
-            matching_loss=matching_loss,
-        )
-        rows, a = len(weight), self.args  # forwards: v_theta (and v_base, v_ema); one backward
-        forwards = rows * (1 + (a.kl_weight > 0) + (a.ema_kl_weight > 0))
-        self.stats.count(**{"nfe/train_forward": forwards, "nfe/train_backward": rows})
-
-    def step(self, grad_norm: float | None) -> None:
-        count_step(self.stats, grad_norm, self.params.values())
+def awm_stats(args: Args) -> Stats:
+    """The training section's metrics, per trained timestep: the policy loss (-A_hat lp), the base
+    KL, the fast EMA's KL and the unweighted matching loss l (is the policy still fitting its own
+    images?), at their value when nothing trained. AWM has no ratio to log."""
+    return Stats(args.num_steps, kl=0, policy_loss=0, ema_kl=0, matching_loss=0)
 
 
 if __name__ == "__main__":
@@ -363,7 +335,7 @@ if __name__ == "__main__":
             # group size collected in the first two epochs has a bug, after two epochs, the
             # group_size stabilizes" (train_sd3_awm.py). Here every group has G images from the
             # start; the flag reproduces the released schedule, not a fix.
-            run.log(metrics, AWMStats(args, h.params), Rollout({}, None, [], {}, {}))
+            run.log(metrics, awm_stats(args), Rollout({}, None, [], {}, {}))
             continue
 
         # sample with the current policy, score, A_hat
@@ -375,34 +347,35 @@ if __name__ == "__main__":
         # forwards; the weighted matching loss times -A_hat (E3-E4, E7-E9) and the two KLs
         # (E10-E11), their mean over the optimizer step's (timestep, image) rows; backward, clip,
         # step. Then the fast EMA follows theta (E12).
-        with run.timer("train"):
-            # one row per image: x0, adv (A_hat), prompt_index
-            samples = {k: v.to(h.device) for k, v in ro.transitions.items()}
-            T, sigma_of = args.train_timesteps, sigmas.to(h.device)
-            gen = torch.Generator(h.device).manual_seed(  # the rollout's seed + 500: its own stream
-                args.seed * 1_000_003 + iteration * 1009 + h.rank + 500
-            )
-            plan = plan_updates(  # images shuffled into micro-batches of --train-batch-size images
-                torch.ones(args.images_per_rank, dtype=torch.bool, device=h.device),
-                args.train_batch_size,
-                args.optimizer_steps_per_iteration,
-                h.world_size,
-            )
-            stats = AWMStats(args, h.params)  # metrics
-            for mb in plan:  # in order; the last micro-batch of each optimizer step has mb.sync
+        samples = {k: v.to(h.device) for k, v in ro.transitions.items()}  # x0, adv, prompt_index
+        T, sigma_of = args.train_timesteps, sigmas.to(h.device)
+        gen = torch.Generator(h.device).manual_seed(  # the rollout's seed + 500: its own stream
+            args.seed * 1_000_003 + iteration * 1009 + h.rank + 500
+        )
+        stats = awm_stats(args)
+        # the images in a random order, cut into the optimizer steps (CleanRL's minibatches): every
+        # rank has as many images, so each runs as many micro-batches and the ranks' means weigh alike
+        images_of_steps = (
+            torch.randperm(args.images_per_rank)
+            .to(h.device)
+            .tensor_split(args.optimizer_steps_per_iteration)
+        )
+        for step_images in images_of_steps:
+            micro = step_images.split(args.train_batch_size)
+            for k, images in enumerate(micro):
                 # T x B rows, timestep-major as released: row k * B + i is image i at stratum k
-                B = len(mb.rows)
+                B = len(images)
                 u = torch.rand(T, generator=gen, device=h.device)  # one draw per stratum
                 step_index = timestep_strata(args, u).repeat_interleave(B)
-                i = mb.rows.repeat(T)
+                i = images.repeat(T)
                 x0, adv = samples["x0"][i], samples["adv"][i]
                 emb = ro.emb[samples["prompt_index"][i]]
                 sigma = sigma_of[step_index]
                 t = sigma.view(-1, *[1] * (x0.ndim - 1))
                 eps = torch.randn(x0.shape, generator=gen, device=h.device)
                 x_t = (1 - t) * x0 + t * eps  # (E1) the forward process
-                # DDP: only the optimizer step's last micro-batch all-reduces its gradient
-                set_grad_sync(h.policy, mb.sync)
+                # DDP: only the step's last micro-batch all-reduces the gradient (nanoGPT's line)
+                h.policy.require_backward_grad_sync = k == len(micro) - 1
                 v = h.backbone.velocity(x_t, sigma, emb, args.guidance_scale, model=h.policy)
                 v_ref = v_ema = None  # a weight of 0: no forward (the released code crashes)
                 if args.kl_weight > 0:  # (E10) the base model: the LoRA off
@@ -410,37 +383,42 @@ if __name__ == "__main__":
                         v_ref = h.backbone.velocity(
                             x_t, sigma, emb, args.guidance_scale, model=h.trainable.reference
                         )
-                if (
-                    args.ema_kl_weight > 0
-                ):  # (E11) the fast EMA, same x_t (released: only if beta > 0)
+                # (E11) the fast EMA, at the same x_t (released: only if beta > 0)
+                if args.ema_kl_weight > 0:
                     with torch.no_grad(), anchor.swapped():
                         v_ema = h.backbone.velocity(x_t, sigma, emb, args.guidance_scale)
                 row_loss, policy_loss, kl, ema_kl = awm_loss(v, x0, eps, t, adv, v_ref, v_ema, args)
-                # each image's mean over its T rows; the mean over the optimizer step's images on
-                # all ranks (mb.divisor): the released mean over (timestep, image) rows
-                per_image = row_loss.view(T, B).mean(0)
-                loss = (per_image * mb.weight).sum() / mb.divisor
-                weight = mb.weight.repeat(T)  # padding rows (DDP) carry no metrics either
+                # each image's mean over its T rows; their mean over the optimizer step's images:
+                # the released mean over (timestep, image) rows
+                loss = row_loss.view(T, B).mean(0).sum() / len(step_images)
                 # l unweighted (E3): is the policy still fitting its own images?
                 l_plain = -matching_logprob(v.detach(), x0, eps, t, "Uniform", args.ghuber_power)
-                stats.add(weight, step_index, policy_loss, kl, ema_kl, l_plain)
+                w = torch.ones_like(policy_loss)
+                stats.add(
+                    w,
+                    step_index,
+                    policy_loss=policy_loss,
+                    kl=kl,
+                    ema_kl=ema_kl,
+                    matching_loss=l_plain,
+                )
+                forwards = T * B * (1 + (args.kl_weight > 0) + (args.ema_kl_weight > 0))
+                stats.count(**{"nfe/train_forward": forwards, "nfe/train_backward": T * B})
                 scaler.scale(loss).backward()  # fp16: scaled up, so the gradient does not underflow
-                if mb.sync:  # the optimizer step's gradient is complete: unscale, clip, step
-                    scaler.unscale_(optimizer)  # fp16: the true gradient, before the clip sees it
-                    grad_norm = torch.nn.utils.clip_grad_norm_(
-                        h.params.values(), args.max_grad_norm
-                    )
-                    stats.step(run.check_update(grad_norm, iteration))  # fp16 overflow: a skip
-                    scaler.step(optimizer)  # no update when fp16's scaled gradient overflowed
-                    scaler.update()  # fp16: the scale halves after an overflow, grows when clean
-                    optimizer.zero_grad(set_to_none=True)
-                    run.after_optimizer_step(iteration)  # every weight finite; the EMA blended
-            # (E12) the fast EMA follows theta, once per iteration, with the decay of the optimizer
-            # steps taken so far: anchor <- d anchor + (1 - d) theta
-            trained = iteration + 1 - args.burn_in_iterations  # iterations that updated theta
-            steps_so_far = trained * args.optimizer_steps_per_iteration
-            anchor.decay = anchor_decay(steps_so_far, args.kl_ema_decay)
-            anchor.update()
+            # the torch.amp recipe: unscale, clip, step (skipped on an fp16 overflow), update
+            scaler.unscale_(optimizer)  # fp16: the true gradient, before the clip sees it
+            grad_norm = torch.nn.utils.clip_grad_norm_(h.params.values(), args.max_grad_norm)
+            run.check_gradient(grad_norm, stats)  # non-finite: an fp16 skip, else a stop here
+            scaler.step(optimizer)  # no update when fp16's scaled gradient overflowed
+            scaler.update()  # fp16: the scale halves after an overflow, grows when clean
+            optimizer.zero_grad(set_to_none=True)
+            run.after_step(grad_norm)  # every weight finite; the EMA follows a step taken
+        # (E12) the fast EMA follows theta, once per iteration, with the decay of the optimizer
+        # steps taken so far: anchor <- d anchor + (1 - d) theta
+        trained = iteration + 1 - args.burn_in_iterations  # iterations that updated theta
+        steps_so_far = trained * args.optimizer_steps_per_iteration
+        anchor.decay = anchor_decay(steps_so_far, args.kl_ema_decay)
+        anchor.update()
         # ============================================ END OF TRAINING =============================
 
         run.log(metrics, stats, ro)  # one metrics.jsonl row: the rollout's and the training's

@@ -81,7 +81,12 @@ MAX_SKIPS_IN_A_ROW = 20
 # per-step metrics of the training section (Stats names) that become steps/{name}/{step} columns
 PER_STEP = ("ratio", "clipfrac", "kl", "abs_adv", "kept")
 # Stats names logged under another name; the others are logged under their own
-LOGGED_AS = {"ratio": "ratio/mean", "old_deviation": "train/old_deviation"}
+LOGGED_AS = {
+    "ratio": "ratio/mean",
+    "old_deviation": "train/old_deviation",  # DiffusionNFT's
+    "ema_kl": "train/ema_kl",  # AWM's
+    "matching_loss": "train/matching_loss",
+}
 
 
 class Timer:
