@@ -221,8 +221,8 @@ def rollout(
 
 # ALGO LOGIC: the NFT loss of a batch of (image, timestep) rows
 def implicit_policies(v, v_old, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N4) v+ and v-: v_old moved by beta (v_theta - v_old) towards v_theta, and as far away from it.
-    Their mean is v_old for every beta (exactly, up to rounding)."""
+    """(N4) v+ and v-: v_old moved by beta (v_theta - v_old) towards v_theta, and as far away from
+    it. Their mean is v_old for every beta (exactly, up to rounding)."""
     v_pos = beta * v + (1 - beta) * v_old  # implicit positive policy
     v_neg = (1 + beta) * v_old - beta * v  # implicit negative policy
     return v_pos, v_neg

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_code_shape.py                 # this checkout
     python benchmarks/bench_code_shape.py --root DIR      # another checkout (e.g. a worktree at an older commit)
+    python benchmarks/bench_code_shape.py --trace         # and one training iteration of each script, traced
 
 Every number is taken after `ruff format --line-length 100` of a temporary copy (so packing lines cannot move it):
 lines per script; lines > 100 characters; the main loop's lines (the `for iteration in ...` statement, whole) and the
@@ -11,6 +12,10 @@ of its first line: the body of `if __name__` is level 1); names imported from th
 `diff flowgrpo_baseline.py X`, the share of changed lines that are the algorithm: everything but the module
 docstring, the imports, and the help text of flags both scripts share (a flag of its own, its checks, its rollout,
 its advantages are the algorithm). Needs ruff (pip install ruff).
+
+With --trace, every script also runs one toy-world iteration under benchmarks/trace_iteration.py (a process each,
+minutes each on 2 cores): the files and lines a student reads to follow it (every function entered, whole, and the
+main loop's lines that ran) and the lines that ran; the per-file counts go to --trace-json.
 """
 
 import argparse
@@ -22,7 +27,7 @@ import shutil
 import subprocess
 import tempfile
 
-SCRIPTS = ("flowgrpo_baseline.py", "g2rpo.py", "densegrpo.py", "diffusionnft.py")
+SCRIPTS = ("flowgrpo_baseline.py", "g2rpo.py", "densegrpo.py", "diffusionnft.py", "awm.py")
 GRPO = SCRIPTS[:3]  # the scripts that share the training section: their diffs are compared
 
 
@@ -63,8 +68,8 @@ def depth_of_statements(node, level=-1, out=None):
 # the algorithm. A compound statement (if / for / with) is judged by its header line alone, its body
 # statement by statement.
 PLUMBING = re.compile(
-    r"\brun\.(?!timer\))|\bstats\b|\bmetrics\b|\bcounts\b|\btimer\(|set_grad_sync|check_finite_update"
-    r"|check_transitions|\.to\(h\.device\)|TrainStats|group_reward_metrics|anchor_nfe|\bbreak\b"
+    r"\brun\.(?!timer\))|\bstats\b|\bmetrics\b|\bcounts\b|\btimer\(|require_backward_grad_sync|check_finite"
+    r"|check_transitions|\.to\(h\.device\)|grad_share|group_reward_metrics|anchor_nfe|\bbreak\b"
     r"|\blast\b|eval_every|save_every|for iteration in"
 )
 
@@ -233,7 +238,40 @@ def table(result: dict) -> str:
     )
 
 
+def traced(root: str, json_out: str | None) -> dict:
+    """{script: {"files": n, "read": lines, "run": lines}} of one traced iteration per script."""
+    import json
+    import sys
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_iteration.py")
+    out, per_file = {}, {}
+    for s in SCRIPTS:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            subprocess.run([sys.executable, here, s, "--root", root, "--json", path], check=True)
+            per_file[s] = json.load(open(path))[s]
+        counts = per_file[s].values()
+        out[s] = {
+            "files": len(per_file[s]),
+            "read": sum(c["read"] for c in counts),
+            "run": sum(c["run"] for c in counts),
+        }
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(per_file, f, indent=1)
+    return out
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    print(table(measure(ap.parse_args().root)))
+    ap.add_argument("--trace", action="store_true", help="also trace one iteration of each script")
+    ap.add_argument("--trace-json", help="with --trace: the per-file counts, as JSON")
+    a = ap.parse_args()
+    print(table(measure(a.root)))
+    if a.trace:
+        rows = traced(a.root, a.trace_json)
+        print("\n| one iteration, traced | " + " | ".join(SCRIPTS) + " |")
+        print("|---|" + "---|" * len(SCRIPTS))
+        for key, name in (("read", "lines read"), ("run", "lines run"), ("files", "files")):
+            print(f"| {name} | " + " | ".join(str(rows[s][key]) for s in SCRIPTS) + " |")

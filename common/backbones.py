@@ -416,8 +416,8 @@ def load_backbone(
     precision (`resolve_precision`) is the dtype of the frozen weights and the activations; the VAE
     is kept in fp32 whatever it is, as Flow-GRPO's code decodes (a fp16 VAE overflows on SD3), and
     decodes `decode_batch_size` images per call. shard (--parallel fsdp): the transformer stays in
-    host memory; common/plumbing/parallel.py moves each rank's shard of it to the GPU, block by block, so the
-    whole model (and its fp32 masters) never has to fit on one GPU."""
+    host memory; common/plumbing/parallel.py moves each rank's shard of it to the GPU, block by
+    block, so the whole model (and its fp32 masters) never has to fit on one GPU."""
     index = read_model_index(path)
     kind = PIPELINES[index["_class_name"]]
     device = torch.device(device)

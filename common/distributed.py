@@ -1,5 +1,5 @@
-"""The collectives an algorithm calls: the group advantages need every rank's rewards, and every rank
-must run as many micro-batches (each forward and backward is a collective under DDP and FSDP).
+"""The collectives an algorithm calls: the group advantages need every rank's rewards, and every
+rank must run as many micro-batches (each forward and backward is a collective under DDP and FSDP).
 
 With one process (`python script.py`) each is the identity; under torchrun they work on the
 run's device (NCCL takes no CPU tensor; common/plumbing/utils.py makes the process group).

@@ -253,7 +253,8 @@ def sde_step_with_logprob(
     )
 
 
-# --------------------------------------------------------------------- the steps' guards and plumbing
+# --------------------------------------------------------------------- the steps' guards and
+# plumbing
 def _step_inputs(velocity, sample, sigma, sigma_next, noise_level):
     """float32 x and v, and the three scalars as per-sample [B (or 1), 1, ...] tensors."""
     x, v = sample.float(), velocity.float()
@@ -277,8 +278,9 @@ def _nonzero(t):
 
 def _sample_if_missing(prev_sample, mean, step_std, generator):
     if prev_sample is None:
-        # diffusers' draw (a generator per sample, as the stock pipelines draw), imported here: importing diffusers
-        # takes 1.4 s, and a script checks its flags and its files before it loads anything heavy
+        # diffusers' draw (a generator per sample, as the stock pipelines draw), imported here:
+        # importing diffusers takes 1.4 s, and a script checks its flags and its files before it
+        # loads anything heavy
         from diffusers.utils.torch_utils import randn_tensor
 
         eps = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)

@@ -55,8 +55,8 @@ MARKER = "COMPLETE.json"
 STATE_FILE = "trainer_state.pt"
 SHARDED_DIR = "trainer_state.dcp"  # --parallel fsdp: the sharded part of the trainer state
 PREFIX = "checkpoint-"
-# checkpoint-{iteration} as save_checkpoint names it: no leading zeros, so that one iteration has one
-# name (a checkpoint-02 beside checkpoint-2 is refused by resume_source, never guessed between)
+# checkpoint-{iteration} as save_checkpoint names it: no leading zeros, so that one iteration has
+# one name (a checkpoint-02 beside checkpoint-2 is refused by resume_source, never guessed between)
 _CKPT_RE = re.compile(r"^checkpoint-(0|[1-9]\d*)$")
 
 

@@ -388,8 +388,9 @@ def read_json(path: str, expect: type = dict):
 
 
 def pickled_global(e: BaseException) -> str | None:
-    """The Python object a torch.load(weights_only=True) refused to rebuild ('numpy...._reconstruct'),
-    or None when the error is of another kind (a file that is not a checkpoint at all)."""
+    """The Python object a torch.load(weights_only=True) refused to rebuild
+    ('numpy...._reconstruct'), or None when the error is of another kind (a file that is not a
+    checkpoint at all)."""
     import re
 
     found = re.search(r"GLOBAL (\S+)", str(e))

@@ -9,8 +9,8 @@ is in the toy grammar, the strict GenEval-style accuracy per category, its mean 
 
 The grid shows a FIXED subset of those samples (`panel_jobs`: the first 4 prompts of every category,
 seed index 0; the first 16 prompts outside the toy grammar), the same at every evaluation, so that
-grids of successive evaluations, and the before/after image of a run (`common.plumbing.plots.before_after`),
-show the same prompts and seeds.
+grids of successive evaluations, and the before/after image of a run
+(`common.plumbing.plots.before_after`), show the same prompts and seeds.
 """
 
 from __future__ import annotations
@@ -147,9 +147,9 @@ def evaluate(
     iteration: int | None = None,
 ):
     """-> (metrics, PIL grid of the fixed subset `panel_jobs`), and with return_panel=True also that
-    subset as a `Panel` (for `common.plumbing.plots.before_after`). Under DDP every rank must call it (it
-    gathers); every rank returns the same metrics, grid and panel (the panel's images travel with
-    the gathered results)."""
+    subset as a `Panel` (for `common.plumbing.plots.before_after`). Under DDP every rank must call
+    it (it gathers); every rank returns the same metrics, grid and panel (the panel's images travel
+    with the gathered results)."""
     jobs = [(p, 10_000 * s + i) for i, p in enumerate(prompts) for s in range(seeds_per_prompt)]
     # job index (seed index 0) -> slot
     shown = {i * seeds_per_prompt: k for k, i in enumerate(panel_jobs(prompts))}

@@ -108,7 +108,8 @@ class HarnessArgs:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, about 30 % more time"""
     mixed_precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """dtype of frozen weights and activations (auto: bf16 on CUDA, fp32 on CPU); fp16 scales the loss"""
+    """dtype of frozen weights and activations (auto: bf16 on CUDA, fp32 on CPU); fp16 scales the
+    loss"""
     tf32: bool = True
     """CUDA: fp32 matmuls and convolutions in TF32 (as the released Flow-GRPO); --no-tf32: full fp32"""
     full_finetune: bool = False
@@ -325,12 +326,12 @@ def given_flags(argv: list[str]) -> set[str]:
 
 @stop_on_signals_in_setup
 def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = None) -> Harness:
-    """Everything before the optimizer, cheapest first, so bad input costs one line, not a model load:
-    prompt files, reward names, the model folder, the flags (the script's own `check_args`), the run
-    folder (or the checkpoint a resume verifies); then the rewards, the
-    backbone, the trained weights (LoRA or full, the KL reference), DDP or FSDP2, the logger. A
-    resume first takes the run's own value of every flag not on the command line (`argv`, default
-    sys.argv). SIGINT and SIGTERM stop it from its first line in one line, exit 128 + signal."""
+    """Everything before the optimizer, cheapest first, so bad input costs one line, not a model
+    load: prompt files, reward names, the model folder, the flags (the script's own `check_args`),
+    the run folder (or the checkpoint a resume verifies); then the rewards, the backbone, the
+    trained weights (LoRA or full, the KL reference), DDP or FSDP2, the logger. A resume first takes
+    the run's own value of every flag not on the command line (`argv`, default sys.argv). SIGINT and
+    SIGTERM stop it from its first line in one line, exit 128 + signal."""
     check_run_name(args)
     check_tracking(args)
     given = given_flags(sys.argv[1:] if argv is None else argv)

@@ -10,8 +10,6 @@ scripts is the same text for both (and for one process):
 
     check_parallel(args, world_size)        the flags, one line each, before any model is loaded
     parallelize(trainable, kind, ...)       -> policy, the module the training forward calls
-    set_grad_sync(policy, sync)             before a micro-batch: DDP skips the gradient sync
-                                            unless `sync`; FSDP always reduce-scatters
     is_sharded(params), full_tensor(t)      FSDP's parameters are DTensors (shards); the whole
                                             tensor, gathered
     weights_digest(params)                  sha256 of the whole trained weights (the same on every
@@ -21,8 +19,13 @@ scripts is the same text for both (and for one process):
 
 Under FSDP every transformer forward is a collective (the all-gather of the weights), so every rank
 must run the same number of forwards, with or without gradients: the rollouts do by construction
-(equal images per rank), plan_updates pads the micro-batches, and common/plumbing/evaluation.py pads the last
-evaluation batch.
+(equal images per rank), the GRPO scripts' optimizer_steps fills up the micro-batches, and
+common/plumbing/evaluation.py pads the last evaluation batch. The scripts' DDP line,
+`policy.require_backward_grad_sync = last micro-batch` (nanoGPT's), lets only an optimizer step's
+last micro-batch all-reduce; FSDP2 ignores it and reduce-scatters every micro-batch: deferring that
+(set_requires_gradient_sync(False)) would hold the UNSHARDED fp32 gradient of the trained weights
+until the last micro-batch, 44 GiB per GPU for FLUX.1-dev's full fine-tuning (docs/results.md,
+memory model).
 """
 
 from __future__ import annotations
@@ -219,18 +222,3 @@ def parallelize(trainable, kind: str, world_size: int, offload: bool = False) ->
             shard(module, world_size, backbone.device, param_dtype, offload)
     trainable.params = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
     return transformer
-
-
-def set_grad_sync(policy: torch.nn.Module, sync: bool) -> None:
-    """Before a micro-batch's forward: under DDP only the last micro-batch of an optimizer step
-    (sync=True) all-reduces its gradients in its backward; the others accumulate locally (nanoGPT's
-    `require_backward_grad_sync` line, which `no_sync()` sets).
-
-    FSDP2: every micro-batch reduce-scatters its gradient into the shards, whatever `sync` says.
-    Skipping it (set_requires_gradient_sync(False)) would accumulate UNSHARDED fp32 gradients of the
-    trained weights until the last micro-batch: 44 GiB per GPU for FLUX.1-dev's full fine-tuning,
-    which does not fit an 80 GB GPU beside the rest (docs/results.md, memory model). The price is one
-    reduce-scatter per micro-batch instead of per optimizer step. One process: nothing to do.
-    """
-    if isinstance(policy, torch.nn.parallel.DistributedDataParallel):
-        policy.require_backward_grad_sync = sync

@@ -429,8 +429,8 @@ def accuracy_line(metrics: dict) -> str:
 
 def before_after(before, after, path: str, title: str = "", ncol: int = 2) -> Image.Image:
     """The same prompts and seeds from the starting model (left of each pair) and the final model
-    (right), with the evaluation's per-category accuracy before and after in the title.
-    before / after: `common.plumbing.evaluation.Panel`s (the fixed subset an evaluation draws; they must hold
+    (right), with the evaluation's per-category accuracy before and after in the title. before /
+    after: `common.plumbing.evaluation.Panel`s (the fixed subset an evaluation draws; they must hold
     the same prompts and seeds). Saves to `path`."""
     if list(before.prompts) != list(after.prompts) or list(before.seeds) != list(after.seeds):
         raise ValueError(

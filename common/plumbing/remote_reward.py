@@ -8,17 +8,17 @@ NAME is the scorer's name on the server (and the reward's name in metrics: `remo
 needs its port, so that a trailing `:WEIGHT` is never mistaken for one. The scheme picks the wire
 format (docs/usage.md, "Rewards from a server"):
 
-- `http://` (or https): this project's, common/plumbing/reward_server.py: JSON both ways, PNG images in
-  base64. A reply is data only: it can give wrong scores, never run code here.
+- `http://` (or https): this project's, common/plumbing/reward_server.py: JSON both ways, PNG images
+  in base64. A reply is data only: it can give wrong scores, never run code here.
 - `flowgrpo+http://`: flow_grpo's reward-server (github.com/yifan123/reward-server, app_geneval.py
   and app_deqa.py at 7131478; its client, github.com/yifan123/flow_grpo flow_grpo/rewards.py
   `geneval_score` at 54809b5): one POST to the URL of a pickled {"images": [JPEG bytes],
   "meta_datas": [...], "only_strict": ...} (plus "prompts", which those servers ignore), answered
-  with a pickled dict whose "scores" (GenEval) or "outputs" (DeQA) holds one score per image. The server
-  unpickles what it is sent, so it must trust every client that can reach it; the reply is decoded
-  here only after every opcode in it is read and found to build plain data (`safe_unpickle`), so
-  it can hold only dicts, lists, strings, numbers, booleans and None: anything else, and any
-  pickle that would run code, is refused in one line.
+  with a pickled dict whose "scores" (GenEval) or "outputs" (DeQA) holds one score per image. The
+  server unpickles what it is sent, so it must trust every client that can reach it; the reply is
+  decoded here only after every opcode in it is read and found to build plain data
+  (`safe_unpickle`), so it can hold only dicts, lists, strings, numbers, booleans and None: anything
+  else, and any pickle that would run code, is refused in one line.
 
 Query parameters after the URL: timeout (seconds per try, default 120, flow_grpo's; at most
 3600), retries (tries after the first, default 5; at most 100) and backoff (seconds before the first

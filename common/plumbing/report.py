@@ -1,5 +1,5 @@
-"""The end of a run, from what it wrote: its pictures (learning_curve.png, steps_heatmap.png, before_after.png) and
-the one-line summary of its held-out metric."""
+"""The end of a run, from what it wrote: its pictures (learning_curve.png, steps_heatmap.png,
+before_after.png) and the one-line summary of its held-out metric."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from common.plumbing.plots import before_after, learning_curve, step_heatmap
 
 def run_pictures(run_dir: str, history: list[dict], title: str) -> list[str]:
     """The end-of-run pictures, from what the run wrote: learning_curve.png (metrics),
-    steps_heatmap.png (when a `steps/...` metric differs between steps) and before_after.png (the first and the
-    last evaluation's panel, samples/eval_*.npz, so a resumed run still compares with its starting
-    model). -> the paths written."""
+    steps_heatmap.png (when a `steps/...` metric differs between steps) and before_after.png (the
+    first and the last evaluation's panel, samples/eval_*.npz, so a resumed run still compares with
+    its starting model). -> the paths written."""
     written = [os.path.join(run_dir, "learning_curve.png")]
     learning_curve(history, written[0], title)
     heatmap = os.path.join(run_dir, "steps_heatmap.png")

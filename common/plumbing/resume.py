@@ -32,10 +32,10 @@ from common.plumbing.run_folder import hold_run_folder, release_run_folder
 
 # ---------------------------------------------------------------------------------------- load
 def load_checkpoint(folder: str) -> dict:
-    """trainer_state.pt, loaded without running anything: torch.load(weights_only=True) rebuilds only
-    tensors and plain values (dicts, lists, tuples, strings, numbers), never an object whose
-    unpickling could run code, so a run folder from someone else is safe to --resume (its layout
-    is checked by restore_checkpoint, `trainer_state_problem`)."""
+    """trainer_state.pt, loaded without running anything: torch.load(weights_only=True) rebuilds
+    only tensors and plain values (dicts, lists, tuples, strings, numbers), never an object whose
+    unpickling could run code, so a run folder from someone else is safe to --resume (its layout is
+    checked by restore_checkpoint, `trainer_state_problem`)."""
     import pickle
 
     path = os.path.join(folder, STATE_FILE)
@@ -286,12 +286,11 @@ def restore_checkpoint(
     scaler=None,
 ) -> tuple[int, dict]:
     """Load a checkpoint (verified by resolve_run_dir) into params / optimizer / EMA
-    (common.plumbing.transitions.EMA) / fp16's loss scaler / this rank's RNG, in place. Returns (iteration, the
-    run's cumulative counts: images and NFE per phase, its clocks time/cpu_s and time/elapsed_s,
-    and the loss scaler's skips_in_a_row). A parameter
-    whose name or shape differs is one line, not a tensor-size traceback. FSDP (`params` are
-    DTensors, `model` the sharded transformer): every rank reads its own shards from
-    trainer_state.dcp/ (a collective)."""
+    (common.plumbing.transitions.EMA) / fp16's loss scaler / this rank's RNG, in place. Returns
+    (iteration, the run's cumulative counts: images and NFE per phase, its clocks time/cpu_s and
+    time/elapsed_s, and the loss scaler's skips_in_a_row). A parameter whose name or shape differs
+    is one line, not a tensor-size traceback. FSDP (`params` are DTensors, `model` the sharded
+    transformer): every rank reads its own shards from trainer_state.dcp/ (a collective)."""
     from common.plumbing.parallel import is_sharded
 
     state = load_checkpoint(folder)
@@ -430,8 +429,8 @@ def _restore_sharded(
                 ema.shadow[n].copy_(p.detach())
 
 
-# torch.distributed.checkpoint reads its .metadata with plain pickle.load, which would run whatever a
-# received file asks for: it is first read here by an unpickler that builds only what a metadata
+# torch.distributed.checkpoint reads its .metadata with plain pickle.load, which would run whatever
+# a received file asks for: it is first read here by an unpickler that builds only what a metadata
 # file holds (the classes of torch.distributed.checkpoint's metadata, torch.Size, dtypes, paths).
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _DCP_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout")}

@@ -1,5 +1,6 @@
-"""Reward weights from local files or hub ids, each failure one line naming what was expected; optional packages
-imported with their pip command. Nothing here unpickles a file: weights load with torch.load(weights_only=True)."""
+"""Reward weights from local files or hub ids, each failure one line naming what was expected;
+optional packages imported with their pip command. Nothing here unpickles a file: weights load with
+torch.load(weights_only=True)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Serve rewards over HTTP for `--reward remote:NAME@http://HOST:PORT` (common/plumbing/remote_reward.py).
+"""Serve rewards over HTTP for `--reward remote:NAME@http://HOST:PORT`
+(common/plumbing/remote_reward.py).
 
     python -m common.plumbing.reward_server --reward toyworld --port 8000         the toy scorer (default)
     python -m common.plumbing.reward_server --reward "pickscore,aesthetic" --device cuda --port 8000 \\

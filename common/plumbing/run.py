@@ -2,7 +2,8 @@
 call.
 
 Every script's loop reads, top to bottom (nanoGPT's shape: evaluate, step, log, save); the Run comes
-from `Harness.start` (common/plumbing/harness.py), which binds it to the model, the optimizer and the EMA:
+from `Harness.start` (common/plumbing/harness.py), which binds it to the model, the optimizer and
+the EMA:
 
     run = h.start(optimizer)
     for iteration in range(run.start_iteration, args.num_iterations + 1):
@@ -14,7 +15,7 @@ from `Harness.start` (common/plumbing/harness.py), which binds it to the model, 
             run.log_final(metrics)
             break
         ro = rollout(...)                           # the algorithm, in the script
-        ...training section: the algorithm, in the script; run.after_optimizer_step(iteration)...
+        ...training section: the algorithm, in the script; run.check_gradient, run.after_step...
         run.log(metrics, stats, ro)                 # one metrics.jsonl row (and wandb), the bar
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations:
             run.checkpoint(iteration + 1)           # every rank's RNG gathered, rank 0 writes
@@ -22,8 +23,8 @@ from `Harness.start` (common/plumbing/harness.py), which binds it to the model, 
 
 Nothing here changes what a run samples or learns; it is the same in every script and tested on its
 own (tests/test_run.py). Every file it writes is written atomically, and a write that fails (a full
-disk) is one line (`common/plumbing/checkpoint.py::writing`); SIGINT and SIGTERM stop a run with one line. Counters, cumulative over all ranks (metrics.jsonl and the
-checkpoint):
+disk) is one line (`common/plumbing/checkpoint.py::writing`); SIGINT and SIGTERM stop a run with one
+line. Counters, cumulative over all ranks (metrics.jsonl and the checkpoint):
 - `trajectories`: images the policy sampled to the end (prompts x G per iteration, in every script);
 - `scored_images`: every image a reward model scored for training, completions included (Flow-GRPO:
   one per trajectory; G²RPO: every branch at every granularity; DenseGRPO: one per scored latent of
@@ -76,7 +77,7 @@ COUNTERS = (
     "nfe/eval",
 )
 PHASES = ("rollout", "reward", "train", "eval")  # time/{phase}_s; train: the rest of the iteration
-# fp16 steps the loss scaler may skip in a row before the run stops (Run.check_update)
+# fp16 steps the loss scaler may skip in a row before the run stops (Run.check_gradient)
 MAX_SKIPS_IN_A_ROW = 20
 # per-step metrics of the training section (Stats names) that become steps/{name}/{step} columns
 PER_STEP = ("ratio", "clipfrac", "kl", "abs_adv", "kept")
@@ -405,9 +406,9 @@ class Run:
             self.ema.update()
 
     def evaluate(self, iteration: int, last: bool) -> dict:
-        """Held-out evaluation (common/plumbing/evaluation.py: ODE samples from fixed seeds) with the EMA
-        weights if any; the sample grid and panel are saved as samples/eval_{iteration}.png / .npz.
-        Returns the eval/ metrics."""
+        """Held-out evaluation (common/plumbing/evaluation.py: ODE samples from fixed seeds) with
+        the EMA weights if any; the sample grid and panel are saved as samples/eval_{iteration}.png
+        / .npz. Returns the eval/ metrics."""
         a = self.args
         seeds = (
             a.final_eval_seeds_per_prompt
@@ -510,9 +511,9 @@ class Run:
         return metrics
 
     def checkpoint(self, iteration: int) -> None:
-        """checkpoint-{iteration} (common/plumbing/checkpoint.py: atomic, verified, rotated): every rank's
-        RNG is gathered so a resume continues each rank's noise stream; rank 0 writes (FSDP: every
-        rank writes its shards)."""
+        """checkpoint-{iteration} (common/plumbing/checkpoint.py: atomic, verified, rotated): every
+        rank's RNG is gathered so a resume continues each rank's noise stream; rank 0 writes (FSDP:
+        every rank writes its shards)."""
         rngs = [None] * self.world_size
         if self.world_size > 1:
             dist.all_gather_object(rngs, rng_state())

@@ -1,7 +1,8 @@
-"""Decoding what a reward server sends, in bounded time and memory: a flow_grpo-format pickle is scanned opcode by
-opcode before anything is built (only the opcodes of plain data: dicts, lists, strings, numbers, booleans, None; no
-global is ever looked up), the decoded value is walked once per container to a bounded depth, and the scores are
-checked to be finite numbers, one per image. Each refusal is a ValueError whose text names what was sent."""
+"""Decoding what a reward server sends, in bounded time and memory: a flow_grpo-format pickle is
+scanned opcode by opcode before anything is built (only the opcodes of plain data: dicts, lists,
+strings, numbers, booleans, None; no global is ever looked up), the decoded value is walked once per
+container to a bounded depth, and the scores are checked to be finite numbers, one per image. Each
+refusal is a ValueError whose text names what was sent."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""SIGINT and SIGTERM stop a run with one line: during the set-up (stop_on_signals_in_setup, which decorates it)
-and during training (Run.stop_on_signals); the line names what exists to go on from. Also where this process's run
-folder is recorded once the set-up knows it (the one-line stops name its checkpoints)."""
+"""SIGINT and SIGTERM stop a run with one line: during the set-up (stop_on_signals_in_setup, which
+decorates it) and during training (Run.stop_on_signals); the line names what exists to go on from.
+Also where this process's run folder is recorded once the set-up knows it (the one-line stops name
+its checkpoints)."""
 
 from __future__ import annotations
 

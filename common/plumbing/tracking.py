@@ -1,6 +1,6 @@
-"""Tracking a run with Weights & Biases (--track): what can be checked before the model loads, the start of the
-wandb run within a timeout, and the metrics rows and pictures sent to it. wandb is imported only here, and only
-when --track asks for it."""
+"""Tracking a run with Weights & Biases (--track): what can be checked before the model loads, the
+start of the wandb run within a timeout, and the metrics rows and pictures sent to it. wandb is
+imported only here, and only when --track asks for it."""
 
 from __future__ import annotations
 

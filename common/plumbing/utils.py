@@ -125,8 +125,8 @@ def setup_distributed() -> tuple[int, int, torch.device]:
 
 
 def set_tf32(device: torch.device, enabled: bool) -> None:
-    """On CUDA, fp32 matmuls (the LoRA branches, an fp32 reward model or VAE) and convolutions in TF32
-    (10-bit mantissa, fp32 range) or in full fp32. The CPU has no TF32: nothing changes there."""
+    """On CUDA, fp32 matmuls (the LoRA branches, an fp32 reward model or VAE) and convolutions in
+    TF32 (10-bit mantissa, fp32 range) or in full fp32. The CPU has no TF32: nothing changes there."""
     if device.type == "cuda":
         precision = "tf32" if enabled else "ieee"
         torch.backends.cuda.matmul.fp32_precision = precision

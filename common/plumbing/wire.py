@@ -1,6 +1,6 @@
 """What the reward client (common/plumbing/remote_reward.py) and the reward server
-(common/plumbing/reward_server.py) share: the protocol's name and the socket watchdog. Standard library only: the
-server runs in a scorer's own environment, without torch."""
+(common/plumbing/reward_server.py) share: the protocol's name and the socket watchdog. Standard
+library only: the server runs in a scorer's own environment, without torch."""
 
 from __future__ import annotations
 
