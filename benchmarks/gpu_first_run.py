@@ -11,7 +11,8 @@ Without CUDA (and without --tiny) it prints one line and exits 1 (nothing ran).
 
 0. Checks its flags (one line each: an unknown --only, a --budget-s that runs nothing, an --out or --cache that is a
    file), then a preflight of about 10 s in a child process with the runs' environment: the imports the runs need
-   (their versions go in the report), a one-rank process group and one all_reduce (NCCL on CUDA, gloo on CPU), the
+   (their versions go in the report), the runs' one-rank process group and an all_reduce of a tensor on the GPU and
+   one on the CPU (NCCL and gloo on CUDA, gloo on CPU), the
    free disk for the folders still to build, /dev/shm and the host memory. A failure stops the job in one line.
 1. Builds, in a child process, random-weight model folders into --cache, only those the selected rows need and only
    before the first row that needs them (speed and memory do not depend on the values): SD3.5-M and FLUX.1-dev with
@@ -429,17 +430,26 @@ RUNS = [
         eval_s=0.5,
         what="full fine-tuning with loss scaling",
     ),
-    Row(  # GenEval's 18 rows per training forward; no burn-in, so that iteration 1 trains
+    # AWM's GenEval preset at its micro-batch (3 images x 6 timesteps = 18 rows per forward, with the base model's
+    # and the fast EMA's forwards) on one group of 3 images; no burn-in, so that iteration 1 trains; a one-step
+    # evaluation (evaluating is the other rows' question). Seconds: docs/usage.md, "Your first GPU run".
+    Row(
         "awm SD3.5-M fp16 ddp",
         "sd35",
         "fp16",
         "awm.py",
         parallel="ddp",
-        scaled={"--group-size": [6], "--groups-per-iteration": [1], "--burn-in-iterations": [0]},
+        scaled={
+            "--group-size": [3],
+            "--groups-per-iteration": [1],
+            "--rollout-batch-size": [3],
+            "--burn-in-iterations": [0],
+            "--eval-num-steps": [1],
+        },
         load_s=15,
-        iteration_s=3,
-        eval_s=0.5,
-        what="AWM's matching loss with loss scaling",
+        iteration_s=1.6,
+        eval_s=0.2,
+        what="AWM's matching loss and its two KL forwards with loss scaling",
     ),
     Row(
         "cudnn probe",
@@ -856,14 +866,18 @@ for name in ("torch", "diffusers", "transformers", "peft", "tyro", "safetensors"
     versions[name] = getattr(module, "__version__", "")
 import torch
 import torch.distributed as dist
+from common.plumbing.utils import process_group_backend
 cuda = torch.cuda.is_available()
-backend, device = ("nccl", torch.device("cuda", 0)) if cuda else ("gloo", torch.device("cpu"))
+# the runs' own process group (cpu:gloo,cuda:nccl on a GPU), and a tensor on each device: a CPU tensor reduced
+# over an NCCL-only group stopped every multi-GPU run at iteration 0 (issue #65)
+backend, device = process_group_backend(cuda), torch.device("cuda", 0) if cuda else torch.device("cpu")
 try:
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # port 0: a free port
     dist.init_process_group(backend, store=store, rank=0, world_size=1, **({"device_id": device} if cuda else {}))
-    x = torch.full((4,), 2.0, device=device)
+    x, y = torch.full((4,), 2.0, device=device), torch.full((4,), 2.0)
     dist.all_reduce(x)
-    ok = x.tolist() == [2.0] * 4
+    dist.all_reduce(y)
+    ok = x.tolist() == y.tolist() == [2.0] * 4
     dist.destroy_process_group()
 except Exception as e:
     print("PREFLIGHT " + json.dumps(dict(error=f"{backend}: {type(e).__name__}: {e}")))
