@@ -42,14 +42,13 @@ from typing import Literal
 import torch
 import tyro
 
-from common.distributed import all_gather_cat
 from common.plumbing.checks import ConfigError, Rule, check_flag, check_ranges
 from common.plumbing.harness import Harness, HarnessArgs, derived, setup, split_batch
 from common.plumbing.parallel import check_parallel
 from common.plumbing.run import Stats, check_finite
 from common.plumbing.transitions import Rollout
 from common.policy import EMA
-from common.rewards import group_advantages, group_reward_metrics
+from common.rewards import all_gather_cat, group_advantages, group_reward_metrics
 from common.sampler import sde_step
 
 

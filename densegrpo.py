@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import tyro
 
-from common.distributed import all_gather_cat, max_over_ranks, sum_over_ranks
+from common.distributed import max_over_ranks, sum_over_ranks
 from common.plumbing.checkpoint import writing
 from common.plumbing.checks import (
     MAX_BATCH,
@@ -47,7 +47,7 @@ from common.plumbing.plots import line_plot
 from common.plumbing.run import Stats, check_finite
 from common.plumbing.transitions import GradShare, Rollout, check_transitions
 from common.plumbing.utils import atomic_write
-from common.rewards import advantage_mix, group_advantages, group_reward_metrics
+from common.rewards import advantage_mix, all_gather_cat, group_advantages, group_reward_metrics
 from common.sampler import gaussian_kl, ode_along_paths, ratio_norm, sde_step_with_logprob
 
 

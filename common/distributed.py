@@ -1,5 +1,7 @@
-"""The collectives an algorithm calls: the group advantages need every rank's rewards, and every
-rank must run as many micro-batches (each forward and backward is a collective under DDP and FSDP).
+"""The collectives the training section calls: every rank must run as many micro-batches (each
+forward and backward is a collective under DDP and FSDP), and a step's loss is the mean over all
+ranks' kept rows. (The rollouts' gather of every rank's rewards is common/rewards.py's
+all_gather_cat.)
 
 With one process (`python script.py`) each is the identity; under torchrun they work on the
 run's device (NCCL takes no CPU tensor; common/plumbing/utils.py makes the process group).
@@ -9,15 +11,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-
-def all_gather_cat(t: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Concatenate a tensor from every rank along dim 0, rank-major (rank 0's rows first)."""
-    if world_size == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(world_size)]
-    dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts)
 
 
 def sum_over_ranks(t: torch.Tensor, world_size: int) -> torch.Tensor:

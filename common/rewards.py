@@ -41,6 +41,7 @@ import threading
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from PIL import Image
 from torch import nn
@@ -520,6 +521,18 @@ def group_reward_metrics(rewards: torch.Tensor) -> dict:
         "train/group_std_mean": r.std(-1, unbiased=False).mean().item(),
         "train/zero_std_frac": tied.mean().item(),
     }
+
+
+def all_gather_cat(t: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Concatenate a tensor from every rank along dim 0, rank-major (rank 0's rows first): the
+    rollouts gather every rank's rewards, as the group advantages compare images of all ranks (a
+    group is spread over them). With one process, `t` itself; under torchrun, `t` on the run's
+    device (NCCL takes no CPU tensor)."""
+    if world_size == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(world_size)]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts)
 
 
 def group_advantages(

@@ -133,21 +133,6 @@ def set_tf32(device: torch.device, enabled: bool) -> None:
         torch.backends.cudnn.conv.fp32_precision = precision
 
 
-def all_gather_cat(t: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Concatenate a tensor from every rank along dim 0, rank-major (rank 0's rows first)."""
-    if world_size == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(world_size)]
-    dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts)
-
-
-def all_reduce(t: torch.Tensor, world_size: int, op=None) -> torch.Tensor:
-    if world_size > 1:
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-    return t
-
-
 def seed_everything(seed: int, deterministic: bool = True) -> None:
     random.seed(seed)
     np.random.seed(seed)
