@@ -29,7 +29,6 @@ import numpy as np
 import torch
 import tyro
 
-from common.distributed import max_over_ranks, sum_over_ranks
 from common.plumbing.checkpoint import writing
 from common.plumbing.checks import (
     MAX_BATCH,
@@ -44,7 +43,7 @@ from common.plumbing.checks import (
 from common.plumbing.harness import GRPOArgs, Harness, derived, setup, split_batch
 from common.plumbing.parallel import check_parallel
 from common.plumbing.plots import line_plot
-from common.plumbing.run import Stats, check_finite
+from common.plumbing.run import Stats, check_finite, max_over_ranks, sum_over_ranks
 from common.plumbing.transitions import GradShare, Rollout, check_transitions
 from common.plumbing.utils import atomic_write
 from common.rewards import advantage_mix, all_gather_cat, group_advantages, group_reward_metrics

@@ -21,11 +21,10 @@ from typing import Literal
 import torch
 import tyro
 
-from common.distributed import max_over_ranks, sum_over_ranks
 from common.plumbing.checks import ConfigError, Rule, check_flag, check_ranges, check_sde_type
 from common.plumbing.harness import GRPOArgs, Harness, derived, setup, split_batch
 from common.plumbing.parallel import check_parallel
-from common.plumbing.run import Stats, check_finite
+from common.plumbing.run import Stats, check_finite, max_over_ranks, sum_over_ranks
 from common.plumbing.transitions import GradShare, Rollout, check_transitions
 from common.rewards import advantage_mix, all_gather_cat, group_advantages, group_reward_metrics
 from common.sampler import gaussian_kl, ratio_norm, sde_step_with_logprob

@@ -48,7 +48,6 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from common.distributed import max_over_ranks
 from common.plumbing.checkpoint import (
     continue_hint,
     rng_state,
@@ -179,6 +178,27 @@ def continue_hint_of_this_run() -> str:
     """How to go on from the run this process set up (its folder, as `setup` made it), or ''."""
     run_dir = _setup_state["run_dir"]
     return continue_hint(run_dir) if run_dir else ""
+
+
+# ---------------------------------------------------------------------- the ranks agree on a count
+# The GRPO training section's: every forward and backward is a collective under DDP and FSDP, so every rank runs as
+# many micro-batches, and an optimizer step's loss is the mean over all ranks' kept rows. Tensors on the run's
+# device: NCCL takes no CPU tensor.
+def sum_over_ranks(t: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The elementwise sum of `t` over the ranks (a copy; `t` is left as it was)."""
+    t = t.clone()
+    if world_size > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def max_over_ranks(n: int, world_size: int, device) -> int:
+    """The largest of every rank's `n`."""
+    if world_size == 1:
+        return n
+    t = torch.tensor([n], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
 
 
 def check_finite(what: str, iteration: int, values) -> None:
