@@ -61,7 +61,7 @@ from common.plumbing.evaluation import evaluate
 from common.plumbing.parallel import is_sharded, weights_digest
 from common.plumbing.report import run_pictures, summary_line
 from common.plumbing.run_folder import release_run_folder
-from common.plumbing.signals import SIGNALS, _before_setup, _setup_state, stop_by_signal
+from common.plumbing.signals import _setup_state, stop_training_on_signals
 from common.plumbing.tracking import start_wandb, to_wandb
 from common.plumbing.utils import atomic_file, atomic_write, read_metrics_lines
 from common.policy import ema_weights
@@ -560,23 +560,8 @@ class Run:
             dist.barrier()
 
     def stop_on_signals(self) -> None:
-        """SIGINT (Ctrl-C) and SIGTERM stop the run with one line: the iteration reached, the last
-        complete checkpoint and the command that continues. A write in progress is abandoned whole
-        (every write goes to a temporary name first); `finish` puts back the handlers the process
-        had before its set-up (`stop_on_signals_in_setup`)."""
-
-        def stop(signum, frame):
-            stop_by_signal(
-                signum,
-                f"at iteration {self.iteration}",
-                lambda: continue_hint(self.dir),
-                self.is_main,
-            )
-
-        self._handlers = {}
-        for sig in SIGNALS:
-            previous = signal.signal(sig, stop)
-            self._handlers[sig] = _before_setup.pop(sig, previous)
+        """SIGINT (Ctrl-C) and SIGTERM stop the run with one line from here on (signals.py)."""
+        self._handlers = stop_training_on_signals(self)
 
     def _save_files(self, folder: str) -> None:
         """Into a checkpoint folder: the trained weights, and the script's own files."""

@@ -84,3 +84,21 @@ def _setup_hint() -> str:
     if run_dir and run_outputs(run_dir):
         return continue_hint(run_dir)
     return "nothing was written: run the same command again"
+
+
+def stop_training_on_signals(run) -> dict:
+    """From the training loop on (Run.stop_on_signals), SIGINT (Ctrl-C) and SIGTERM stop the run with
+    one line: the iteration reached, the last complete checkpoint and the command that continues. A
+    write in progress is abandoned whole (every write goes to a temporary name first). Returns the
+    handlers the process had before its set-up, which `Run.finish` puts back."""
+
+    def stop(signum, frame):
+        stop_by_signal(
+            signum, f"at iteration {run.iteration}", lambda: continue_hint(run.dir), run.is_main
+        )
+
+    handlers = {}
+    for sig in SIGNALS:
+        previous = signal.signal(sig, stop)
+        handlers[sig] = _before_setup.pop(sig, previous)
+    return handlers
