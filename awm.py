@@ -7,29 +7,32 @@ scripts/train_sd3_awm.py).
    the Euler ODE); only the clean latent x_0 and its reward are kept: no trajectory, no log-prob.
 2. Advantage A = (reward - group mean) / global std, clipped to [-5, 5] and divided by 5: one signed
    weight per image in [-1, 1].
-3. Training on the forward process at timesteps stratified over the rollout grid's indices: x_t = (1
-   - t) x_0 + t eps with fresh eps, and the flow-matching loss of v_theta against eps - x_0,
-   weighted by -A: good images are fitted, bad ones pushed away. Plus a velocity KL to the base
-   model (LoRA off) and one to a fast EMA of the policy, which follows theta once per iteration. The
-   equations, numbered E1-E12 as in docs/awm.md (its table quotes the released line of each):
-(E1) x_t = (1 - t) x_0 + t eps, fresh eps per (timestep, image)
-(E2) x_0 = the rollout's final latent (the policy, no gradient, any solver)
-(E3) l = mean over elements (v_theta - (eps - x_0))^2, in float64; "log-prob" lp = -l
-(E4) the time weighting: ghuber lp = -t ((l + 1e-10)^p - (1e-10)^p) / p, p = 0.25 (released
-default); Uniform lp = -l; t: -t l; t**2: -t^2 l; huber: -t (sqrt(l + 1e-10) - 1e-5)
-(E5) A = (R - mean_group R) / (std_all R + 1e-4)
-(E6) A_hat = clip(A, -5, 5) / 5 * advantage_max   (advantage_max = 1) (E7-E9) the released PPO form:
-rho = exp(lp - lp_old), lp_old = lp.detach(): rho = 1, the clip is inert, the gradient is -A_hat
-grad lp (below, beside the loss)
-(E10) + kl_weight mean (v_theta - v_base)^2,  v_base = the model with its LoRA off (released: beta)
-(E11) + ema_kl_weight mean (v_theta - v_ema)^2, v_ema = the fast EMA's velocity at the same x_t
-(released: ema_beta)
-(E12) after each iteration's update: ema <- d ema + (1 - d) theta, d = min(0.3, 0.001 step) No
-transitions: as DiffusionNFT, AWM keeps one row per image, so it shares the GRPO scripts' rollout
-plumbing (prompts, groups, seeds, rewards, group advantages) but not their training section. Docs:
-docs/awm.md.  Run: `python awm.py` (toy world, CPU, minutes, no downloads) or `torchrun
---nproc_per_node 8 awm.py --model-path DIR ...` (see the docs for the released presets). The shared
-flags and the set-up are in common/plumbing/harness.py.
+3. Training on the forward process at timesteps stratified over the rollout grid's indices:
+   x_t = (1 - t) x_0 + t eps with fresh eps, and the flow-matching loss of v_theta against
+   eps - x_0, weighted by -A: good images are fitted, bad ones pushed away. Plus a velocity KL to
+   the base model (LoRA off) and one to a fast EMA of the policy, which follows theta once per
+   iteration.
+
+The equations, numbered E1-E12 as in docs/awm.md (its table quotes the released line of each):
+  (E1) x_t = (1 - t) x_0 + t eps, fresh eps per (timestep, image)
+  (E2) x_0 = the rollout's final latent (the policy, no gradient, any solver)
+  (E3) l = mean over elements (v_theta - (eps - x_0))^2, in float64; "log-prob" lp = -l
+  (E4) the time weighting: ghuber lp = -t ((l + 1e-10)^p - (1e-10)^p) / p, p = 0.25 (released
+       default); Uniform lp = -l; t: -t l; t**2: -t^2 l; huber: -t (sqrt(l + 1e-10) - 1e-5)
+  (E5) A = (R - mean_group R) / (std_all R + 1e-4)
+  (E6) A_hat = clip(A, -5, 5) / 5 * advantage_max   (advantage_max = 1)
+  (E7-E9) the released PPO form: rho = exp(lp - lp_old), lp_old = lp.detach(): rho = 1, the clip
+       is inert, the gradient is -A_hat grad lp (below, beside the loss)
+  (E10) + kl_weight mean (v_theta - v_base)^2, v_base = the model with its LoRA off (released: beta)
+  (E11) + ema_kl_weight mean (v_theta - v_ema)^2, v_ema = the fast EMA's velocity at the same x_t
+        (released: ema_beta)
+  (E12) after each iteration's update: ema <- d ema + (1 - d) theta, d = min(0.3, 0.001 step)
+
+No transitions: as DiffusionNFT, AWM keeps one row per image, so it shares the GRPO scripts' rollout
+plumbing (prompts, groups, seeds, rewards, group advantages) but not their training section.
+Docs: docs/awm.md. Run: `python awm.py` (toy world, CPU, minutes, no downloads) or
+`torchrun --nproc_per_node 8 awm.py --model-path DIR ...` (the docs give the released presets).
+The shared flags and the set-up are in common/plumbing/harness.py.
 """
 
 from __future__ import annotations
@@ -217,11 +220,11 @@ def awm_loss(v, x0, eps, t, adv, v_ref, v_ema, args: Args):
     fast EMA's velocities at the same x_t (no gradient; None when their weight is 0); adv: A_hat
     [N]; t broadcasts against x0 ([N, 1, ...])."""
     lp = matching_logprob(v, x0, eps, t, args.weighting, args.ghuber_power)  # (E3-E4)
-    # (E7-E9) The released loss is PPO's max(-A rho, -A clip(rho, 1 - eps, 1 + eps)) with rho =
-    # exp(lp - lp_old) and lp_old = lp.detach() taken from this same forward (on-policy: one
+    # (E7-E9) The released loss is PPO's max(-A rho, -A clip(rho, 1 - eps, 1 + eps)) with
+    # rho = exp(lp - lp_old) and lp_old = lp.detach() taken from this same forward (on-policy: one
     # optimizer step per epoch, no pass before it). So rho is exactly 1 and inside every clip range:
     # both branches are -A rho, the clip never bites (released clip_range = 1: "currently not work
-    # (on policy)"), and the gradient is -A grad lp. We write that gradient's loss directly: no
+    # (on policy)"), and the gradient is -A grad lp. We write that gradient's loss directly, with no
     # ratio.
     policy_loss = -adv * lp
     zero = torch.zeros_like(policy_loss)

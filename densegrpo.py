@@ -703,8 +703,7 @@ def rollout(
     return Rollout(transitions, emb, prompts, counts, metrics)
 
 
-# ============================ SHARED: the log-prob of a stored step (same in the three GRPO
-# scripts)
+# ============================ SHARED: the log-prob of a stored step (the three GRPO scripts) ====
 def step_policy(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args):
     """The Gaussian policy of the micro-batch's stored SDE steps under `model` (E2-E3): log pi(x_next
     | x_t, c), the step's mean and std_dev_t. With the policy (with gradient), or with
@@ -821,11 +820,11 @@ if __name__ == "__main__":
         # sample, score, advantages
         ro = rollout(h, args, sigmas, noise_levels, iteration, run.timer)
 
-        # ============================ TRAINING on transitions (same in the three GRPO scripts)
-        # ===== ALGO LOGIC: the PPO-clipped GRPO objective (Flow-GRPO §4) on single SDE steps, found
-        # as in CleanRL's update: the stored step's log-prob under the current policy, the ratio,
-        # the clipped loss and the KL; their mean over the optimizer step's transitions; backward,
-        # clip, step. The contract of `transitions` is listed in docs/design.md.
+        # ============================ TRAINING on transitions (same in the three GRPO scripts) ====
+        # ALGO LOGIC: the PPO-clipped GRPO objective (Flow-GRPO §4) on single SDE steps, found as in
+        # CleanRL's update: the stored step's log-prob under the current policy, the ratio, the
+        # clipped loss and the KL; their mean over the optimizer step's transitions; backward, clip,
+        # step. The contract of `transitions` is listed in docs/design.md.
         tr = {k: v.to(h.device) for k, v in ro.transitions.items()}
         if iteration == run.start_iteration:  # the rollout's code is the same every iteration
             check_transitions(tr, sigmas, len(ro.prompts))

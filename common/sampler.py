@@ -253,8 +253,7 @@ def sde_step_with_logprob(
     )
 
 
-# --------------------------------------------------------------------- the steps' guards and
-# plumbing
+# ------------------------------------------------------------------- the steps' guards and plumbing
 def _step_inputs(velocity, sample, sigma, sigma_next, noise_level):
     """float32 x and v, and the three scalars as per-sample [B (or 1), 1, ...] tensors."""
     x, v = sample.float(), velocity.float()

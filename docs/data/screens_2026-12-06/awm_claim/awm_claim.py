@@ -11,6 +11,8 @@ docs/data/screens_2026-12-05/nft/nft_claim.py reads them. Printed:
 
 - each script's gain with its 95 % t-interval, and its training CPU per iteration and per default run;
 - AWM against each at their default runs (the CPU each used said beside it): Welch's interval and p, Holm over the two;
+- AWM at the others' training CPU: its accuracy linear between its periodic evaluations at the iteration where its
+  training CPU equals the other script's mean run, against that script's finals (Welch);
 - the paper's axis: the training CPU at which each AWM seed first reaches the other script's mean final accuracy
   (linear between AWM's periodic evaluations, 2 seeds per prompt), as a share of that script's mean training CPU for
   its default run, and its inverse (how many times less CPU); the mean share with its t-interval over AWM's seeds
@@ -33,6 +35,16 @@ from verdict import holm, welch_test  # noqa: E402
 from benchmarks.bench_compare import mean_ci, welch_ci  # noqa: E402
 
 NAMES = {"awm": "AWM", "flowgrpo_baseline": "Flow-GRPO", "diffusionnft": "DiffusionNFT"}
+
+
+def at_cpu(points: list[dict], iteration: float) -> float:
+    """A run's accuracy at a fractional iteration, linear between its evaluations (its last one past the end)."""
+    for a, b in zip(points, points[1:]):
+        if a["iteration"] <= iteration <= b["iteration"]:
+            return a["acc"] + (iteration - a["iteration"]) / (b["iteration"] - a["iteration"]) * (
+                b["acc"] - a["acc"]
+            )
+    return points[-1]["acc"]
 
 
 def main(folder: str) -> None:
@@ -75,6 +87,22 @@ def main(folder: str) -> None:
     for (label, a, b), (df, p, resolved), adj in zip(cells, tests, adjusted):
         print(
             f"| {label} | {fmt(*welch_ci(a, b))} | {df:.1f} | {p:.2g} | {adj:.2g} | {resolved:.3f} |"
+        )
+
+    print(
+        "\n| AWM at the other's training CPU | AWM iteration | AWM accuracy there [95 % CI] | other's final | AWM − other [95 % CI] |"
+    )
+    print("|---|---|---|---|---|")
+    for other in ("flowgrpo_baseline", "diffusionnft"):
+        runs = g[other]["runs"]
+        other_cpu = statistics.mean(r["train_cpu"] for r in runs)
+        there = [(other_cpu / r["cpu_per_iteration"], r["points"]) for r in awm]
+        accs = [at_cpu(points, it) for it, points in there]
+        finals = [r["final"] for r in runs]
+        mean_it = statistics.mean(it for it, _ in there)
+        print(
+            f"| {NAMES[other]} ({other_cpu:,.0f} s) | {mean_it:.1f} | {fmt(*mean_ci(accs)).replace('+', '')} | "
+            f"{fmt(*mean_ci(finals)).replace('+', '')} | {fmt(*welch_ci(accs, finals))} |"
         )
 
     for other in ("flowgrpo_baseline", "diffusionnft"):
