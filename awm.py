@@ -255,9 +255,8 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
         mine = slice(h.rank * args.images_per_rank, (h.rank + 1) * args.images_per_rank)
         prompts = [h.train_prompts[prompt_ids[k]] for k in group[mine]]
         emb = h.backbone.encode(prompts)
-        gen = torch.Generator(h.device).manual_seed(
-            args.seed * 1_000_003 + iteration * 1009 + h.rank
-        )
+        seed = args.seed * 1_000_003 + iteration * 1009 + h.rank  # the rank's own noise
+        gen = torch.Generator(h.device).manual_seed(seed)
         noise = step_noise(sigmas, args.noise_level, args.noise_window)
         latents, pending = [], []
         with torch.no_grad():  # (E2): the policy itself samples (on-policy)
@@ -286,9 +285,8 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
         adv = advantage_weight(advantages, args.adv_clip_max, args.advantage_max)  # (E6)
         n = args.images_per_rank
         samples = {"x0": torch.cat(latents), "adv": adv[mine], "prompt_index": torch.arange(n)}
-    metrics = group_reward_metrics(
-        torch.stack([mixed[group == k] for k in range(args.groups_per_iteration)])
-    )
+    groups = torch.stack([mixed[group == k] for k in range(args.groups_per_iteration)])
+    metrics = group_reward_metrics(groups)  # [groups, G] rewards
     metrics.update(
         {
             "train/adv_abs_mean": adv.abs().mean().item(),

@@ -227,18 +227,7 @@ def step_noise_levels(psi: torch.Tensor, sigmas: torch.Tensor, scale: str) -> to
     return psi.float() if scale == "multiplier" else psi.float() / psi_factor(sigmas)
 
 
-def sample_trajectories(
-    backbone,
-    emb,
-    sigmas,
-    noise_levels,
-    n,
-    batch_size,
-    resolution,
-    guidance_scale,
-    gen,
-    sde_type="sde",
-):
+def sample_trajectories(backbone, emb, sigmas, noise_levels, n: int, args, gen):
     """SDE rollout exactly as the baseline's (same generator draws in the same order, so
     psi == noise_level gives the baseline's trajectories), with a noise level per step. Returns
     latents [T+1, n, ...] (index 0 = x_T, pure noise; index T = the SDE's image x_0), the rollout
@@ -247,12 +236,12 @@ def sample_trajectories(
     (the rollout policy's, for --ratio-norm)."""
     fields = ("latents", "log_prob", "velocity", "mean")
     batches = []  # per rollout batch: the four fields, each stacked over the steps
-    for b in range(0, n, batch_size):
-        m = min(batch_size, n - b)
-        x = backbone.initial_noise(m, resolution, resolution, generator=gen)
+    for b in range(0, n, args.rollout_batch_size):
+        m = min(args.rollout_batch_size, n - b)
+        x = backbone.initial_noise(m, args.resolution, args.resolution, generator=gen)
         chain = {"latents": [x], "log_prob": [], "velocity": [], "mean": []}
         for j in range(len(sigmas) - 1):
-            v = backbone.velocity(x, sigmas[j], emb[b : b + m], guidance_scale)
+            v = backbone.velocity(x, sigmas[j], emb[b : b + m], args.guidance_scale)
             x, log_prob, mean, _ = sde_step_with_logprob(
                 v,
                 x,
@@ -261,7 +250,7 @@ def sample_trajectories(
                 float(noise_levels[j]),
                 generator=gen,
                 sigma_max=sigmas[1],
-                sde_type=sde_type,
+                sde_type=args.sde_type,
             )
             for name, value in zip(fields, (x, log_prob, v, mean)):
                 chain[name].append(value)
@@ -270,50 +259,26 @@ def sample_trajectories(
 
 
 def completion_grid(num_steps: int, k: int, n: int | None) -> list[int]:
-    """Schedule indices of the ODE completion of the latent at index k (paper timestep t = T - k)
-    down to sigma = 0 (Eq. 8). n None: all t remaining steps of the rollout grid
-    (paper default n = t). n < t: the paper's sub-grid x_t -> ... -> x_{t, floor(t/n)} -> x_{t, 0},
-    i.e. paper timesteps t, (n-1)s, ..., 2s, s, 0 with s = floor(t/n) (the first jump takes the
-    remainder); n = 1 is the one-step x0 prediction. Index of paper timestep u: T - u."""
+    """Schedule indices of the ODE completion of latent k (paper timestep t = T - k) to sigma = 0
+    (Eq. 8). n None: the rollout grid's t remaining steps (the paper's n = t); n < t: the paper's
+    timesteps t, (n-1)s, ..., s, 0 with s = floor(t/n) (the first jump takes the remainder); n = 1:
+    the one-step x0 prediction. Paper timestep u is index T - u."""
     t = num_steps - k
     m = t if n is None else min(n, t)
     return [k] + [num_steps - j * (t // m) for j in range(m - 1, -1, -1)]
 
 
 @torch.no_grad()
-def dense_rollout(
-    backbone,
-    reward_model,
-    prompts: list[str],
-    emb,
-    sigmas,
-    noise_levels,
-    args,
-    gen,
-    upto: int | None = None,
-) -> dict:
-    """Sample one SDE trajectory per prompt and score every latent of it (Eq. 8-9).
-
-    R[:, k] = R(ODE completion of latents[k]) for k < T, and R[:, T] = R(the SDE's own image):
-    x_hat_{0,0} = x_0 needs no completion. Index k is the paper's timestep t = T - k, so R[:, 0]
-    (the paper's R_T) is the reward of the plain ODE sample from the trajectory's initial noise.
-    `upto` L: only the first L steps are trained, so only latents 0..L (and the SDE image, the last
-    column) are scored: scores [n, >= L+2, R]. Returns latents, log_prob, mean, scores [n, T+1, R]
-    (upto None), and the NFE and sequential transformer calls of sampling and of the completions:
-    nfe / calls = {"rollout": .., "completion": ..} (a CFG pair is one). Completion NFE per
-    trajectory: sum_k (len(grid_k) - 1) - T (first steps reused)."""
+def dense_rollout(backbone, reward_model, prompts, emb, sigmas, noise_levels, args, gen, upto=None):
+    """Sample one SDE trajectory per prompt and score every latent of it (Eq. 8-9): R[:, k] = R(ODE
+    completion of latents[k]) for k < T, R[:, T] = R(the SDE's own image). Index k is the paper's
+    timestep t = T - k, so R[:, 0] (the paper's R_T) is the plain ODE sample's reward. `upto` L:
+    only the first L steps are trained, so only latents 0..L and the SDE image are scored. Returns
+    latents, log_prob, mean, scores [n, T+1 (upto None), R], and the NFE and sequential calls of
+    sampling and of the completions, {"rollout": .., "completion": ..} (a CFG pair is one)."""
     n, T = len(prompts), len(sigmas) - 1
     latents, log_prob, velocity, mean = sample_trajectories(
-        backbone,
-        emb,
-        sigmas,
-        noise_levels,
-        n,
-        args.rollout_batch_size,
-        args.resolution,
-        args.guidance_scale,
-        gen,
-        args.sde_type,
+        backbone, emb, sigmas, noise_levels, n, args, gen
     )
     # [T]: the SDE image
     grids = [completion_grid(T, k, args.completion_steps) for k in range(T)] + [[T]]
@@ -374,11 +339,8 @@ def dense_step_rewards(R: torch.Tensor) -> torch.Tensor:
     return R[:, 1:] - R[:, :-1]
 
 
-def per_step_advantages(
-    dR: torch.Tensor, group: torch.Tensor, global_std: bool, eps: float
-) -> torch.Tensor:
-    """Eq. 10: GRPO normalisation at each timestep separately, [N, T] -> [N, T] (column j over the
-    groups)."""
+def per_step_advantages(dR: torch.Tensor, group: torch.Tensor, global_std: bool, eps: float):
+    """Eq. 10: GRPO normalisation at each timestep on its own, [N, T] -> [N, T]."""
     return torch.stack(
         [group_advantages(dR[:, j], group, global_std, eps) for j in range(dR.shape[1])], 1
     )
@@ -619,9 +581,8 @@ def rollout(
         mine = slice(h.rank * args.images_per_rank, (h.rank + 1) * args.images_per_rank)
         prompts = [h.train_prompts[prompt_ids[k]] for k in group[mine]]
         emb = h.backbone.encode(prompts)
-        gen = torch.Generator(h.device).manual_seed(
-            args.seed * 1_000_003 + iteration * 1009 + h.rank
-        )
+        seed = args.seed * 1_000_003 + iteration * 1009 + h.rank  # the rank's own noise
+        gen = torch.Generator(h.device).manual_seed(seed)
         # SDE trajectories with psi(t), an ODE completion from each trained step's latent
         # (staircase-batched), a reward for each (Eq. 8-9): R of latents 0..L, and the SDE image's
         dense = dense_rollout(
@@ -705,11 +666,9 @@ def rollout(
 
 # ============================ SHARED: the log-prob of a stored step (the three GRPO scripts) ====
 def step_policy(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args):
-    """The Gaussian policy of the micro-batch's stored SDE steps under `model` (E2-E3): log pi(x_next
-    | x_t, c), the step's mean and std_dev_t. With the policy (with gradient), or with
-    model=trainable.reference, the KL reference. As CleanRL's get_action_and_value: one forward per
-    state (its first row), its velocity handed to every row of that state (G²RPO's G branches share
-    one), and the stored action scored, not drawn."""
+    """log pi(x_next | x_t, c) of the micro-batch's stored SDE steps under `model` (the policy, or
+    its KL reference), the step's mean and std_dev_t (E2-E3). As CleanRL's get_action_and_value, the
+    stored action is scored, not drawn; one forward per state serves its rows (G²RPO's branches)."""
     rows, position, first = mb
     # CFG inside the training forward; --detach-uncond stops the unconditional branch's gradient
     v = backbone.velocity(
@@ -734,13 +693,11 @@ def step_policy(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args):
 
 
 def optimizer_steps(state: torch.Tensor, keep: torch.Tensor, block: torch.Tensor, args, world_size):
-    """The iteration's optimizer steps, in order: for each pass (--num-inner-epochs) and each update
-    block (G²RPO: one per branch step; the others have one), the block's states in a random order,
-    those with a kept transition first, cut into --optimizer-steps-per-iteration parts; with each
-    part, the number of kept transitions it has on all ranks (its loss is their mean). A state is a
-    row, or G²RPO's G branches from one latent, whose rows one forward serves. Each forward and
-    backward is a collective under DDP and FSDP, so every rank trains as many states as the rank
-    that keeps the most; one that keeps fewer fills up with its other states, whose rows weigh 0."""
+    """(states, kept transitions on all ranks) of each optimizer step: per pass and update block
+    (G²RPO: one per branch step), the block's states shuffled, those with a kept transition first,
+    cut into --optimizer-steps-per-iteration parts. A state is a row, or G²RPO's G branches from one
+    latent. A forward is a collective under DDP and FSDP, so every rank trains as many states as the
+    rank that keeps the most, filling up with states whose rows weigh 0."""
     for _, b in product(range(args.num_inner_epochs), range(int(block.max()) + 1)):
         states = state[block == b].unique()
         has_kept = torch.zeros(int(state.max()) + 1, dtype=torch.bool, device=state.device)

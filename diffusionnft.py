@@ -162,13 +162,10 @@ def old_decay(schedule: str, step: int) -> float:
 
 # ALGO LOGIC: the rollout. As flowgrpo_baseline.py's (groups spread over the ranks, seeded by the
 # iteration), with a deterministic solver under the old weights, and only x_0 and r kept.
-def rollout(
-    h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer, old: OldPolicy
-) -> Rollout:
+def rollout(h: Harness, args: Args, sigmas, iteration: int, timer, old: OldPolicy) -> Rollout:
     """Sample G images per prompt with the old policy's ODE (N1), score them, and give each its
-    optimality weight r (N2). Returns a Rollout whose `transitions` holds NFT's rows, one per image
-    (x0 [n, ...], r [n], prompt_index [n]): NFT has no transitions (no step, log-prob or ratio), so
-    check_transitions does not apply."""
+    optimality weight r (N2). The Rollout's `transitions` holds NFT's rows, one per image (x0, r,
+    prompt_index): NFT has no step, log-prob or ratio, so check_transitions does not apply."""
     with timer("rollout"):
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration)
         prompt_ids = torch.randint(len(h.train_prompts), (args.groups_per_iteration,), generator=g)
@@ -177,9 +174,8 @@ def rollout(
         mine = slice(h.rank * args.images_per_rank, (h.rank + 1) * args.images_per_rank)
         prompts = [h.train_prompts[prompt_ids[k]] for k in group[mine]]
         emb = h.backbone.encode(prompts)
-        gen = torch.Generator(h.device).manual_seed(
-            args.seed * 1_000_003 + iteration * 1009 + h.rank
-        )
+        seed = args.seed * 1_000_003 + iteration * 1009 + h.rank  # the rank's own noise
+        gen = torch.Generator(h.device).manual_seed(seed)
         latents, pending = [], []
         with torch.no_grad(), old.swapped():  # (N1): the old policy samples
             for b in range(0, args.images_per_rank, args.rollout_batch_size):
@@ -208,12 +204,10 @@ def rollout(
         r = optimality_weight(advantages, args.adv_clip_max)  # (N2)
         n = args.images_per_rank
         samples = {"x0": torch.cat(latents), "r": r[mine], "prompt_index": torch.arange(n)}
-    metrics = group_reward_metrics(
-        torch.stack([mixed[group == k] for k in range(args.groups_per_iteration)])
-    )
-    metrics.update(
-        {"train/r_mean": r.mean().item(), "train/r_abs_dev": (r - 0.5).abs().mean().item()}
-    )
+    groups = torch.stack([mixed[group == k] for k in range(args.groups_per_iteration)])
+    metrics = group_reward_metrics(groups)  # [groups, G] rewards
+    metrics["train/r_mean"] = r.mean().item()
+    metrics["train/r_abs_dev"] = (r - 0.5).abs().mean().item()
     counts = {"trajectories": n, "scored_images": n, "nfe/rollout": n * args.num_steps}
     return Rollout(samples, emb, prompts, counts, metrics)
 

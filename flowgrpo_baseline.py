@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 from itertools import product
 from typing import Literal
 
@@ -125,29 +126,25 @@ def check_args(args: Args, world_size: int) -> None:
 # ALGO LOGIC: the rollout. Flow-GRPO spreads each group over the ranks.
 def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer) -> Rollout:
     """Sample G images per prompt with the SDE, score them, and make every trained step of image i a
-    transition with image i's advantage. All ranks draw the same prompts and shuffle (a generator
-    seeded by the iteration) and rank r keeps slice r; seeding by iteration also makes a resumed run
-    sample exactly what the uninterrupted run would have."""
+    transition with image i's advantage. Every rank draws the same prompts and shuffle, seeded by
+    the iteration (so a resumed run samples what the uninterrupted one would), and keeps its
+    slice."""
     with timer("rollout"):
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration)
         prompt_ids = torch.randint(len(h.train_prompts), (args.groups_per_iteration,), generator=g)
         group = torch.arange(args.groups_per_iteration).repeat_interleave(args.group_size)
         group = group[torch.randperm(len(group), generator=g)]  # group of every image, global order
-        # Flow-GRPO-Fast's window, drawn from g after the prompts (every rank draws the same one);
-        # `trained`: the window, or the first trained steps
-        lo, hi = args.sde_window_range or (0, 0)
-        w0 = (
-            int(torch.randint(lo, hi - args.sde_window_size + 1, (1,), generator=g))
-            if args.sde_window_size
-            else 0
-        )
+        # `trained`: the first trained steps, or Flow-GRPO-Fast's window, drawn from g after the
+        # prompts (every rank draws the same one)
+        (lo, hi), w0 = args.sde_window_range or (0, 0), 0
+        if args.sde_window_size:
+            w0 = int(torch.randint(lo, hi - args.sde_window_size + 1, (1,), generator=g))
         trained = range(w0, w0 + args.trained_steps)
         mine = slice(h.rank * args.images_per_rank, (h.rank + 1) * args.images_per_rank)
         prompts = [h.train_prompts[prompt_ids[k]] for k in group[mine]]
         emb = h.backbone.encode(prompts)
-        gen = torch.Generator(h.device).manual_seed(
-            args.seed * 1_000_003 + iteration * 1009 + h.rank
-        )
+        seed = args.seed * 1_000_003 + iteration * 1009 + h.rank  # the rank's own noise
+        gen = torch.Generator(h.device).manual_seed(seed)
         steps, pending = [], []  # per rollout batch: trained (x, x_next, log_prob, mean), scoring
         with torch.no_grad():
             for b in range(0, args.images_per_rank, args.rollout_batch_size):
@@ -183,18 +180,11 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
         all_scores = all_gather_cat(scores.to(h.device), h.world_size).cpu()  # rank-major = global
         check_finite("reward", iteration, all_scores)
         # A_i = (r_i - mean of i's group) / (std of all rewards + eps) (common/rewards.py)
+        adv = partial(group_advantages, group=group, global_std=args.global_std, eps=args.std_eps)
         if args.reward_mix == "score":
-            advantages = group_advantages(
-                h.reward_model.mix(all_scores), group, args.global_std, args.std_eps
-            )
+            advantages = adv(h.reward_model.mix(all_scores))
         else:  # normalise each reward within its groups, then mix the advantages (G²RPO's rule)
-            per_reward = torch.stack(
-                [
-                    group_advantages(all_scores[:, k], group, args.global_std, args.std_eps)
-                    for k in range(all_scores.shape[1])
-                ],
-                1,
-            )
+            per_reward = torch.stack([adv(column) for column in all_scores.T], 1)
             advantages = advantage_mix(per_reward, h.reward_model.weights)
         advantages = advantages.clamp(-args.adv_clip_max, args.adv_clip_max)
         # Transitions, step-major: row j * n + i is step j of trajectory i (check_transitions
@@ -219,9 +209,8 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
             "trajectory": trajectory,
         }
     mixed = h.reward_model.mix(all_scores)
-    metrics = group_reward_metrics(
-        torch.stack([mixed[group == k] for k in range(args.groups_per_iteration)])
-    )
+    groups = torch.stack([mixed[group == k] for k in range(args.groups_per_iteration)])
+    metrics = group_reward_metrics(groups)  # [groups, G] rewards
     if args.sde_window_size:
         metrics["train/sde_window_start"] = w0
     counts = {"trajectories": n, "scored_images": n, "nfe/rollout": n * args.num_steps}
@@ -230,11 +219,9 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
 
 # ============================ SHARED: the log-prob of a stored step (the three GRPO scripts) ====
 def step_policy(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args):
-    """The Gaussian policy of the micro-batch's stored SDE steps under `model` (E2-E3): log pi(x_next
-    | x_t, c), the step's mean and std_dev_t. With the policy (with gradient), or with
-    model=trainable.reference, the KL reference. As CleanRL's get_action_and_value: one forward per
-    state (its first row), its velocity handed to every row of that state (G²RPO's G branches share
-    one), and the stored action scored, not drawn."""
+    """log pi(x_next | x_t, c) of the micro-batch's stored SDE steps under `model` (the policy, or
+    its KL reference), the step's mean and std_dev_t (E2-E3). As CleanRL's get_action_and_value, the
+    stored action is scored, not drawn; one forward per state serves its rows (G²RPO's branches)."""
     rows, position, first = mb
     # CFG inside the training forward; --detach-uncond stops the unconditional branch's gradient
     v = backbone.velocity(
@@ -259,13 +246,11 @@ def step_policy(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args):
 
 
 def optimizer_steps(state: torch.Tensor, keep: torch.Tensor, block: torch.Tensor, args, world_size):
-    """The iteration's optimizer steps, in order: for each pass (--num-inner-epochs) and each update
-    block (G²RPO: one per branch step; the others have one), the block's states in a random order,
-    those with a kept transition first, cut into --optimizer-steps-per-iteration parts; with each
-    part, the number of kept transitions it has on all ranks (its loss is their mean). A state is a
-    row, or G²RPO's G branches from one latent, whose rows one forward serves. Each forward and
-    backward is a collective under DDP and FSDP, so every rank trains as many states as the rank
-    that keeps the most; one that keeps fewer fills up with its other states, whose rows weigh 0."""
+    """(states, kept transitions on all ranks) of each optimizer step: per pass and update block
+    (G²RPO: one per branch step), the block's states shuffled, those with a kept transition first,
+    cut into --optimizer-steps-per-iteration parts. A state is a row, or G²RPO's G branches from one
+    latent. A forward is a collective under DDP and FSDP, so every rank trains as many states as the
+    rank that keeps the most, filling up with states whose rows weigh 0."""
     for _, b in product(range(args.num_inner_epochs), range(int(block.max()) + 1)):
         states = state[block == b].unique()
         has_kept = torch.zeros(int(state.max()) + 1, dtype=torch.bool, device=state.device)

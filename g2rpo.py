@@ -131,15 +131,12 @@ def check_args(args: Args, world_size: int) -> None:
 
 # ALGO LOGIC: which sigmas a branch born at step k walks through to its image, at granularity λ.
 def completion_schedule(k: int, lam: int, num_steps: int, official: bool = False) -> list[int]:
-    """Schedule indices from k+1 (where the SDE step of step k lands) to num_steps (sigma = 0),
-    every λ-th one.
-
-    Default: k+1, k+1+λ, k+1+2λ, ... and a last, shorter Euler step to num_steps when λ does not
-    divide the rest, so every image is a finished ODE solution. official=True copies the released
-    code: one fine step k+1 -> k+2, then every λ-th index from k+2; its image is
-    x0_hat = x - sigma v at the last model call, which is an Euler step straight to sigma = 0, so we
-    replace the last index by num_steps. Both take ceil((T - k - 1) / λ) model calls.
-    """
+    """Every λ-th schedule index from k+1 (where step k's SDE step lands) to num_steps (sigma = 0):
+    k+1, k+1+λ, ..., and a last, shorter Euler step to num_steps when λ does not divide the rest, so
+    every image is a finished ODE solution. official=True copies the released code: one fine step
+    k+1 -> k+2, then every λ-th index from k+2, its image x0_hat = x - sigma v at the last call (an
+    Euler step to sigma = 0: the last index becomes num_steps). Both: ceil((T-k-1)/λ) model
+    calls."""
     if official:
         idx = [k + 1] + list(range(k + 2, num_steps + 1, lam))
         return idx[:-1] + [num_steps] if len(idx) > 1 else idx
@@ -149,13 +146,9 @@ def completion_schedule(k: int, lam: int, num_steps: int, official: bool = False
 
 @torch.no_grad()
 def anchor_trajectory(velocity, x, sigmas, last: int, batch: int):
-    """The deterministic ODE (E1) from the shared x_T to x_last: states[j] and the velocity
-    v(states[j], sigma_j).
-
-    velocity(x, sigma, prompt_index) -> v. One row per prompt: the whole group shares this
-    trajectory, so the velocity at a branch state is computed once per prompt here, not once per
-    member.
-    """
+    """The ODE (E1) from the shared x_T to x_last: states[j] and v(states[j], sigma_j), with
+    velocity(x, sigma, prompt_index) -> v. One row per prompt: the group shares this trajectory, so
+    a branch state's velocity is computed once per prompt, not once per member."""
     states, vels, rows = [], [], torch.arange(len(x))
     for j in range(last + 1):
         v = torch.cat(
@@ -185,17 +178,11 @@ def singular_stochastic_rollout(
     sde_type: str = "sde",
 ) -> dict:
     """Singular Stochastic Sampling + MGAI completions for P prompts (rows of x_T, each group's
-    shared noise).
-
-    For each k in M: G SDE steps (E3; --sde-type cps: E6) from the anchor state x_k, with the
-    anchor's velocity at x_k; then every branch is finished by the ODE at every granularity. Returns
-      latents [K, P, ...]        the shared state before each branch step (the transitions' latents)
-      next_latents [K, P, G, ...] and log_prob [K, P, G]: the SDE steps, the only ones that carry
-                                 the loss
-      final [P, K, J, G, ...]    the clean latents to decode and score (K = |M|, J = |Λ|)
-      nfe                        velocity evaluations counted while running (P * rollout_nfe(...);
-                                 G = 1 at noise 0)
-    """
+    shared noise): for each k in M, G SDE steps (E3; --sde-type cps: E6) from the anchor's x_k with
+    its velocity there, each branch then finished by the ODE at every granularity. Returns
+      latents [K, P, ...]         the shared state before each branch step
+      next_latents [K, P, G, ...], log_prob [K, P, G]: the SDE steps, the only ones with a loss
+      final [P, K, J, G, ...]     the clean latents to score (K = |M|, J = |Λ|), and nfe"""
     P, K, J, G, T = len(x_T), len(branch_steps), len(granularities), group_size, len(sigmas) - 1
     # At noise_level 0 the G branches are one deterministic computation: run it once and copy it.
     # Batched kernels do not promise equal outputs for equal rows (a row's result can depend on its
@@ -252,14 +239,10 @@ def singular_stochastic_rollout(
 # ALGO LOGIC: MGAI (paper Eqs. 10-12), the advantage of each branch step from its rewards at every
 # granularity.
 def mgai_advantages(rewards: torch.Tensor, weights: torch.Tensor, eps: float) -> torch.Tensor:
-    """rewards [..., K, J, G, R] (branch step, granularity, member, reward model) -> advantages
-    [..., K, G].
-
-    A_k^i = sum_m w_m sum_λ (r - mean_G r) / (std_G r + eps), std unbiased (torch's default,
-    as the official code), one normalisation per (k, λ, reward). Computed in float64, where the std
-    of G equal float32 rewards is exactly 0 (in float32 the rounding of their mean, divided by its
-    own ~1e-8 std, gives a tied group advantages up to ~0.9).
-    """
+    """rewards [..., K, J, G, R] (branch step, granularity, member, reward) -> advantages [..., K,
+    G]: A_k^i = sum_m w_m sum_λ (r - mean_G r) / (std_G r + eps), std unbiased as the official code,
+    one normalisation per (k, λ, reward). In float64, where G equal float32 rewards have std exactly
+    0 (in float32 their rounded mean over a ~1e-8 std gives a tied group advantages up to ~0.9)."""
     r = rewards.double()
     std = r.std(-2, keepdim=True)
     # equal rewards: 0, also at eps = 0
@@ -281,12 +264,10 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
         mine = slice(h.rank * args.prompts_per_rank, (h.rank + 1) * args.prompts_per_rank)
         prompts = [h.train_prompts[i] for i in prompt_ids[mine]]
         emb = h.backbone.encode(prompts)
-        gen = torch.Generator(h.device).manual_seed(
-            args.seed * 1_000_003 + iteration * 1009 + h.rank
-        )
-        x_T = h.backbone.initial_noise(
-            len(prompts), args.resolution, args.resolution, generator=gen
-        )
+        seed = args.seed * 1_000_003 + iteration * 1009 + h.rank  # the rank's own noise
+        gen = torch.Generator(h.device).manual_seed(seed)
+        size = (args.resolution, args.resolution)
+        x_T = h.backbone.initial_noise(len(prompts), *size, generator=gen)
         branches = singular_stochastic_rollout(
             lambda x, s, p: h.backbone.velocity(x, s, emb[p], args.guidance_scale),
             x_T,
@@ -315,9 +296,8 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
         scores = h.reward_model.gather(pending)  # [n, R]: one column per reward
         all_scores = all_gather_cat(scores.to(h.device), h.world_size).cpu()  # global prompt order
         check_finite("reward", iteration, all_scores)
-        table = all_scores.view(
-            args.groups_per_iteration, len(M), len(Lam), G, -1
-        )  # [p, k, λ, i, R]
+        # [prompt, k, λ, member, reward]
+        table = all_scores.view(args.groups_per_iteration, len(M), len(Lam), G, -1)
         mixed = h.reward_model.mix(all_scores).view(table.shape[:-1])
         if args.reward_mix == "score":  # mix the raw scores, then MGAI on the mix
             advantages = mgai_advantages(mixed.unsqueeze(-1), torch.ones(1), args.std_eps)
@@ -368,11 +348,9 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
 
 # ============================ SHARED: the log-prob of a stored step (the three GRPO scripts) ====
 def step_policy(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args):
-    """The Gaussian policy of the micro-batch's stored SDE steps under `model` (E2-E3): log pi(x_next
-    | x_t, c), the step's mean and std_dev_t. With the policy (with gradient), or with
-    model=trainable.reference, the KL reference. As CleanRL's get_action_and_value: one forward per
-    state (its first row), its velocity handed to every row of that state (G²RPO's G branches share
-    one), and the stored action scored, not drawn."""
+    """log pi(x_next | x_t, c) of the micro-batch's stored SDE steps under `model` (the policy, or
+    its KL reference), the step's mean and std_dev_t (E2-E3). As CleanRL's get_action_and_value, the
+    stored action is scored, not drawn; one forward per state serves its rows (G²RPO's branches)."""
     rows, position, first = mb
     # CFG inside the training forward; --detach-uncond stops the unconditional branch's gradient
     v = backbone.velocity(
@@ -397,13 +375,11 @@ def step_policy(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args):
 
 
 def optimizer_steps(state: torch.Tensor, keep: torch.Tensor, block: torch.Tensor, args, world_size):
-    """The iteration's optimizer steps, in order: for each pass (--num-inner-epochs) and each update
-    block (G²RPO: one per branch step; the others have one), the block's states in a random order,
-    those with a kept transition first, cut into --optimizer-steps-per-iteration parts; with each
-    part, the number of kept transitions it has on all ranks (its loss is their mean). A state is a
-    row, or G²RPO's G branches from one latent, whose rows one forward serves. Each forward and
-    backward is a collective under DDP and FSDP, so every rank trains as many states as the rank
-    that keeps the most; one that keeps fewer fills up with its other states, whose rows weigh 0."""
+    """(states, kept transitions on all ranks) of each optimizer step: per pass and update block
+    (G²RPO: one per branch step), the block's states shuffled, those with a kept transition first,
+    cut into --optimizer-steps-per-iteration parts. A state is a row, or G²RPO's G branches from one
+    latent. A forward is a collective under DDP and FSDP, so every rank trains as many states as the
+    rank that keeps the most, filling up with states whose rows weigh 0."""
     for _, b in product(range(args.num_inner_epochs), range(int(block.max()) + 1)):
         states = state[block == b].unique()
         has_kept = torch.zeros(int(state.max()) + 1, dtype=torch.bool, device=state.device)

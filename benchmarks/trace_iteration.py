@@ -62,9 +62,14 @@ def trace(script: str, root: str, extra: list[str]) -> dict:
     entered: set[tuple[str, int]] = set()  # (file, first line of the code object)
     ran: set[tuple[str, int]] = set()
 
-    def ours(path: str) -> bool:
-        return path.startswith(project) and not any(
-            os.path.relpath(path, root).startswith(p) for p in LEFT_OUT
+    def ours(
+        path: str,
+    ) -> bool:  # the project's files: not a virtual environment inside it, not this tool
+        return (
+            path.startswith(project)
+            and "site-packages" not in path
+            and path != os.path.abspath(__file__)
+            and not any(os.path.relpath(path, root).startswith(p) for p in LEFT_OUT)
         )
 
     def local(frame, event, arg):

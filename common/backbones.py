@@ -249,8 +249,7 @@ class Backbone:
     # ---- text ------------------------------------------------------------------------------------
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> PromptEmbeds:
-        """Prompt embeddings without a graph (a graph here breaks multi-timestep backward
-        passes)."""
+        """Prompt embeddings, without a graph (one would break multi-timestep backward passes)."""
         if self.kind == "flux":
             emb, pooled, text_ids = self.pipe.encode_prompt(
                 prompts, None, device=self.device, max_sequence_length=self.max_sequence_length
@@ -273,8 +272,7 @@ class Backbone:
 
     # ---- latents ---------------------------------------------------------------------------------
     def initial_noise(self, n: int, height: int, width: int, generator=None) -> torch.Tensor:
-        """x_1 ~ N(0, I) in float32, drawn exactly as the stock pipeline draws it (same
-        generator, same shape)."""
+        """x_1 ~ N(0, I) in float32, drawn as the stock pipeline draws it (generator, shape)."""
         from diffusers.utils.torch_utils import randn_tensor
 
         h, w = self.latent_hw(height, width)
@@ -286,10 +284,8 @@ class Backbone:
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Latents -> images in [0, 1], float32 [B, 3, H, W], `decode_batch_size` images per VAE
-        call: the fp32 VAE's activations are about 0.75 GiB per image at 512 px, so decoding a
-        64-image evaluation batch in one call would need ~48 GiB. The VAE treats every image on its
-        own, so the images do not depend on the chunking (to float rounding)."""
+        """Latents -> images [B, 3, H, W] in [0, 1], float32, `decode_batch_size` per VAE call (the
+        fp32 VAE needs ~0.75 GiB per image at 512 px; each image is decoded on its own)."""
         vae = self.pipe.vae
         if self.kind == "flux":
             latents = self.pipe._unpack_latents(latents, height, width, self.vae_scale_factor)
@@ -312,14 +308,10 @@ class Backbone:
         model=None,
         detach_uncond: bool = False,
     ) -> torch.Tensor:
-        """v_θ(x_σ, σ, c) in float32. `sigma` is a float or a per-sample tensor [B].
-
-        SD3: classifier-free guidance v = v_u + w (v_c - v_u) with the "" prompt, both branches in
-        one batch (as the pipeline does). `detach_uncond=True` lets gradients flow only through the
-        conditional branch (Flow-GRPO's training forward). FLUX.1-dev: the guidance scale is an
-        input of the network instead. `model` is the module to call (e.g. the DDP-wrapped
-        transformer); default the bare transformer.
-        """
+        """v_θ(x_σ, σ, c) in float32; `sigma` a float or [B]. SD3: classifier-free guidance
+        v = v_u + w (v_c - v_u) with the "" prompt, both branches in one batch as the pipeline does
+        (`detach_uncond`: the gradient flows through v_c only, as Flow-GRPO's training forward).
+        FLUX.1-dev: the guidance scale is an input. `model`: e.g. the DDP-wrapped transformer."""
         model = self.transformer if model is None else model
         sigma = torch.as_tensor(sigma, device=self.device, dtype=torch.float32).expand(len(latents))
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):

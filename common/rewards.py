@@ -39,7 +39,6 @@ import os
 import pickle
 import threading
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -118,21 +117,12 @@ def _jpeg_kb(images: torch.Tensor) -> torch.Tensor:
     return torch.tensor(sizes, dtype=torch.float32)
 
 
-def _toyworld(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-    """The toy world's pixel-exact GenEval stand-in: partial credit S² in [0, 1], 1 exactly when
-    correct."""
-    from common.toyworld import score  # lazy: only needed when the toy world is used
+def _toyworld(name: str):
+    """A reward of the toy world, which is the environment's own (common/toyworld/scorer.py),
+    imported when a run uses it."""
+    from common.toyworld import scorer
 
-    reward, _correct = score(images.cpu(), prompts)
-    return torch.as_tensor(np.asarray(reward), dtype=torch.float32)
-
-
-def _toyworld_coverage(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-    """The reward-hacking lab's proxy: the share of pixels in the prompt's colours (flooding the
-    canvas wins it)."""
-    from common.toyworld import color_coverage
-
-    return torch.as_tensor(color_coverage(images.cpu(), prompts), dtype=torch.float32)
+    return getattr(scorer, name)
 
 
 class CLIPReward:
@@ -397,8 +387,8 @@ class ImageRewardScore:
 
 
 LOADERS = {  # name -> (paths, device) -> callable(images on device [b,3,H,W], prompts) -> [b]
-    "toyworld": lambda paths, device: _toyworld,
-    "toyworld_coverage": lambda paths, device: _toyworld_coverage,
+    "toyworld": lambda paths, device: _toyworld("reward"),
+    "toyworld_coverage": lambda paths, device: _toyworld("coverage_reward"),
     "jpeg_compressibility": lambda paths, device: lambda images, prompts: -_jpeg_kb(images),
     "jpeg_incompressibility": lambda paths, device: lambda images, prompts: _jpeg_kb(images),
     "aesthetic": Aesthetic,
@@ -411,11 +401,17 @@ LOADERS = {  # name -> (paths, device) -> callable(images on device [b,3,H,W], p
 
 # ----------------------------------------------------------------------------- combined model
 class Pending:
-    """A batch handed to RewardModel.submit while a remote reward scores it in the background: the
-    in-process rewards' scores, and a Future of each remote reward's."""
+    """A batch a remote reward scores in the background (RewardModel.submit): the in-process
+    rewards' scores, taken in the call, and a Future of each remote reward's, sent the 8-bit
+    pixels."""
 
-    def __init__(self, local: dict, futures: dict, cancel: threading.Event):
-        self.local, self.futures, self.cancel = local, futures, cancel
+    def __init__(self, model: RewardModel, images: torch.Tensor, prompts: list[str]):
+        self.cancel = threading.Event()
+        with torch.no_grad():
+            pixels = (images.float() * 255).round().clamp(0, 255).to(torch.uint8).cpu()
+        self.futures = {k: model.fns[k].submit(pixels, prompts, self.cancel) for k in model.remote}
+        local = model.local_scores(images, prompts).unbind(1) if model.local else []
+        self.local = dict(zip(model.local, local))
 
     def scores(self) -> torch.Tensor:
         """[B, K], once every remote reward has answered."""
@@ -428,60 +424,59 @@ class Pending:
         for future in self.futures.values():
             future.cancel()
 
-
-class RewardModel:
-    """Several rewards scored together. `__call__` gives raw scores [B, K]; `mix` the weighted sum
-    [B]. A rollout scores each batch with `submit` and all of them with `gather`: the in-process
-    rewards score it in the call, and a remote reward in the background while the caller samples
-    (or decodes) the next batch."""
-
-    def __init__(self, names: list[str], weights: torch.Tensor, fns: list, device, batch_size: int):
-        self.names, self.weights, self.fns = names, weights, fns
-        self.device, self.batch_size = device, batch_size
-        self.remote = [k for k, fn in enumerate(fns) if isinstance(fn, RemoteReward)]
-
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        """images [B,3,H,W] float in [0,1] (any device/dtype) -> float32 CPU scores [B, K], chunked
-        by batch_size."""
-        return self.gather([self.submit(images, prompts)])
-
-    def submit(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor | Pending:
-        """Score a batch: the in-process rewards now (chunks of batch_size), and each remote reward
-        in the background, sent the 8-bit pixels (a Pending, which `gather` waits for). Without a
-        remote reward this is the plain call: the [B, K] scores."""
-        if images.ndim != 4 or images.shape[1] != 3 or len(prompts) != len(images):
-            raise ValueError(
-                f"expected images [B,3,H,W] and B prompts, got {tuple(images.shape)} and "
-                f"{len(prompts)}"
-            )
-        prompts, cancel, futures = list(prompts), threading.Event(), {}
-        if self.remote:
-            with torch.no_grad():
-                pixels = (images.float() * 255).round().clamp(0, 255).to(torch.uint8).cpu()
-            futures = {k: self.fns[k].submit(pixels, prompts, cancel) for k in self.remote}
-        local, rows = [k for k in range(len(self.fns)) if k not in self.remote], []
-        with torch.inference_mode():
-            for i in range(0, len(images) if local else 0, self.batch_size):
-                chunk = images[i : i + self.batch_size].to(self.device, torch.float32)
-                p = prompts[i : i + self.batch_size]
-                rows.append(torch.stack([self.fns[k](chunk, p).float().cpu() for k in local], 1))
-        # cloned outside inference mode: a normal tensor, usable in autograd
-        scores = dict(zip(local, torch.cat(rows).clone().unbind(1))) if local else {}
-        if not self.remote:
-            return torch.stack([scores[k] for k in range(len(self.fns))], 1)
-        return Pending(scores, futures, cancel)
-
-    def gather(self, pending: list) -> torch.Tensor:
-        """The float32 CPU scores [n, K] of the submitted batches, in order. A remote reward that
-        fails stops the others and raises its one line (RemoteRewardError)."""
+    @staticmethod
+    def gather(pending: list) -> torch.Tensor:
+        """The batches' scores in order; a remote reward that fails stops the others first."""
         try:
-            rows = [p.scores() if isinstance(p, Pending) else p for p in pending]
+            return torch.cat([p.scores() if isinstance(p, Pending) else p for p in pending])
         except RemoteRewardError as e:
             for p in pending:
                 if isinstance(p, Pending):
                     p.stop()
             raise e.stopping() from None
-        return torch.cat(rows) if rows else torch.zeros(0, len(self.fns))
+
+
+class RewardModel:
+    """Several rewards scored together. A call gives the raw scores [B, K] (float32, CPU), `mix`
+    their weighted sum [B]. A rollout hands each batch to `submit` and gets all their scores from
+    `gather`: without a remote reward `submit` is the plain call; a remote one scores in the
+    background while the rollout samples its next batch."""
+
+    def __init__(self, names: list[str], weights: torch.Tensor, fns: list, device, batch_size: int):
+        self.names, self.weights, self.fns = names, weights, fns
+        self.device, self.batch_size = device, batch_size
+        self.remote = [k for k, fn in enumerate(fns) if isinstance(fn, RemoteReward)]
+        self.local = [k for k in range(len(fns)) if k not in self.remote]
+
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        return self.gather([self.submit(images, prompts)])
+
+    def submit(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor | Pending:
+        """images [B,3,H,W] in [0,1] -> the scores [B, K], or a Pending while a remote reward
+        scores."""
+        if images.ndim != 4 or images.shape[1] != 3 or len(prompts) != len(images):
+            shapes = f"{tuple(images.shape)} and {len(prompts)}"
+            raise ValueError(f"expected images [B,3,H,W] and B prompts, got {shapes}")
+        if self.remote:
+            return Pending(self, images, list(prompts))
+        return self.local_scores(images, prompts)
+
+    def local_scores(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """The in-process rewards' scores [B, K_local], float32 on the CPU, in chunks of
+        batch_size."""
+        fns, b, chunks = [self.fns[k] for k in self.local], self.batch_size, []
+        with torch.inference_mode():
+            for i in range(0, len(images), b):
+                x, p = images[i : i + b].to(self.device, torch.float32), prompts[i : i + b]
+                chunks.append(torch.stack([fn(x, p).float().cpu() for fn in fns], 1))
+        return torch.cat(chunks).clone()  # cloned outside inference mode: usable in autograd
+
+    def gather(self, pending: list) -> torch.Tensor:
+        """The scores [n, K] of the submitted batches, in order (a failed remote reward: one
+        line)."""
+        if any(isinstance(p, Pending) for p in pending):
+            return Pending.gather(pending)
+        return torch.cat(pending) if pending else torch.zeros(0, len(self.fns))
 
     def mix(self, scores: torch.Tensor) -> torch.Tensor:
         """'score' mix mode (Flow-GRPO): [B, K] raw scores -> [B] weighted sum."""

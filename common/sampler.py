@@ -38,11 +38,9 @@ import torch
 
 
 def _per_sample(x, like: torch.Tensor) -> torch.Tensor:
-    """Float, 0-dim or [B] tensor -> float32 [B (or 1), 1, ..., 1], which broadcasts against
-    `like`."""
-    return torch.as_tensor(x, dtype=torch.float32, device=like.device).reshape(
-        -1, *[1] * (like.ndim - 1)
-    )
+    """A float, 0-dim or [B] tensor -> float32 [B or 1, 1, ..., 1], broadcasting against `like`."""
+    shape = (-1, *[1] * (like.ndim - 1))
+    return torch.as_tensor(x, dtype=torch.float32, device=like.device).reshape(shape)
 
 
 def _mean_non_batch(t: torch.Tensor) -> torch.Tensor:
@@ -122,27 +120,18 @@ def x0_prediction(velocity, sample, sigma) -> torch.Tensor:
 
 
 def dpm2_step(velocity, sample, sigmas, j: int, prev_x0=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step j of a deterministic second-order multistep solver: DPM-Solver++(2M) on the predicted
-    clean sample, the released DiffusionNFT code's rollout sampler (`solver="dpm2"` in
-    flow_grpo/diffusers_patch/solver.py, "modified from MixGRPO"; Lu et al. 2022, arXiv 2211.01095).
-
-    Rectified flow as a diffusion: alpha = 1 - sigma, and the half log-SNR
-    lambda(sigma) = log((1 - sigma) / sigma). From sigma = sigmas[j] to sigma' = sigmas[j + 1],
-    h = lambda(sigma') - lambda(sigma), h0 = lambda(sigma) - lambda(sigmas[j - 1]):
+    """Step j of DPM-Solver++(2M) on the predicted clean sample, the released DiffusionNFT code's
+    rollout sampler (`solver="dpm2"`, "modified from MixGRPO"; Lu et al. 2022, arXiv 2211.01095).
+    With alpha = 1 - sigma, the half log-SNR lambda(sigma) = log((1 - sigma) / sigma), sigma =
+    sigmas[j], sigma' = sigmas[j + 1], h = lambda(sigma') - lambda(sigma), h0 = lambda(sigma) -
+    lambda(sigmas[j - 1]):
       (E8) x' = (sigma' / sigma) x - alpha' (e^-h - 1) (D0 + D1 / 2),
            D0 = x0_hat_j,  D1 = (h / h0) (x0_hat_j - x0_hat_{j-1}),  x0_hat from (E4)
-    (a linear multistep in lambda: D1 / h is the slope of x0_hat, taken from the previous step).
-    The first-order step (D1 = 0) is the Euler step (E1) in exact arithmetic and is taken as
-    `ode_step`: at the first step (no previous x0_hat), at the last (sigma' = 0: it lands on
-    x0_hat) and wherever the previous sigma is 1 (lambda = -inf there, so h0 = inf and D1 = 0: what
-    the released code gets from log 0). On a schedule that starts at sigma = 1 (SD3, FLUX) the
-    steps 0, 1 and T - 1 are Euler steps and 2 .. T - 2 second order; T <= 3 is the Euler ODE.
-    The coefficients are float64, as the released code's; x in float32.
-
-    sigmas: the schedule [T + 1] (decreasing to 0); velocity: v at (sample, sigmas[j]); prev_x0:
-    step j - 1's x0_hat (None at j = 0). Returns (x_next, x0_hat of this step), float32: pass the
-    second back as prev_x0 at step j + 1.
-    """
+    The first-order step (D1 = 0) is the Euler step (E1) in exact arithmetic, taken as `ode_step`
+    at the first step, the last (sigma' = 0) and after sigma = 1 (lambda = -inf: D1 = 0, as the
+    released code gets from log 0); on SD3/FLUX schedules steps 0, 1 and T - 1 are Euler steps.
+    Coefficients in float64, as released; x in float32. prev_x0: step j - 1's x0_hat (None at
+    j = 0). Returns (x_next, this step's x0_hat), the second passed back at step j + 1."""
     x = sample.float()
     x0_hat = x0_prediction(velocity, x, float(sigmas[j]))
     s, s_next = float(sigmas[j]), float(sigmas[j + 1])
@@ -166,16 +155,12 @@ def sde_step(
     generator=None,
     sigma_max=None,
 ):
-    """Flow-GRPO's stochastic step (E2-E3) and the log-density of where it lands.
-
-    sigma, sigma_next, noise_level: floats, 0-dim or per-sample [B] tensors. prev_sample: if given,
-    it is only scored (training recomputes the log-prob of a stored step); otherwise it is sampled
-    with `generator` (None, a torch.Generator or a list of them, one per sample, as in diffusers).
-    Returns (prev_sample, log_prob [B], mean, std_dev_t), all float32. log_prob is the normalised
-    Gaussian log-density averaged (not summed) over the non-batch dims, as in Flow-GRPO's code.
-    noise_level 0 gives exactly the Euler step (E1); that step is deterministic and its log_prob is
-    defined as 0 (nothing uses it).
-    """
+    """Flow-GRPO's stochastic step (E2-E3) and the log-density of where it lands -> (prev_sample,
+    log_prob [B], mean, std_dev_t), float32. sigma, sigma_next, noise_level: floats or [B] tensors.
+    A given prev_sample is only scored (training re-scores a stored step); else it is drawn with
+    `generator` (None, one, or one per sample, as in diffusers). log_prob: the Gaussian log-density
+    averaged over the non-batch dims, as Flow-GRPO's code; 0 at noise_level 0 (the Euler step
+    E1)."""
     x, v, sigma, sigma_next, a = _step_inputs(velocity, sample, sigma, sigma_next, noise_level)
     dt = sigma_next - sigma
     # (E2): the diffusion coefficient, infinite at sigma = 1; there Flow-GRPO's code puts sigma_max
@@ -241,9 +226,8 @@ def sde_step_with_logprob(
     sigma_max=None,
     sde_type: str = "sde",
 ):
-    """The step a script's --sde-type names (the released Flow-GRPO code's name): `sde_step`
-    (Flow-GRPO) or `cps_step` (CPS). Both draw one Gaussian tensor per step from `generator`, so
-    switching the type never shifts the noise stream."""
+    """The step --sde-type names: `sde_step` (Flow-GRPO) or `cps_step` (CPS). Both draw one Gaussian
+    tensor per step from `generator`, so switching the type never shifts the noise stream."""
     if sde_type == "cps":
         return cps_step(velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator)
     if sde_type != "sde":
@@ -277,9 +261,7 @@ def _nonzero(t):
 
 def _sample_if_missing(prev_sample, mean, step_std, generator):
     if prev_sample is None:
-        # diffusers' draw (a generator per sample, as the stock pipelines draw), imported here:
-        # importing diffusers takes 1.4 s, and a script checks its flags and its files before it
-        # loads anything heavy
+        # diffusers' draw, as its pipelines draw; imported here, as importing diffusers takes 1.4 s
         from diffusers.utils.torch_utils import randn_tensor
 
         eps = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
@@ -334,30 +316,21 @@ def gaussian_kl(mean, mean_ref, std_dev_t) -> torch.Tensor:
 
 @torch.no_grad()
 def ode_along_paths(velocity, x, paths: list[torch.Tensor], batch_size: int, first_velocity=None):
-    """Euler ODE (E1) of every row x[m] along its own decreasing sigma path paths[m]
-    (ending at 0, say).
-
-    The rows share the transformer: each call advances up to batch_size unfinished rows by one step,
-    each at its own sigma (per-sample sigmas). Longest paths start first, a finished row leaves
-    and a waiting one joins (a "staircase"), so calls stay full: ~NFE / batch_size calls for the NFE
-    of running the rows one by one. Rows go through a call in index order.
-    velocity(x [B, ...], sigma [B], rows [B] CPU long) -> v.
-    first_velocity [M, ...]: v(x[m], paths[m][0]) when the caller has it already (e.g. from the SDE
-    step at that state); the first step of every row then costs no call.
-    Returns (x_0 [M, ...] float32, NFE = rows evaluated, calls)."""
+    """Euler ODE (E1) of every row x[m] along its own decreasing sigma path paths[m] -> (x_0 [M,
+    ...] float32, NFE = rows evaluated, calls). Each call of velocity(x [B, ...], sigma [B], rows
+    [B] CPU long) advances up to batch_size unfinished rows one step, each at its own sigma, in
+    index order; longest paths first, a finished row leaving and a waiting one joining (a
+    "staircase"), so calls stay full. first_velocity [M, ...]: v(x[m], paths[m][0]) when the caller
+    has it (the SDE step's at that state): every row's first step then costs no call."""
     x = x.float().clone()
     pos = [0] * len(paths)  # steps taken by row m
-    if first_velocity is not None:
-        first = [m for m, p in enumerate(paths) if len(p) > 1]
-        if first:
-            r = torch.tensor(first, device=x.device)
-            s0, s1 = (
-                torch.stack([paths[m][0] for m in first]),
-                torch.stack([paths[m][1] for m in first]),
-            )
-            x[r] = ode_step(first_velocity[r], x[r], s0, s1)
-            for m in first:
-                pos[m] = 1
+    first = [m for m, p in enumerate(paths) if len(p) > 1] if first_velocity is not None else []
+    if first:
+        r = torch.tensor(first, device=x.device)
+        s0, s1 = (torch.stack([paths[m][i] for m in first]) for i in (0, 1))
+        x[r] = ode_step(first_velocity[r], x[r], s0, s1)
+    for m in first:
+        pos[m] = 1
     left = [len(p) - 1 - pos[m] for m, p in enumerate(paths)]  # steps still to go
     # longest first
     waiting = sorted((m for m in range(len(paths)) if left[m] > 0), key=lambda m: -left[m])

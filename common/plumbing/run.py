@@ -132,12 +132,10 @@ class Stats:
             self.extremes[name] = torch.maximum(self.extremes.get(name, low), high)
 
     def count(self, **values: float) -> None:
-        for name, v in values.items():
-            self.totals[name] = self.totals.get(name, 0.0) + float(v)
+        self.totals.update({k: self.totals.get(k, 0.0) + float(v) for k, v in values.items()})
 
     def first(self, **values: torch.Tensor) -> None:
-        for name, v in values.items():
-            self.firsts.setdefault(name, float(v))
+        self.firsts.update({k: float(v) for k, v in values.items() if k not in self.firsts})
 
     def reduce(self, world_size: int, device) -> dict:
         """{name: mean, name/per_step: {step: mean}, name/weight, name/max, name/min, total}, over
@@ -210,15 +208,13 @@ def check_finite(what: str, iteration: int, values) -> None:
 
 
 def gradient_zeros(params) -> tuple[int, int]:
-    """(exact zeros, entries) of the trained weights' gradient, each rank counting what it holds
-    (an FSDP shard): fp16 without loss scaling underflows to zeros (issue #55). A weight without a
-    gradient counts as zeros."""
+    """(exact zeros, entries) of the gradient this rank holds (an FSDP shard): fp16 without loss
+    scaling underflows to zeros (issue #55). A weight without a gradient counts as zeros."""
     zeros = entries = 0
     for p in params:
-        local = getattr(p, "to_local", lambda p=p: p)()
-        grad = p.grad if p.grad is None else getattr(p.grad, "to_local", lambda g=p.grad: g)()
-        entries += local.numel()
-        zeros += local.numel() if grad is None else int((grad == 0).sum())
+        grad = torch.zeros_like(p) if p.grad is None else p.grad
+        grad = grad.to_local() if hasattr(grad, "to_local") else grad
+        zeros, entries = zeros + int((grad == 0).sum()), entries + grad.numel()
     return zeros, entries
 
 
@@ -288,11 +284,9 @@ class RunLogger:
 
 def append_line(path: str, line: str) -> None:
     """Append one line whole or not at all: a failed write (a full disk) cuts the file back to its
-    old length, so no half row is ever left."""
+    old length. O_NOFOLLOW: a link (even a dangling one) is refused, never written through."""
     size = os.path.getsize(path) if os.path.exists(path) else 0
     try:
-        # O_NOFOLLOW: a metrics.jsonl that is a link (even a dangling one) is refused, never
-        # written through to the file it points to
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "a") as f:
             f.write(line)
@@ -390,27 +384,20 @@ class Run:
         self.side_files, self.extras = dict(side_files or {}), dict(extras or {})
 
     def check_gradient(self, grad_norm: torch.Tensor, stats: Stats) -> None:
-        """Before `scaler.step`: the gradient's norm and exact zeros into the metrics. Non-finite
-        under fp16, it is the loss scale's overflow, a step `scaler.step` skips (counted; the 20th
-        in a row stops the run: the scale has then fallen a million-fold); without loss scaling it
-        stops the run here, before the update (every rank: DDP's gradients are all-reduced)."""
-        if torch.isfinite(grad_norm):
-            self.skips_in_a_row = 0
-            zeros, entries = gradient_zeros(self.params.values())
-            stats.count(
-                grad_norm=grad_norm, optimizer_steps=1, grad_zeros=zeros, grad_entries=entries
-            )
-            return
-        if not self.scaler.is_enabled():
+        """Before `scaler.step`: a non-finite norm under fp16 is an overflow the scaler skips (the
+        20th in a row stops the run: the scale has fallen a million-fold); without loss scaling it
+        stops the run before the update (on every rank: DDP's gradients are all-reduced)."""
+        finite = bool(torch.isfinite(grad_norm))
+        self.skips_in_a_row = 0 if finite else self.skips_in_a_row + 1
+        if not finite and not self.scaler.is_enabled():
             raise stop_nonfinite("loss or gradient", self.iteration)
-        self.skips_in_a_row += 1
-        stats.count(skipped_steps=1)
         if self.skips_in_a_row >= MAX_SKIPS_IN_A_ROW:
-            raise stop_nonfinite(
-                f"gradient in {self.skips_in_a_row} fp16 steps in a row (loss scale "
-                f"{self.scaler.get_scale():.3g})",
-                self.iteration,
-            )
+            scale = f"loss scale {self.scaler.get_scale():.3g}"
+            what = f"gradient in {self.skips_in_a_row} fp16 steps in a row ({scale})"
+            raise stop_nonfinite(what, self.iteration)
+        zeros, entries = gradient_zeros(self.params.values()) if finite else (0, 0)
+        stats.count(grad_norm=grad_norm if finite else 0, optimizer_steps=int(finite))
+        stats.count(skipped_steps=int(not finite), grad_zeros=zeros, grad_entries=entries)
 
     def after_step(self, grad_norm: torch.Tensor) -> None:
         """After `scaler.step`: a step taken must leave every weight finite (a huge learning rate
@@ -487,15 +474,13 @@ class Run:
         self._write(metrics)
 
     def log(self, metrics: dict, stats: Stats, rollout, grad_share=None) -> dict:
-        """One metrics.jsonl row for a training iteration: the rollout's metrics and counters, the
-        training section's Stats reduced over the ranks, seconds per phase, and, on an iteration
-        that measured them (`grad_share`), each trained step's share and norm of the gradient."""
+        """One metrics.jsonl row of a training iteration: the rollout's metrics and counters, the
+        training section's Stats over all ranks, seconds per phase (and any measured GradShare)."""
         stats.count(**rollout.counts)
         red = stats.reduce(self.world_size, self.device)
         self.counts.update({k: v + int(red.get(k, 0)) for k, v in self.counts.items()})
         metrics.update(rollout.metrics, **self.counts, nfe=training_nfe(self.counts))
-        if metrics["iteration"] == 0:
-            metrics.update(self.first_row)
+        metrics.update(self.first_row if metrics["iteration"] == 0 else {})
         for k, default in stats.defaults.items():  # the means; those named in PER_STEP per step too
             metrics[LOGGED_AS.get(k, k)] = red.get(k, default)
         for k in PER_STEP:
@@ -503,8 +488,7 @@ class Run:
         if "ratio" in stats.defaults:  # GRPO's ratio (DiffusionNFT has none)
             for j, m in red.get("ratio/per_step", {}).items():  # std from the mean of squares
                 metrics[f"steps/ratio_std/{j}"] = max(red["ratio_sq/per_step"][j] - m**2, 0) ** 0.5
-            metrics["ratio/min"] = red.get("ratio/min", 1.0)
-            metrics["ratio/max"] = red.get("ratio/max", 1.0)
+            metrics.update({f"ratio/{e}": red.get(f"ratio/{e}", 1.0) for e in ("min", "max")})
             metrics["ratio/first_minibatch_max_dev"] = stats.firsts.get("ratio_dev", 0.0)
             metrics["train/kept_transitions"] = int(red.get("ratio/weight", 0))
         n = metrics["train/optimizer_steps"] = int(red.get("optimizer_steps", 0))
@@ -512,7 +496,7 @@ class Run:
         metrics["grad_norm"] = red["grad_norm"] / n if n else 0.0
         # fp16 underflow shows as exact zeros in the gradient (docs/usage.md)
         zeros, entries = red.get("grad_zeros", 0), red.get("grad_entries", 0)
-        metrics["train/grad_zero_fraction"] = zeros / entries if entries else 0.0
+        metrics["train/grad_zero_fraction"] = zeros / max(entries, 1)
         times = self.timer.times
         times["train"] = time.perf_counter() - self.iteration_start - sum(times.values())
         metrics.update({f"time/{k}_s": times.get(k, 0.0) for k in PHASES}, **self._clocks())
@@ -525,9 +509,8 @@ class Run:
             metrics["mem/max_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self._write(metrics)
         self.bar.update(1)
-        self.bar.set_postfix(
-            reward=f"{metrics.get('train/reward_mean', float('nan')):.3f}", eval=self.last_eval
-        )
+        reward = f"{metrics.get('train/reward_mean', float('nan')):.3f}"
+        self.bar.set_postfix(reward=reward, eval=self.last_eval)
         return metrics
 
     def checkpoint(self, iteration: int) -> None:

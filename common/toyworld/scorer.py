@@ -291,3 +291,20 @@ def image_grid(images, nrow: int, scale: int = 4, gap: int = 1):
             gap + c * (w + gap) : gap + c * (w + gap) + w,
         ] = x[i]
     return Image.fromarray(grid)
+
+
+# ----------------------------------------------------------------------------- as training rewards
+def reward(images, prompts):
+    """`--reward toyworld`: `score`'s partial credit S² in [0, 1] (1 exactly when correct), as
+    float32 torch scores [B] of images [B, 3, H, W] in [0, 1]."""
+    import torch  # the toy world itself needs only numpy
+
+    return torch.as_tensor(np.asarray(score(images.cpu(), prompts)[0]), dtype=torch.float32)
+
+
+def coverage_reward(images, prompts):
+    """`--reward toyworld_coverage`, the reward-hacking lab's proxy: the share of pixels in the
+    prompt's colours (flooding the canvas wins it), as float32 torch scores [B]."""
+    import torch
+
+    return torch.as_tensor(color_coverage(images.cpu(), prompts), dtype=torch.float32)
