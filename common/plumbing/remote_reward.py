@@ -1,26 +1,12 @@
-"""A reward scored by a server over HTTP: the client behind `--reward remote:NAME@URL`.
-
-    --reward "remote:geneval@http://127.0.0.1:8000"                  this project's server
-    --reward "remote:geneval@flowgrpo+http://127.0.0.1:18085:2.0"    flow_grpo's reward-server, weight 2
-    --reward "toyworld:1,remote:ocr@http://gpu-box:8001?timeout=30"  mixed with local rewards
-
-NAME is the scorer's name on the server; the port is required, so that a trailing `:WEIGHT` is never
-taken for one. `http://` (or https) speaks this project's JSON (reward_server.py, PNG images in
-base64); `flowgrpo+http://` flow_grpo's reward-server (yifan123/reward-server at 7131478): a pickled
-{"images": [JPEG bytes], "meta_datas": [...], ...}, answered with a pickled dict whose "scores"
-(GenEval) or "outputs" (DeQA) hold one score per image. A reply is decoded only as plain data
-(safe_decode.py): it can give wrong scores, never run code here (docs/usage.md).
-
-Query options: timeout (seconds per try, default 120), retries (default 5) and backoff (seconds
-before the first retry, doubled each time, default 1). A watchdog ends each try at its deadline
-however slowly the reply comes, so a request takes at most its budget, (retries + 1) x timeout +
-backoff x (2^retries - 1), which may be at most MAX_BUDGET_S. Connection failures, timeouts and
-RETRIED_STATUSES are retried; a redirect is not followed (a request goes only to the URL in
---reward); anything else unusable stops with one line naming the server and what it sent.
-
-Prompt metadata (GenEval's task specs) comes from `--reward-model-paths remote:NAME=FILE.jsonl`.
-`submit` sends requests on one background thread per server, in order, so the next rollout batch
-samples while this one is scored; `overlap = False` sends them in the caller's thread instead.
+"""A reward scored by a server over HTTP: the client behind `--reward remote:NAME@URL`, e.g.
+"remote:geneval@http://127.0.0.1:8000" (this project's reward_server.py: JSON, PNG in base64) or
+"remote:geneval@flowgrpo+http://127.0.0.1:18085:2.0" (flow_grpo's reward-server at 7131478,
+github.com/yifan123/reward-server: pickles both ways). Spelling, options, budget and retries:
+docs/usage.md, "Rewards from a server". A reply is decoded only as plain data (safe_decode.py): it
+can give wrong scores, never run code here. A watchdog ends each try at its deadline however slowly
+the reply comes; a redirect is not followed; anything unusable stops with one line naming the
+server. `submit` sends requests on one background thread per server, in order, so the next rollout
+batch samples while this one is scored (`overlap = False`: in the caller's thread).
 """
 
 from __future__ import annotations

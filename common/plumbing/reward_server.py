@@ -1,25 +1,19 @@
-"""Serve rewards over HTTP for `--reward remote:NAME@http://HOST:PORT` (remote_reward.py).
+"""Serve rewards over HTTP for `--reward remote:NAME@http://HOST:PORT` (remote_reward.py;
+docs/usage.md, "Serving a scorer").
 
     python -m common.plumbing.reward_server --reward toyworld --port 8000         the toy scorer (default)
-    python -m common.plumbing.reward_server --reward "pickscore,aesthetic" --device cuda --port 8000 \\
-        --reward-model-paths pickscore=/models/PickScore_v1              any registry reward
+    python -m common.plumbing.reward_server --reward "pickscore,aesthetic" --device cuda --port 8000
     python -m common.plumbing.reward_server --scorer ocr=my_scorers:ocr --port 8001   any scorer, wrapped
 
 A scorer is `fn(images, prompts, metadata) -> one float per image` (RGB PIL images, strings, and
-what the client sent per prompt: a dict or None). `--scorer NAME=MODULE:FACTORY` calls FACTORY(), a
-function of MODULE taking no argument, once at start; `serve({"ocr": fn}, port=8001)` does the same
-from Python. The protocol, "flow-rl-reward/1", is JSON both ways (docs/usage.md):
+what the client sent per prompt: a dict or None); FACTORY of --scorer is called once at start. The
+protocol, "flow-rl-reward/1": GET /health -> {"protocol", "scorers"}; POST /score {"scorer",
+"images" (base64 PNG or JPEG), "prompts", "metadata"} -> {"scores"}, or a 4xx/5xx {"error"}.
 
-    GET  /health -> 200 {"protocol": "flow-rl-reward/1", "scorers": ["toyworld", ...]}
-    POST /score  {"scorer": NAME, "images": [base64 PNG or JPEG], "prompts": [...], "metadata": [...]}
-              -> 200 {"scores": [float, ...]}  or  4xx/5xx {"error": "one line"}
-
-A request is bounded before it is decoded: its body by --max-request-mb (Content-Length required),
-its arrival by --read-timeout, its JSON by MAX_JSON_VALUES and MAX_JSON_DEPTH, its images by
-MAX_REQUEST_IMAGES, MAX_IMAGE_PIXELS each and --max-request-pixels in all (read from their headers).
-One request is read, decoded and scored at a time; the others wait with their bodies unread. Only
-the standard library and Pillow are imported at start (torch only for --reward), so the server runs
-in a scorer's own environment.
+A request is bounded before it is decoded (its bytes, its arrival time, its JSON values and depth,
+its images' count and pixels, read from their headers), and one is scored at a time, the others
+waiting unread. Only the standard library and Pillow are imported at start (torch only for
+--reward), so the server runs in a scorer's own environment.
 """
 
 from __future__ import annotations
