@@ -24,8 +24,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_for
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -54,9 +53,7 @@ OPTIONS = {
     "retries": (5, 0, 100, "an integer in [0, 100]"),
     "backoff": (1.0, 0, 3600, "seconds in [0, 3600]"),
 }
-# all tries of one request and the waits between them; a run stopped by its server resumes bit for
-# bit, so waiting longer buys nothing
-MAX_BUDGET_S = 3600
+MAX_BUDGET_S = 3600  # a request's tries and waits: a run its server stops resumes bit for bit
 GRACE_S = 10.0  # past a request's budget, for decoding its reply, before gather gives up on it
 SPELLING = (
     "remote:NAME@http://HOST:PORT[/PATH][?timeout=S&retries=N&backoff=S][:WEIGHT], or "
@@ -219,7 +216,7 @@ class _Scores(Future):
         self._reward = reward
 
     def result(self, timeout=None):
-        while timeout is None and not wait_for([self], 1.0).done:
+        while timeout is None and not wait([self], 1.0).done:
             self._reward.raise_if_stuck()
         return super().result(timeout)
 
@@ -341,27 +338,17 @@ class RemoteReward:
         (JPEG at PIL's default quality 75, as its client)."""
         metadata = [self.metadata.get(p.strip()) if self.metadata else None for p in prompts]
         if self.spec.wire == "json":
-            return json.dumps(
-                {
-                    "scorer": self.spec.scorer,
-                    "images": [base64.b64encode(_encode(a, "PNG")).decode() for a in images],
-                    "prompts": prompts,
-                    "metadata": metadata,
-                }
-            ).encode()
-        return pickle.dumps(
-            {
-                "images": [_encode(a, "JPEG") for a in images],
-                "prompts": prompts,
-                # GenEval reads meta_datas; without a metadata file each carries its prompt
-                "meta_datas": [
-                    m if m is not None else {"prompt": p} for m, p in zip(metadata, prompts)
-                ],
-                # scores do not depend on it; True skips GenEval's non-strict check, unused here
-                "only_strict": True,
-            },
-            protocol=4,
-        )
+            images = [base64.b64encode(_encode(a, "PNG")).decode() for a in images]
+            request = dict(
+                scorer=self.spec.scorer, images=images, prompts=prompts, metadata=metadata
+            )
+            return json.dumps(request).encode()
+        # GenEval reads meta_datas: without a metadata file each carries its prompt; scores do not
+        # depend on only_strict (True skips GenEval's non-strict check, unused here)
+        meta_datas = [m if m is not None else {"prompt": p} for m, p in zip(metadata, prompts)]
+        images = [_encode(a, "JPEG") for a in images]
+        request = dict(images=images, prompts=prompts, meta_datas=meta_datas, only_strict=True)
+        return pickle.dumps(request, protocol=4)
 
     def _post(self, body: bytes, cancel: threading.Event) -> bytes:
         """POST with retries, all within the spec's budget: the reply's body, or RemoteRewardError."""
