@@ -1,16 +1,11 @@
-"""Data parallelism of the scripts, --parallel ddp or fsdp, behind one interface (docs/design.md,
-"Sharding"), so that the scripts' training section is the same text for both and for one process.
+"""--parallel ddp or fsdp behind one interface, so the scripts' training section is the same text
+for both and for one process (docs/design.md, "Sharding"). DDP: each rank holds the whole model;
+FSDP2 (fully_shard): each of N ranks holds 1/N of every weight, gradient and optimizer state.
 
-DDP: every rank holds the whole transformer, its gradients and optimizer state; gradients are
-all-reduced. FSDP2 (fully_shard): each of N ranks holds 1/N of every transformer weight, gradient
-and optimizer state; a block's weights are all-gathered just before it runs and freed after it.
-
-Under FSDP every transformer forward is a collective, so every rank must run the same number of
-forwards, with or without gradients (equal rollouts per rank, optimizer_steps fills up the
-micro-batches, evaluation.py pads the last batch). FSDP2 ignores the scripts' DDP line
-`policy.require_backward_grad_sync = last micro-batch` and reduce-scatters every micro-batch:
-deferring that would hold the UNSHARDED fp32 gradient until the last micro-batch (44 GiB per GPU
-for FLUX.1-dev's full fine-tuning; docs/results.md, memory model).
+Under FSDP every transformer forward is a collective, so all ranks must run the same number of
+forwards, with or without gradients. FSDP2 ignores the scripts' `require_backward_grad_sync` and
+reduce-scatters every micro-batch: deferring it would hold the UNSHARDED fp32 gradient (44 GiB per
+GPU for FLUX.1-dev's full fine-tuning; docs/results.md, memory model).
 """
 
 from __future__ import annotations
@@ -94,51 +89,35 @@ def save_pretrained_gathered(model: torch.nn.Module, state: dict, folder: str) -
     from torch.distributed.fsdp import FSDPModule
 
     config = json.loads(model.to_json_string())
-    config["_class_name"] = next(
-        c for c in type(model).__mro__ if not issubclass(c, FSDPModule)
-    ).__name__
+    base = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    config["_class_name"] = base.__name__
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_torch_state_dict(
-        state,
-        folder,
-        max_shard_size="10GB",
-        filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
-    )
+    pattern = "diffusion_pytorch_model{suffix}.safetensors"
+    save_torch_state_dict(state, folder, max_shard_size="10GB", filename_pattern=pattern)
 
 
 def shard(module, world_size: int, device, param_dtype, offload: bool) -> torch.nn.Module:
-    """fully_shard every transformer block (diffusers' `_no_split_modules`), then the module itself,
-    over a 1-D mesh of all ranks; returns the module, now an FSDPModule.
-
-    Weights are gathered and computed in `param_dtype` (None: each in its own dtype); gradients are
-    reduce-scattered in fp32. Forward inputs are not cast: SD3's timestep (1000 sigma) must stay
-    fp32, as under DDP. The root is resharded after its forward too: the scripts run many forwards
-    without a backward, and a root left gathered would show unsharded tensors to named_parameters()
-    and the state dict. offload: shards, gradients and the optimizer step live in host memory.
-    """
+    """fully_shard every block (diffusers' `_no_split_modules`), then the module, over all ranks.
+    Weights are gathered in `param_dtype` (None: their own), gradients reduced in fp32; inputs are
+    not cast (SD3's timestep, 1000 sigma, must stay fp32). The root reshards after its forward too:
+    the scripts run many forwards without a backward, and a gathered root would show unsharded
+    tensors to named_parameters() and the state dict. offload: the shards live in host memory."""
+    from torch.distributed import fsdp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy,
-        MixedPrecisionPolicy,
-        OffloadPolicy,
-        fully_shard,
-    )
 
-    kw = dict(
-        mesh=init_device_mesh(device.type, (world_size,)),
-        mp_policy=MixedPrecisionPolicy(
-            param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
-        ),
-        offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda")
-        if offload
-        else OffloadPolicy(),
+    mesh = init_device_mesh(device.type, (world_size,))
+    mp = fsdp.MixedPrecisionPolicy(
+        param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
+    pin = device.type == "cuda"
+    placement = fsdp.CPUOffloadPolicy(pin_memory=pin) if offload else fsdp.OffloadPolicy()
+    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=placement)
     names = set(getattr(module, "_no_split_modules", None) or ())
     for block in [m for m in module.modules() if m is not module and type(m).__name__ in names]:
-        fully_shard(block, **kw)
-    fully_shard(module, reshard_after_forward=True, **kw)
+        fsdp.fully_shard(block, **kw)
+    fsdp.fully_shard(module, reshard_after_forward=True, **kw)
     return module
 
 
@@ -157,9 +136,8 @@ def parallelize(trainable, kind: str, world_size: int, offload: bool = False) ->
     # A LoRA computes in fp32 as under DDP (param_dtype None). Full fine-tuning gathers its fp32
     # masters in the compute dtype, halving the gathered blocks (DDP computes under autocast; the
     # norms' weights round differently: tests/test_parallel.py measures it).
-    param_dtype = (
-        backbone.dtype if trainable.full_finetune and backbone.dtype != torch.float32 else None
-    )
+    low_precision = trainable.full_finetune and backbone.dtype != torch.float32
+    param_dtype = backbone.dtype if low_precision else None
     for module in (transformer, trainable.ref_model):
         if module is not None:
             shard(module, world_size, backbone.device, param_dtype, offload)

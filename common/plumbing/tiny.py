@@ -1,8 +1,7 @@
 """Random-weight SD3 / SD3.5 / FLUX.1 pipelines written to disk in diffusers layout, fully offline.
 
-Tests, the toy-world pretraining script and the GPU benchmark load them through
-`common.backbones.load_backbone(path)`, the same `from_pretrained(folder)` path real weights take.
-Both tokenizers are built in memory from a word list (transformers 5 accepts `vocab=`/`merges=`).
+Loaded through `common.backbones.load_backbone(path)`, the `from_pretrained` path real weights
+take. Both tokenizers are built in memory from a word list.
 
 Shape rules (see ../shared/reference/offline.md §2):
 - SD3: the two CLIP hidden states are concatenated and padded to the T5 width, so
@@ -30,8 +29,7 @@ from transformers import (
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-# A small vocabulary: every word is one token; unknown words still tokenize (CLIP falls back to
-# bytes).
+# A small vocabulary: every word is one token; unknown words still tokenize (into pieces).
 WORDS = (
     "a an the of in on with and photo picture red green blue yellow magenta cyan black white "
     "circle circles square squares triangle triangles two three four left right above below "
@@ -189,11 +187,9 @@ def build_sd3(
     words=WORDS,
     transformer_kwargs: dict | None = None,
 ):
-    """A StableDiffusion3Pipeline with random weights; saved to `path` (diffusers layout) if given.
-
-    `sd35=True` adds SD3.5's dual attention in the first layer and RMS qk-norm. `t5_dim=None`
-    leaves out the T5 encoder; the SD3 pipeline then feeds zeros in its place.
-    """
+    """A StableDiffusion3Pipeline with random weights, saved to `path` if given. `sd35`: SD3.5's
+    dual attention in the first layer and RMS qk-norm. `t5_dim=None`: no T5 (the pipeline feeds
+    zeros in its place)."""
     from diffusers import (
         FlowMatchEulerDiscreteScheduler,
         SD3Transformer2DModel,
@@ -239,34 +235,26 @@ def build_flux(
     latent_channels: int = 4,
     num_layers: int = 1,
     num_single_layers: int = 1,
-    heads: int = 2,
-    head_dim: int = 16,
-    clip_dim: int = 32,
-    t5_dim: int = 32,
     max_len: int = 16,
     vae=None,
-    words=WORDS,
-    transformer_kwargs: dict | None = None,
 ):
     """A FluxPipeline with random weights (FLUX.1-dev style when `guidance_embeds`), saved to `path`
     if given."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
-    encoders = _text_encoders(seed, words, max_len, CLIPTextModel, 1, clip_dim, 2, t5_dim)
+    encoders = _text_encoders(seed, WORDS, max_len, CLIPTextModel, 1, 32, 2, 32)
     transformer = FluxTransformer2DModel(
         **{
             "patch_size": 1,
             "in_channels": 4 * latent_channels,
             "num_layers": num_layers,
             "num_single_layers": num_single_layers,
-            "attention_head_dim": head_dim,
-            "num_attention_heads": heads,
-            "joint_attention_dim": t5_dim,
-            "pooled_projection_dim": clip_dim,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": 32,  # the T5 width
+            "pooled_projection_dim": 32,  # the CLIP width
             "guidance_embeds": guidance_embeds,
-            # the rope axes must sum to the head dim
-            "axes_dims_rope": (head_dim // 4, head_dim // 4, head_dim // 2),
-            **(transformer_kwargs or {}),
+            "axes_dims_rope": (4, 4, 8),  # they must sum to the head dim
         }
     )
     scheduler = FlowMatchEulerDiscreteScheduler(
