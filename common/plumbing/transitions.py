@@ -78,10 +78,8 @@ def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int) -> None:
         first[st.flip(0)] = torch.arange(n - 1, -1, -1)  # the first row of every state
         rep = first[st]
         for k in ("latents", "sigma", "sigma_next", "noise_level", "prompt_index"):
-            require(
-                torch.equal(tr[k], tr[k][rep.to(tr[k].device)]),
-                f"rows of one state differ in '{k}'",
-            )
+            same = torch.equal(tr[k], tr[k][rep.to(tr[k].device)])
+            require(same, f"rows of one state differ in '{k}'")
 
 
 # ------------------------------------------------------------------------------------- diagnostic
@@ -101,15 +99,12 @@ class GradShare:
     def add(self, row_loss: torch.Tensor, step_index: torch.Tensor) -> None:
         """Each step's part of this micro-batch's gradient, added up."""
         for j in step_index.unique().tolist():
+            loss = row_loss[step_index == j].sum()
+            # materialize_grads: a parameter this step does not reach gets zeros, not None
             grads = torch.autograd.grad(
-                row_loss[step_index == j].sum(), self.params, retain_graph=True, allow_unused=True
+                loss, self.params, retain_graph=True, materialize_grads=True
             )
-            flat = torch.cat(
-                [
-                    (g if g is not None else torch.zeros_like(p)).flatten().double()
-                    for g, p in zip(grads, self.params)
-                ]
-            )
+            flat = torch.cat([g.flatten().double() for g in grads])
             self.grads[j] = flat if self.grads[j] is None else self.grads[j] + flat
 
     def shares(self) -> dict[int, float]:
