@@ -84,8 +84,5 @@ def stop_training_on_signals(run) -> dict:
         hint = functools.partial(continue_hint, run.dir)
         stop_by_signal(signum, f"at iteration {run.iteration}", hint, run.is_main)
 
-    handlers = {}
-    for sig in SIGNALS:
-        previous = signal.signal(sig, stop)
-        handlers[sig] = _before_setup.pop(sig, previous)
-    return handlers
+    # install ours; hand back the handler from before the set-up, else the one just replaced
+    return {sig: _before_setup.pop(sig, signal.signal(sig, stop)) for sig in SIGNALS}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import pathlib
 import random
 import re
 import sys
@@ -91,14 +92,12 @@ def setup_distributed() -> tuple[int, int, torch.device]:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     timeout = collective_timeout()
-    backend = process_group_backend(torch.cuda.is_available())
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    backend = process_group_backend(cuda)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group(backend, device_id=device, timeout=timeout)
-    else:
-        dist.init_process_group(backend, timeout=timeout)
-        device = torch.device("cpu")
+    dist.init_process_group(backend, device_id=device if cuda else None, timeout=timeout)
     _install_collective_failure_hook(dist.get_rank(), timeout)
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -144,12 +143,7 @@ def atomic_file(path: str, write) -> None:
 
 def atomic_write(path: str, text: str) -> None:
     """A text file, written whole or not at all (`atomic_file`)."""
-
-    def write(tmp):
-        with open(tmp, "w") as f:
-            f.write(text)
-
-    atomic_file(path, write)
+    atomic_file(path, lambda tmp: pathlib.Path(tmp).write_text(text))
 
 
 def read_metrics_lines(path: str) -> tuple[list[dict], int]:
