@@ -54,19 +54,15 @@ def is_sharded(params: dict) -> bool:
     return any(isinstance(p, DTensor) for p in params.values())
 
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: a DTensor is all-gathered (a collective), a plain tensor is itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def weights_digest(params: dict) -> str:
     """sha256 of the whole trained weights in the order of `params`, equal on every rank under DDP
     and FSDP; gathered one tensor at a time, so the whole model is never on one GPU."""
+    from torch.distributed.tensor import DTensor
+
     h = hashlib.sha256()
     for p in params.values():
-        h.update(full_tensor(p.detach()).cpu().numpy().tobytes())
+        whole = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()  # a collective
+        h.update(whole.cpu().numpy().tobytes())
     return h.hexdigest()
 
 

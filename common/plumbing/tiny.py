@@ -164,12 +164,6 @@ def _text_encoders(seed, words, max_len, clip_cls, n_clip, clip_dim, clip_layers
     return parts
 
 
-def _saved(pipe, path: str | None):
-    if path is not None:
-        pipe.save_pretrained(path)
-    return pipe
-
-
 def build_sd3(
     path: str | None = None,
     seed: int = 0,
@@ -222,10 +216,12 @@ def build_sd3(
         }
     )
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
-    return _saved(
-        StableDiffusion3Pipeline(transformer=transformer, scheduler=scheduler, vae=vae, **encoders),
-        path,
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=scheduler, vae=vae, **encoders
     )
+    if path is not None:
+        pipe.save_pretrained(path)
+    return pipe
 
 
 def build_flux(
@@ -266,6 +262,7 @@ def build_flux(
         max_image_seq_len=4096,
     )
     vae = vae if vae is not None else tiny_vae(latent_channels)  # after the transformer: its seed
-    return _saved(
-        FluxPipeline(transformer=transformer, scheduler=scheduler, vae=vae, **encoders), path
-    )
+    pipe = FluxPipeline(transformer=transformer, scheduler=scheduler, vae=vae, **encoders)
+    if path is not None:
+        pipe.save_pretrained(path)
+    return pipe

@@ -16,7 +16,6 @@ REQUIRED = {**dict.fromkeys(_FLOATS, "float"), "prompt_index": "long", "step_ind
 OPTIONAL = {**dict.fromkeys(("trajectory", "state_index", "update_block"), "long"), "mean": "float"}
 
 
-# ------------------------------------------------------------------------------------- the contract
 class TransitionsError(ValueError):
     """A rollout broke the transitions contract (a bug in the rollout, e.g. of a new variant)."""
 
@@ -82,7 +81,6 @@ def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int) -> None:
             require(same, f"rows of one state differ in '{k}'")
 
 
-# ------------------------------------------------------------------------------------- diagnostic
 class GradShare:
     """Diagnostic (--grad-share-every): where the iteration's update comes from, step by step.
 
@@ -121,7 +119,6 @@ class GradShare:
         return {j: float(g.norm()) for j, g in enumerate(self.grads) if g is not None}
 
 
-# --------------------------------------------------------------------------- the rollout's result
 @dataclass
 class Rollout:
     """What a rollout hands the training section (and the metrics row): nothing else crosses."""

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from common.plumbing.checks import ConfigError, kind_of, parse_json
 
-# -------------------------------------------------------------------------------------- distributed
 TIMEOUT_ENV = "FLOW_RL_DIST_TIMEOUT"
 # PyTorch's gloo default and PyTorch Lightning's; a long rank-0 checkpoint save must fit
 DEFAULT_TIMEOUT_S = 1800.0
@@ -39,20 +38,17 @@ def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def is_collective_failure(e: BaseException) -> bool:
-    """A collective that failed because a peer died, hung or was stopped (gloo / NCCL / c10d)."""
-    if isinstance(e, getattr(dist, "DistError", ())):
-        return True
-    return isinstance(e, RuntimeError) and any(s in str(e) for s in ("gloo", "NCCL", "c10d"))
-
-
 def _install_collective_failure_hook(rank: int, timeout: datetime.timedelta) -> None:
     """An uncaught collective failure becomes one line, then the process exits at once: tearing
     the process group down normally would wait on the lost peer again."""
     previous = sys.excepthook
 
     def hook(kind, e, tb):
-        if not is_collective_failure(e):
+        # a collective that failed because a peer died, hung or was stopped (gloo / NCCL / c10d)
+        failed = isinstance(e, dist.DistError) or (
+            isinstance(e, RuntimeError) and any(s in str(e) for s in ("gloo", "NCCL", "c10d"))
+        )
+        if not failed:
             return previous(kind, e, tb)
         # gloo: "[.../pair.cc:537] Read error [127.0.0.1]:20902: Connection reset by peer. This is
         # typically ...": keep its first sentence, without the source location
@@ -119,7 +115,6 @@ def seed_everything(seed: int, deterministic: bool = True) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-# ------------------------------------------------------------------------------------------- files
 def atomic_file(path: str, write) -> None:
     """Write `path` so that a kill or a full disk at any instant leaves the old file or the new one,
     whole: `write(tmp)` fills a temporary file beside it (same extension, for savers that go by it),
