@@ -153,14 +153,14 @@ def _text_encoders(seed, words, max_len, clip_cls, n_clip, clip_dim, clip_layers
     T5 (None for both when `t5_dim` is None), named as the diffusers pipelines name them."""
     torch.manual_seed(seed)
     parts = {}
-    for i, suffix in enumerate(("", "_2", "_3")[: n_clip + 1]):
-        if i < n_clip:
-            tok = make_clip_tokenizer(words, max_len)
-            model = clip_cls(clip_text_config(len(tok), clip_dim, clip_layers, max_len=max_len))
-        else:
-            tok = make_t5_tokenizer(words) if t5_dim is not None else None
-            model = T5EncoderModel(t5_config(len(tok), t5_dim)) if tok is not None else None
-        parts.update({f"tokenizer{suffix}": tok, f"text_encoder{suffix}": model})
+    for suffix in ("", "_2")[:n_clip]:
+        tok = make_clip_tokenizer(words, max_len)
+        config = clip_text_config(len(tok), clip_dim, clip_layers, max_len=max_len)
+        parts.update({f"tokenizer{suffix}": tok, f"text_encoder{suffix}": clip_cls(config)})
+    t5 = ("", "_2", "_3")[n_clip]
+    tok = make_t5_tokenizer(words) if t5_dim is not None else None
+    model = T5EncoderModel(t5_config(len(tok), t5_dim)) if tok is not None else None
+    parts.update({f"tokenizer{t5}": tok, f"text_encoder{t5}": model})
     return parts
 
 
@@ -184,11 +184,7 @@ def build_sd3(
     """A StableDiffusion3Pipeline with random weights, saved to `path` if given. `sd35`: SD3.5's
     dual attention in the first layer and RMS qk-norm. `t5_dim=None`: no T5 (the pipeline feeds
     zeros in its place)."""
-    from diffusers import (
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
+    import diffusers
 
     joint = t5_dim if t5_dim is not None else 2 * clip_dim
     if joint < 2 * clip_dim:
@@ -198,7 +194,7 @@ def build_sd3(
     )
     vae = vae if vae is not None else tiny_vae(latent_channels)
     extra = dict(dual_attention_layers=(0,), qk_norm="rms_norm") if sd35 else {}
-    transformer = SD3Transformer2DModel(
+    transformer = diffusers.SD3Transformer2DModel(
         **{
             "sample_size": 32,
             "patch_size": patch_size,
@@ -215,8 +211,8 @@ def build_sd3(
             **(transformer_kwargs or {}),
         }
     )
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
-    pipe = StableDiffusion3Pipeline(
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    pipe = diffusers.StableDiffusion3Pipeline(
         transformer=transformer, scheduler=scheduler, vae=vae, **encoders
     )
     if path is not None:
@@ -236,10 +232,10 @@ def build_flux(
 ):
     """A FluxPipeline with random weights (FLUX.1-dev style when `guidance_embeds`), saved to `path`
     if given."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    import diffusers
 
     encoders = _text_encoders(seed, WORDS, max_len, CLIPTextModel, 1, 32, 2, 32)
-    transformer = FluxTransformer2DModel(
+    transformer = diffusers.FluxTransformer2DModel(
         **{
             "patch_size": 1,
             "in_channels": 4 * latent_channels,
@@ -253,7 +249,7 @@ def build_flux(
             "axes_dims_rope": (4, 4, 8),  # they must sum to the head dim
         }
     )
-    scheduler = FlowMatchEulerDiscreteScheduler(
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
         shift=3.0,
         use_dynamic_shifting=True,
         base_shift=0.5,
@@ -262,7 +258,7 @@ def build_flux(
         max_image_seq_len=4096,
     )
     vae = vae if vae is not None else tiny_vae(latent_channels)  # after the transformer: its seed
-    pipe = FluxPipeline(transformer=transformer, scheduler=scheduler, vae=vae, **encoders)
+    pipe = diffusers.FluxPipeline(transformer=transformer, scheduler=scheduler, vae=vae, **encoders)
     if path is not None:
         pipe.save_pretrained(path)
     return pipe
