@@ -1,14 +1,9 @@
-"""Checkpoints that survive a crash at any point of a save.
-
-{run_dir}/checkpoint-{iteration}/ holds the user's weights (pytorch_lora_weights.safetensors, or
-transformer/), trainer_state.pt (optimizer, EMA, counters, every rank's RNG, args; under --parallel
-fsdp the sharded part goes to trainer_state.dcp/, one file per rank) and COMPLETE.json, written
-LAST: size and sha256 of every file, the iteration, the script and its arguments. A save writes all
-of it into .checkpoint-{iteration}.tmp, fsyncs, writes the marker and renames the folder into place;
-only then are checkpoints beyond the newest K deleted, so a SIGKILL at any instant leaves the
-previous complete set, or that set plus the new one (tests/test_faults.py). Under FSDP every rank
-writes its shard into the same folder and rank 0 alone checksums and renames.
-"""
+"""Checkpoints that survive a crash at any point of a save: {run_dir}/checkpoint-{iteration}/ holds
+the user's weights, trainer_state.pt (plus trainer_state.dcp/, one shard per rank, under FSDP) and
+COMPLETE.json, written LAST (size and sha256 of every file, iteration, script, args). A save fills
+.checkpoint-{iteration}.tmp, fsyncs, writes the marker, renames it into place, and only then deletes
+checkpoints beyond the newest K: a SIGKILL at any instant leaves the previous complete set, or that
+set plus the new one (tests/test_faults.py)."""
 
 from __future__ import annotations
 
@@ -25,8 +20,10 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from common.plumbing.checks import kind_of, read_json
+from common.plumbing.parallel import is_sharded
 
 MARKER = "COMPLETE.json"
 STATE_FILE = "trainer_state.pt"
@@ -96,20 +93,14 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _files(folder: str) -> list[str]:
-    return sorted(
-        os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs
-    )
-
-
 def _listdir(folder: str) -> list[str]:
     return os.listdir(folder) if os.path.isdir(folder) else []
 
 
 def list_checkpoints(run_dir: str, interrupted: bool = False) -> list[tuple[int, str]]:
-    """(iteration, folder) of every checkpoint-N of a run, oldest first, complete or not.
-    interrupted: also a .checkpoint-N.tmp (or .old) holding a marker while checkpoint-N is missing
-    (a save killed between its last renames: its files are complete)."""
+    """(iteration, folder) of every checkpoint-N of a run, oldest first, complete or not;
+    interrupted: also a marked .checkpoint-N.tmp/.old whose checkpoint-N is missing (a save killed
+    between its last renames)."""
     names = _listdir(run_dir)
     found = {int(m.group(1)): os.path.join(run_dir, n) for n in names if (m := _CKPT_RE.match(n))}
     hidden = sorted(names, key=lambda n: n.endswith(".old")) if interrupted else []
@@ -159,12 +150,9 @@ def _tidy(run_dir: str) -> None:
 
 
 def trainer_state(params: dict, optimizer, ema, model=None, extras: dict | None = None) -> dict:
-    """Weights, optimizer and EMA as a checkpoint stores them (the caller adds the rest). DDP: CPU
-    copies. FSDP (DTensor `params`, `model` the sharded transformer): under "sharded", this rank's
-    shards, the optimizer keyed by parameter name (get_state_dict). `extras` ({name: EMA-like}): a
-    script's own copies of the weights (DiffusionNFT's old policy), stored as the EMA."""
-    from common.plumbing.parallel import is_sharded
-
+    """Weights, optimizer, EMA and `extras` (other EMA-like copies: DiffusionNFT's old policy) as a
+    checkpoint stores them: CPU copies, or under FSDP this rank's shards in "sharded", the optimizer
+    keyed by parameter name (get_state_dict)."""
     extras = extras or {}
     if not is_sharded(params):
         return {
@@ -204,8 +192,6 @@ def _on_every_rank(fn, sharded: bool) -> None:
             raise
         err = OSError(errno.EIO, _first_line(e, None, e.__class__.__name__))
     if sharded:
-        import torch.distributed as dist
-
         errs = [None] * dist.get_world_size()
         dist.all_gather_object(errs, None if err is None else (err.errno, err.strerror or str(err)))
         first = next((e for e in errs if e is not None), None)
@@ -217,15 +203,12 @@ def _on_every_rank(fn, sharded: bool) -> None:
 
 def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> str:
     """Write checkpoint-{state["iteration"]} completely or not at all, then keep the newest `keep`
-    (0 = all); returns its folder. save_weights(folder) writes the user's weights; state must hold
-    "iteration" and "args". An OSError (a full disk) stops the run with one line, earlier
-    checkpoints intact. With state["sharded"] every rank calls this (see the module's docstring)."""
+    (0 = all). An OSError (a full disk) stops the run in one line, earlier checkpoints intact. With
+    state["sharded"] every rank calls this; rank 0 alone checksums and renames."""
     state = dict(state)
     sharded = state.pop("sharded", None)
     digests = state.pop("prompt_digests", None) or {}
     if sharded is not None:
-        import torch.distributed as dist
-
         state["sharded_state"] = SHARDED_DIR
     main = sharded is None or dist.get_rank() == 0
     iteration = int(state["iteration"])
@@ -250,9 +233,9 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
         if not main:
             return
         files = {}
-        for rel in _files(tmp):
-            path = os.path.join(tmp, rel)
+        for path in sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp) for f in fs):
             _fsync(path)
+            rel = os.path.relpath(path, tmp)
             files[rel] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
         marker = {
             "iteration": iteration,
@@ -311,8 +294,7 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
 
 @contextlib.contextmanager
 def writing(run_dir: str):
-    """Around a run's writes (metrics, pictures, args.json): a failed write (full disk, no
-    permission) stops the run in one line naming what to go on from. Each write is atomic."""
+    """Around a run's (atomic) writes: a failure (full disk, no permission) is one line."""
     try:
         yield
     except Exception as e:
@@ -354,8 +336,7 @@ def _is_count(v) -> bool:
 
 
 def read_marker(folder: str) -> dict:
-    """A checkpoint's COMPLETE.json, checked field by field (a received run folder): ValueError
-    saying what is wrong."""
+    """A checkpoint's COMPLETE.json, checked field by field: ValueError saying what is wrong."""
     marker = read_json(os.path.join(folder, MARKER))
 
     def wrong(field, what):
@@ -383,8 +364,7 @@ def read_marker(folder: str) -> dict:
 
 
 def verify_checkpoint(folder: str, quick: bool = False) -> str | None:
-    """None when `folder` is a complete checkpoint, else what is wrong (naming the file).
-    quick: sizes only."""
+    """None when `folder` is a complete checkpoint, else what is wrong. quick: sizes only."""
     marker_path = os.path.join(folder, MARKER)
     if not os.path.isdir(folder):
         return f"{folder} does not exist"

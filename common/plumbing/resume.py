@@ -1,14 +1,14 @@
-"""Loading a checkpoint back: trainer_state.pt with torch.load(weights_only=True) (nothing in it
-runs), checked against its marker and folder name before anything is restored, then weights,
-optimizer, EMA, loss scale, RNG and counters restored exactly, whole (DDP) or by shard (FSDP2).
-`python -m common.plumbing.resume --convert-trusted FOLDER` converts a checkpoint written before
-2026-12-05."""
+"""Loading a checkpoint back: trainer_state.pt with torch.load(weights_only=True), checked against
+its marker before anything is restored, then restored exactly, whole (DDP) or by shard (FSDP2).
+`python -m common.plumbing.resume --convert-trusted FOLDER` converts one from before 2026-12-05."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import pickle
 import re
 
 import torch
@@ -29,15 +29,14 @@ from common.plumbing.checkpoint import (
     verify_checkpoint,
 )
 from common.plumbing.checks import ConfigError, pickled_global
+from common.plumbing.parallel import is_sharded
 from common.plumbing.run_folder import hold_run_folder, release_run_folder
+from common.plumbing.utils import atomic_file, atomic_write
 
 
 def load_checkpoint(folder: str) -> dict:
-    """trainer_state.pt via torch.load(weights_only=True): only tensors and plain values are
-    rebuilt, never an object whose unpickling could run code, so a received run folder is safe to
-    --resume (its layout is checked by `trainer_state_problem`)."""
-    import pickle
-
+    """trainer_state.pt via torch.load(weights_only=True): only tensors and plain values, never an
+    object whose unpickling could run code, so a received run folder is safe to --resume."""
     path = os.path.join(folder, STATE_FILE)
 
     def unreadable(e):
@@ -74,9 +73,8 @@ def _refuse_layout(folder: str, state) -> None:
 
 
 def _refuse_disagreement(folder: str, state: dict) -> None:
-    """The numbers a resume trusts agree with the checkpoint's COMPLETE.json and folder name (a
-    trainer_state.pt re-sealed with iteration 10**18 would end the run at once, "finished"), and
-    every counter and clock is a finite count >= 0. One line, before anything is restored."""
+    """The iteration agrees with COMPLETE.json and the folder's name (a re-sealed iteration 10**18
+    would end the run at once, "finished"); counters and clocks are finite counts >= 0."""
     marker = read_marker(folder)
     named = re.fullmatch(rf"\.?{PREFIX}(\d+)", os.path.basename(folder.rstrip("/")))
     says = {"its COMPLETE.json": marker["iteration"]}
@@ -211,13 +209,9 @@ def _check_optimizer(folder: str, saved: dict, optimizer) -> None:
 
 
 def convert_trusted(folder: str) -> None:
-    """Rewrite the trainer_state.pt of a checkpoint written before 2026-12-05 (numpy's RNG state
-    pickled as an ndarray) into the plain form `load_checkpoint` reads, and re-seal its marker.
-    It unpickles the file: run it only on a file you trust. FOLDER is a run's checkpoint-N; the
-    conversion holds the run's lock and refuses links, as a run does, and leaves a checkpoint that
-    already loads with weights_only=True as it is."""
-    from common.plumbing.utils import atomic_file, atomic_write
-
+    """Rewrite a checkpoint-N's trainer_state.pt written before 2026-12-05 (numpy's RNG state
+    pickled as an ndarray) into the form `load_checkpoint` reads, and re-seal its marker. It
+    unpickles the file: only for a file you trust. It holds the run's lock and refuses links."""
     folder = os.path.normpath(os.path.abspath(folder))
     run_dir, name = os.path.split(folder)
     if not re.fullmatch(rf"{PREFIX}\d+", name):
@@ -233,12 +227,10 @@ def convert_trusted(folder: str) -> None:
         if problem:
             raise SystemExit(f"error: {problem}; nothing was converted")
         path = os.path.join(folder, STATE_FILE)
-        try:
+        with contextlib.suppress(Exception):  # else converted below (the user trusts it)
             torch.load(path, weights_only=True, map_location="cpu")
             print(f"{path} already loads with weights_only=True: left as it is")
             return
-        except Exception:  # noqa: BLE001 - the user trusts it: converted below, or refused there
-            pass
         state = torch.load(path, weights_only=False, map_location="cpu")  # the user trusts it
         for r in state.get("rng") or []:
             if isinstance(r.get("numpy"), tuple):  # (kind, keys ndarray, pos, has_gauss, cached)
@@ -263,12 +255,9 @@ def restore_checkpoint(
     extras: dict | None = None,
     scaler=None,
 ) -> tuple[int, dict]:
-    """Load a checkpoint (verified by resolve_run_dir) into params / optimizer / EMA / fp16's loss
-    scaler / this rank's RNG, in place. Returns (iteration, the run's counts, its clocks and the
-    scaler's skips_in_a_row). FSDP (DTensor `params`, `model` the sharded transformer): every rank
-    reads its own shards from trainer_state.dcp/ (a collective)."""
-    from common.plumbing.parallel import is_sharded
-
+    """Load a verified checkpoint into params, optimizer, EMA, extras, fp16's loss scaler and this
+    rank's RNG, in place; returns (iteration, counts + clocks + skips_in_a_row). FSDP (DTensor
+    `params`, `model` the sharded transformer): every rank reads its shards (a collective)."""
     state = load_checkpoint(folder)
     if not isinstance(state, dict):
         _refuse_layout(folder, state)
@@ -335,8 +324,7 @@ def loss_scaling_state(folder: str, state: dict) -> dict:
 
 
 def _emas(state: dict, ema, extras: dict) -> list[tuple[str, object, dict]]:
-    """(label, EMA-like object, its saved state) of the EMA (None: the checkpoint holds none) and
-    every extra."""
+    """(label, object, saved state) of the EMA (None: none saved) and every extra."""
     found = [("EMA", ema, state["ema"])] if ema is not None else []
     return found + [(k, x, state["extras"][k]) for k, x in extras.items()]
 
@@ -393,7 +381,6 @@ _DCP_GLOBALS |= {("pathlib", n) for n in ("Path", "PosixPath", "PurePosixPath")}
 def check_sharded_metadata(dcp_dir: str) -> None:
     """Every *.metadata file of a trainer_state.dcp/ folder unpickles with the allow-list above;
     anything else is refused in one line before torch.distributed.checkpoint opens it."""
-    import pickle
 
     class Restricted(pickle.Unpickler):
         def find_class(self, module, name):

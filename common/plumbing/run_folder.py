@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import fcntl
 import fnmatch
 import json
 import os
 import re
+import runpy
 import shutil
 import time
+
+import torch.distributed as dist
 
 from common.plumbing.checkpoint import (
     _CKPT_RE,
@@ -27,6 +31,7 @@ from common.plumbing.checkpoint import (
     verify_checkpoint,
 )
 from common.plumbing.checks import ConfigError, read_json
+from common.plumbing.utils import read_metrics_lines
 
 # Flags that may differ between a run and its resume: none changes the samples or the updates of
 # the iterations still to come. Anything else is experiment-defining (a new flag is, by default).
@@ -134,9 +139,8 @@ def find_resume_checkpoint(path: str, log=print) -> str:
 
 
 def resume_source(path: str, log=print) -> tuple[str | None, dict, dict]:
-    """What --resume PATH continues: (its verified checkpoint, or None for a run folder that died
-    before its first checkpoint and is known by its args.json; the run's flags; their path
-    fingerprints)."""
+    """(verified checkpoint, or None for a run that died before its first one; the run's flags; their
+    path fingerprints) of --resume PATH."""
     p = os.path.abspath(path.rstrip("/") or "/")
     args_file = os.path.join(p, "args.json")
     run = p if not re.match(rf"^\.?{PREFIX}", os.path.basename(p)) else os.path.dirname(p)
@@ -212,8 +216,6 @@ def _describe(changes) -> str:
 
 def _new_run_dir(args) -> str:
     """{output_dir}/{run_name}, the default name (it holds the time) as rank 0 has it."""
-    import torch.distributed as dist
-
     box = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
@@ -247,12 +249,8 @@ def _claim(folder: str, flag: str = "--output-dir") -> None:
 
 
 def hold_run_folder(run_dir: str) -> None:
-    """One owner per run folder: an exclusive, non-blocking flock on {run_dir}/.lock until
-    `release_run_folder` or the process ends (the kernel drops it at any exit, SIGKILL included:
-    no stale lock). A second process stops here in one line, before writing anything. Needs a file
-    system whose flock works across its processes (local disks; NFS with its lock service)."""
-    import fcntl
-
+    """One owner per run folder: a non-blocking exclusive flock on {run_dir}/.lock, which the kernel
+    drops at any exit (no stale lock after a SIGKILL). A second process stops here in one line."""
     if run_dir in _held:
         return
     refuse_links(run_dir)
@@ -323,14 +321,9 @@ def resolve_run_dir(
     given: frozenset = frozenset(),
     digests: dict | None = None,
 ) -> tuple[str, str | None]:
-    """(run folder, checkpoint folder to resume or None), checked before any model is loaded.
-
-    Without --resume: a new {output_dir}/{run_name} (one that holds a run is refused). With
-    --resume: the verified checkpoint and its run folder; experiment-defining flags that differ are
-    one line, or with --resume-override a NEW run folder (args.resumed_from records the
-    checkpoint). Rank 0 holds the folder it will write from here on. `digests`: {path flag: sha256
-    of the bytes the set-up read}, compared with what the run recorded (a pipe).
-    """
+    """(run folder, checkpoint to resume or None), checked before any model is loaded: a new
+    folder, or the resumed run's, or with --resume-override a NEW one (args.resumed_from). Differing
+    experiment-defining flags are one line. Rank 0 holds the folder it will write from here on."""
     if not args.resume:
         run_dir = _new_run_dir(args)
         if is_main:
@@ -439,16 +432,12 @@ def resolve_run_dir(
 
 
 def _has_final_row(run_dir: str, iteration: int) -> bool:
-    from common.plumbing.utils import read_metrics_lines
-
     rows, _ = read_metrics_lines(os.path.join(run_dir, "metrics.jsonl"))
     return any(r.get("final") and r.get("iteration") == iteration for r in rows)
 
 
 def _script_with_flags(folder: str, names: list[str]) -> str | None:
     """The training script in `folder` whose Args have every one of `names`, if exactly one does."""
-    import runpy
-
     found = []
     for entry in sorted(_listdir(folder)):
         path = os.path.join(folder, entry)
