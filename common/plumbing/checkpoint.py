@@ -1,37 +1,9 @@
-"""Checkpoints that survive a crash at any point of a save, and a --resume that knows what it
-resumes.
-
-Layout (as diffusers' training scripts: rotated folders, the newest K kept):
-
-    {run_dir}/checkpoint-{iteration}/
-        pytorch_lora_weights.safetensors   the user's weights: `pipe.load_lora_weights(folder)` (or
-                                           transformer/ with --full-finetune)
-        trainer_state.pt                   params, optimizer, EMA, iteration, NFE, every rank's RNG,
-                                           args
-        trainer_state.dcp/                 --parallel fsdp: params, optimizer and EMA instead,
-                                           sharded: one file per rank
-                                           (torch.distributed.checkpoint); trainer_state.pt keeps
-                                           the rest
-        COMPLETE.json                      written LAST: size and sha256 of every file above, the
-                                           iteration, the script and its arguments. No marker, or a
-                                           file that does not match it, means the checkpoint is not
-                                           complete.
-
-A save writes everything into a hidden temporary folder `.checkpoint-{iteration}.tmp`, fsyncs the
-files, writes the marker, then renames the folder into place (one atomic rename on POSIX); only then
-are checkpoints beyond the newest K deleted. A SIGKILL at any instant therefore leaves either the
-previous set of complete checkpoints, or that set plus the new one: tests/test_faults.py kills a
-saving process at random points and checks exactly that. Under FSDP every rank writes its own shard
-into the same temporary folder and rank 0 alone checksums and renames, so the same holds (the run
-folder must then be on a file system that every node sees, as for any torch.distributed.checkpoint).
-
-On --resume, `resolve_run_dir` (before any model is loaded) finds the checkpoint (a run folder: its
-latest complete one; a checkpoint folder: that one), verifies it against its marker, and compares
-the arguments that define the experiment with the ones it was written under. Anything not in
-MAY_CHANGE_ON_RESUME is experiment-defining, so a flag added later is protected by default. A
-difference stops the run in one line, unless --resume-override, which starts a NEW run folder from
-the checkpoint's weights and records where it came from (args.json: `resumed_from`).
-"""
+"""Checkpoints that survive a crash at any point of a save: {run_dir}/checkpoint-{iteration}/ holds
+the user's weights, trainer_state.pt (plus trainer_state.dcp/, one shard per rank, under FSDP) and
+COMPLETE.json, written LAST (size and sha256 of every file, iteration, script, args). A save fills
+.checkpoint-{iteration}.tmp, fsyncs, writes the marker, renames it into place, and only then deletes
+checkpoints beyond the newest K: a SIGKILL at any instant leaves the previous complete set, or that
+set plus the new one (tests/test_faults.py)."""
 
 from __future__ import annotations
 
@@ -48,32 +20,42 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from common.plumbing.checks import kind_of, read_json
+from common.plumbing.parallel import is_sharded
 
 MARKER = "COMPLETE.json"
 STATE_FILE = "trainer_state.pt"
 SHARDED_DIR = "trainer_state.dcp"  # --parallel fsdp: the sharded part of the trainer state
 PREFIX = "checkpoint-"
-# checkpoint-{iteration} as save_checkpoint names it: no leading zeros, so that one iteration has
-# one name (a checkpoint-02 beside checkpoint-2 is refused by resume_source, never guessed between)
+# no leading zeros: one iteration has one name (checkpoint-02 is refused by resume_source)
 _CKPT_RE = re.compile(r"^checkpoint-(0|[1-9]\d*)$")
+# what a killed save leaves: .checkpoint-N.tmp (new), .old (replaced), and .del (being deleted)
+_HIDDEN_RE = re.compile(rf"^\.{PREFIX}(\d+)(\.tmp|\.old)?(\.del)?$")
 
 
-# ---------------------------------------------------------------------------------------- RNG
-# Every RNG state as plain values (tuples of ints, tensors, numbers), so that trainer_state.pt loads
-# with torch.load(weights_only=True): numpy's state is an ndarray, which only pickle restores.
+def _first_line(e: BaseException, limit: int | None = 160, empty: str = "") -> str:
+    return (str(e).strip().splitlines() or [empty])[0][:limit]
+
+
+# RNG states as plain values (numpy's keys as a tensor): trainer_state.pt loads with
+# torch.load(weights_only=True), and a pickled ndarray would need free unpickling.
+def _plain_numpy_state(state) -> dict:
+    kind, keys, pos, has_gauss, cached = state
+    return dict(
+        kind=str(kind),
+        keys=torch.from_numpy(np.asarray(keys).astype(np.int64)),
+        pos=int(pos),
+        has_gauss=int(has_gauss),
+        cached_gaussian=float(cached),
+    )
+
+
 def rng_state() -> dict:
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
     return dict(
         python=random.getstate(),
-        numpy=dict(
-            kind=str(kind),
-            keys=torch.from_numpy(keys.astype(np.int64)),
-            pos=int(pos),
-            has_gauss=int(has_gauss),
-            cached_gaussian=float(cached),
-        ),
+        numpy=_plain_numpy_state(np.random.get_state()),
         torch=torch.get_rng_state(),
         cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     )
@@ -82,15 +64,8 @@ def rng_state() -> dict:
 def set_rng_state(s: dict) -> None:
     n = s["numpy"]
     random.setstate(s["python"])
-    np.random.set_state(
-        (
-            n["kind"],
-            n["keys"].numpy().astype(np.uint32),
-            n["pos"],
-            n["has_gauss"],
-            n["cached_gaussian"],
-        )
-    )
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
     torch.set_rng_state(s["torch"])
     if s.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
@@ -110,8 +85,7 @@ def _sha256(path: str) -> str:
 
 
 def _fsync(path: str) -> None:
-    """Flush a file (or a folder's entries) to the disk: a rename is only as durable as what it
-    renames."""
+    """A file's (or a folder's entries') flush to disk: a rename is only as durable as its source."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -119,55 +93,49 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _files(folder: str) -> list[str]:
-    return sorted(
-        os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs
-    )
+def _listdir(folder: str) -> list[str]:
+    return os.listdir(folder) if os.path.isdir(folder) else []
 
 
 def list_checkpoints(run_dir: str, interrupted: bool = False) -> list[tuple[int, str]]:
-    """(iteration, folder) of every checkpoint-N folder of a run, oldest first (complete or not).
-
-    interrupted: also a hidden .checkpoint-N.tmp (or .old) folder that holds a marker while
-    checkpoint-N is missing: a save killed between its last renames, whose files are complete (a
-    resume can use it; a later save removes it).
-    """
-    if not os.path.isdir(run_dir):
-        return []
-    names = os.listdir(run_dir)
+    """(iteration, folder) of every checkpoint-N of a run, oldest first, complete or not;
+    interrupted: also a marked .checkpoint-N.tmp/.old whose checkpoint-N is missing (a save killed
+    between its last renames)."""
+    names = _listdir(run_dir)
     found = {int(m.group(1)): os.path.join(run_dir, n) for n in names if (m := _CKPT_RE.match(n))}
-    if interrupted:
-        for suffix in (".tmp", ".old"):  # the new copy first
-            for n in names:
-                m = re.match(rf"^\.{PREFIX}(\d+){re.escape(suffix)}$", n)
-                if (
-                    m
-                    and int(m.group(1)) not in found
-                    and os.path.isfile(os.path.join(run_dir, n, MARKER))
-                ):
-                    found[int(m.group(1))] = os.path.join(run_dir, n)
+    hidden = sorted(names, key=lambda n: n.endswith(".old")) if interrupted else []
+    for n in hidden:  # the new copy (.tmp) before the old one
+        m = _HIDDEN_RE.match(n)
+        if (
+            m
+            and m.group(2)
+            and not m.group(3)
+            and int(m.group(1)) not in found
+            and os.path.isfile(os.path.join(run_dir, n, MARKER))
+        ):
+            found[int(m.group(1))] = os.path.join(run_dir, n)
     return sorted(found.items())
 
 
+def _complete(run_dir: str, quick: bool = False) -> list[tuple[int, str]]:
+    return [(i, c) for i, c in list_checkpoints(run_dir) if verify_checkpoint(c, quick) is None]
+
+
 def _remove(path: str) -> None:
-    """Rename to a .del name first (atomic), then delete: a kill mid-delete leaves a hidden .del
-    folder, never a half-deleted checkpoint or temporary folder that still looks complete."""
+    """Rename to .del (atomic), then delete: a kill mid-delete never leaves a half-deleted folder
+    that still looks complete."""
     trash = path if path.endswith(".del") else path + ".del"
     os.replace(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
 
 
 def _tidy(run_dir: str) -> None:
-    """Finish or remove what killed saves left: a complete .checkpoint-N.tmp (or .old) whose
-    checkpoint-N is missing (killed before or between its renames) is renamed into place; every
-    other hidden leftover is deleted."""
-    if not os.path.isdir(run_dir):
-        return
+    """A complete .checkpoint-N.tmp (or .old) whose checkpoint-N is missing is renamed into place;
+    every other leftover of a killed save is deleted."""
     left = [
         (int(m.group(1)), m.group(2) != ".tmp", n)
-        for n in os.listdir(run_dir)
-        if (m := re.match(rf"^\.{PREFIX}(\d+)(\.tmp|\.old)?(\.del)?$", n))
-        and (m.group(2) or m.group(3))
+        for n in _listdir(run_dir)
+        if (m := _HIDDEN_RE.match(n)) and (m.group(2) or m.group(3))
     ]
     for i, _, name in sorted(left):  # for one N, the new copy (.tmp) before the old one
         path, final = os.path.join(run_dir, name), checkpoint_dir(run_dir, i)
@@ -182,20 +150,16 @@ def _tidy(run_dir: str) -> None:
 
 
 def trainer_state(params: dict, optimizer, ema, model=None, extras: dict | None = None) -> dict:
-    """The trained weights, the optimizer and the EMA as a checkpoint stores them (the caller adds
-    iteration, counts, RNG, args). DDP: whole CPU copies, which rank 0 writes into trainer_state.pt.
-    FSDP (`params` are DTensors; `model` the sharded transformer): under "sharded", this rank's
-    shards, named by parameter (get_state_dict, so that the optimizer state is keyed by name, not by
-    position), which every rank writes into trainer_state.dcp/. `extras` ({name: an EMA-like
-    object}): a script's own copies of the weights (DiffusionNFT's old policy), stored as the EMA."""
-    from common.plumbing.parallel import is_sharded
-
+    """Weights, optimizer, EMA and `extras` (other EMA-like copies: DiffusionNFT's old policy) as a
+    checkpoint stores them: CPU copies, or under FSDP this rank's shards in "sharded", the optimizer
+    keyed by parameter name (get_state_dict)."""
+    extras = extras or {}
     if not is_sharded(params):
         return {
             "params": {k: p.detach().cpu() for k, p in params.items()},
             "optimizer": optimizer.state_dict(),
             "ema": ema.state_dict() if ema is not None else None,
-            "extras": {k: x.state_dict() for k, x in (extras or {}).items()},
+            "extras": {k: x.state_dict() for k, x in extras.items()},
         }
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -207,17 +171,16 @@ def trainer_state(params: dict, optimizer, ema, model=None, extras: dict | None 
             "model": model_sd,
             "optimizer": optim_sd,
             "ema": dict(ema.shadow) if ema is not None else {},
-            "extras": {k: dict(x.shadow) for k, x in (extras or {}).items()},
+            "extras": {k: dict(x.shadow) for k, x in extras.items()},
         },
         "ema": {"steps": ema.steps} if ema is not None else None,
-        "extras": {k: {"steps": x.steps} for k, x in (extras or {}).items()},
+        "extras": {k: {"steps": x.steps} for k, x in extras.items()},
     }
 
 
 def _on_every_rank(fn, sharded: bool) -> None:
-    """fn(), and under FSDP every rank learns whether any rank's fn failed (then all raise the first
-    one's OSError): a rank that stopped alone would leave the others waiting in the save's next
-    collective."""
+    """fn(); under FSDP every rank learns whether any rank's fn failed (then all raise the first
+    OSError): a rank that stopped alone would leave the others waiting in the next collective."""
     err = None
     try:
         fn()
@@ -227,10 +190,8 @@ def _on_every_rank(fn, sharded: bool) -> None:
         # torch.distributed.checkpoint wraps a rank's write error (CheckpointException)
         if not sharded or e.__class__.__name__ != "CheckpointException":
             raise
-        err = OSError(errno.EIO, str(e).splitlines()[0] if str(e) else e.__class__.__name__)
+        err = OSError(errno.EIO, _first_line(e, None, e.__class__.__name__))
     if sharded:
-        import torch.distributed as dist
-
         errs = [None] * dist.get_world_size()
         dist.all_gather_object(errs, None if err is None else (err.errno, err.strerror or str(err)))
         first = next((e for e in errs if e is not None), None)
@@ -242,22 +203,12 @@ def _on_every_rank(fn, sharded: bool) -> None:
 
 def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> str:
     """Write checkpoint-{state["iteration"]} completely or not at all, then keep the newest `keep`
-    (0 = all).
-
-    save_weights(folder) writes the user's weights; state is the trainer state (it must hold
-    "iteration" and "args"; "script" is recorded when present). Returns the checkpoint folder. A
-    disk that fills up (or any OSError) stops the run with one line; the checkpoints written before
-    stay complete. state["sharded"] (trainer_state under FSDP): every rank calls this; rank 0 makes
-    the temporary folder, every rank writes its shards into it (torch.distributed.checkpoint) and
-    takes part in save_weights (which gathers), then rank 0 checksums every rank's files, writes the
-    marker and renames, as without sharding.
-    """
+    (0 = all). An OSError (a full disk) stops the run in one line, earlier checkpoints intact. With
+    state["sharded"] every rank calls this; rank 0 alone checksums and renames."""
     state = dict(state)
     sharded = state.pop("sharded", None)
     digests = state.pop("prompt_digests", None) or {}
     if sharded is not None:
-        import torch.distributed as dist
-
         state["sharded_state"] = SHARDED_DIR
     main = sharded is None or dist.get_rank() == 0
     iteration = int(state["iteration"])
@@ -282,33 +233,29 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
         if not main:
             return
         files = {}
-        for rel in _files(tmp):
-            path = os.path.join(tmp, rel)
+        for path in sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp) for f in fs):
             _fsync(path)
+            rel = os.path.relpath(path, tmp)
             files[rel] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
         marker = {
             "iteration": iteration,
             "script": state.get("script"),
             "saved_at": time.time(),
             "args": json.loads(json.dumps(state.get("args", {}), default=str)),
-            # what each path flag pointed to: a resume from a clone whose old paths are gone
-            # compares against these (same_path_meaning)
-            # (the prompt files as this process read them: a pipe cannot be read again)
+            # what each path flag pointed to (same_path_meaning, for a clone whose old paths are
+            # gone), and the prompt files as this process read them (a pipe cannot be read again)
             "path_fingerprints": {**path_fingerprints(state.get("args", {})), **digests},
             "files": files,
         }
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            # LAST: its presence means every file above is complete
+        with open(os.path.join(tmp, MARKER), "w") as f:  # LAST: every file above is complete
             json.dump(marker, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         _fsync(tmp)
-        if os.path.exists(final):
-            # the same iteration saved again (a resume from an older checkpoint)
+        if os.path.exists(final):  # the same iteration saved again (resumed from an older one)
             old = os.path.join(run_dir, f".{PREFIX}{iteration}.old")
             os.replace(final, old)
-            # a kill between these two renames: a resume (or the next save) uses the .tmp copy
-            os.replace(tmp, final)
+            os.replace(tmp, final)  # a kill between these renames: the .tmp copy is used
             _remove(old)
         else:
             os.replace(tmp, final)
@@ -324,14 +271,12 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
             shutil.rmtree(tmp, ignore_errors=True)  # never leave half a checkpoint on a full disk
         if not (isinstance(e, OSError) or full):
             raise
-        why = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [""])[0][:160]
-        failed = f"{e.__class__.__name__}: {why}{'; the disk is full' if full else ''}"
+        failed = _failure(e, full)
     if failed:
-        # raised outside the except: the error's frames (and a writer's open file) go with it
-        gc.collect()
-        done = [c for _, c in list_checkpoints(run_dir) if verify_checkpoint(c) is None]
+        gc.collect()  # raised outside the except: the error's frames (an open file) go with it
+        done = _complete(run_dir)
         last = (
-            f"the last complete checkpoint, {done[-1]}, is intact"
+            f"the last complete checkpoint, {done[-1][1]}, is intact"
             if done
             else "no complete checkpoint exists yet"
         )
@@ -340,21 +285,16 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
             f"permissions, then --resume {run_dir}"
         )
     if keep > 0 and main:  # rotation only after the new checkpoint is complete and in place
-        found = list_checkpoints(run_dir)
-        kept = [i for i, c in found if verify_checkpoint(c, quick=True) is None][-keep:]
-        for i, c in found:
-            if i < kept[0]:
-                # older than the K kept ones, complete or not (an incomplete one is of no use)
+        oldest_kept = _complete(run_dir, quick=True)[-keep:][0][0]
+        for i, c in list_checkpoints(run_dir):
+            if i < oldest_kept:  # complete or not (an incomplete one is of no use)
                 _remove(c)
     return final
 
 
 @contextlib.contextmanager
 def writing(run_dir: str):
-    """Around a run's writes (metrics rows, pictures, args.json, side files): a write that fails
-    (a full disk, no permission) stops the run in the one line a checkpoint's failure gives,
-    naming what exists to go on from. Each write is atomic (common/plumbing/utils.py), so nothing
-    partial is left behind."""
+    """Around a run's (atomic) writes: a failure (full disk, no permission) is one line."""
     try:
         yield
     except Exception as e:
@@ -365,20 +305,21 @@ def writing(run_dir: str):
 
 def write_failed(e: BaseException, run_dir: str) -> SystemExit:
     """The one line a failed write stops the run with (`writing`'s)."""
-    full = _out_of_space(e, run_dir)
     path = re.sub(r"\.tmp\d+(?=\.\w+$|$)", "", str(getattr(e, "filename", None) or run_dir))
-    why = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [""])[0][:160]
-    failed = f"{e.__class__.__name__}: {why}{'; the disk is full' if full else ''}"
     return SystemExit(
-        f"error: could not write {path} ({failed}); {continue_hint(run_dir)} once there is "
-        "space (or the folder's permissions are fixed)"
+        f"error: could not write {path} ({_failure(e, _out_of_space(e, run_dir))}); "
+        f"{continue_hint(run_dir)} once there is space (or the folder's permissions are fixed)"
     )
 
 
+def _failure(e: BaseException, full: bool) -> str:
+    why = getattr(e, "strerror", None) or _first_line(e)
+    return f"{e.__class__.__name__}: {why}{'; the disk is full' if full else ''}"
+
+
 def _out_of_space(e: BaseException, folder: str) -> bool:
-    """A full disk, whatever raised it: OSError ENOSPC/EDQUOT, safetensors' SafetensorError ("os
-    error 28"), or torch.save's RuntimeError ("unexpected pos ..."), which names no cause, so the
-    free space decides."""
+    """A full disk, whatever raised it: ENOSPC/EDQUOT, safetensors' "os error 28", or torch.save's
+    RuntimeError, which names no cause, so the free space decides."""
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     if "No space left on device" in str(e) or "os error 28" in str(e):
@@ -390,10 +331,12 @@ def _out_of_space(e: BaseException, folder: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------- verify and find
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def read_marker(folder: str) -> dict:
-    """A checkpoint's COMPLETE.json, checked field by field (it may come with a run folder from
-    someone else): ValueError saying what is wrong, which verify_checkpoint reports as the
-    checkpoint's problem (a resume of the run then falls back to the previous one)."""
+    """A checkpoint's COMPLETE.json, checked field by field: ValueError saying what is wrong."""
     marker = read_json(os.path.join(folder, MARKER))
 
     def wrong(field, what):
@@ -420,16 +363,12 @@ def read_marker(folder: str) -> dict:
     return marker
 
 
-def _is_count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
 def verify_checkpoint(folder: str, quick: bool = False) -> str | None:
-    """None when `folder` is a complete checkpoint, else what is wrong with it (naming the file).
-    quick: sizes only."""
+    """None when `folder` is a complete checkpoint, else what is wrong. quick: sizes only."""
+    marker_path = os.path.join(folder, MARKER)
     if not os.path.isdir(folder):
         return f"{folder} does not exist"
-    if not os.path.isfile(os.path.join(folder, MARKER)):
+    if not os.path.isfile(marker_path):
         return (
             f"{folder} has no {MARKER}: its save never finished (the process stopped while writing "
             "it, or it was written before checkpoints were checksummed)"
@@ -437,17 +376,16 @@ def verify_checkpoint(folder: str, quick: bool = False) -> str | None:
     try:
         marker = read_marker(folder)
     except (OSError, ValueError) as e:
-        return f"{os.path.join(folder, MARKER)} is unreadable ({e.__class__.__name__}: {e})"
-    files = marker["files"]
-    if STATE_FILE not in files:
-        return f"{os.path.join(folder, MARKER)} lists no {STATE_FILE}"
+        return f"{marker_path} is unreadable ({e.__class__.__name__}: {e})"
+    if STATE_FILE not in marker["files"]:
+        return f"{marker_path} lists no {STATE_FILE}"
     named = re.match(rf"^\.?{PREFIX}(\d+)", os.path.basename(folder.rstrip("/")))
     if named and int(named.group(1)) != marker["iteration"]:
         return (
-            f"{os.path.join(folder, MARKER)} is of iteration {marker['iteration']}, not the "
-            f"folder's {int(named.group(1))}"
+            f"{marker_path} is of iteration {marker['iteration']}, not the folder's "
+            f"{int(named.group(1))}"
         )
-    for rel, info in files.items():
+    for rel, info in marker["files"].items():
         path = os.path.join(folder, rel)
         if os.path.islink(path):
             return f"{path} is a symbolic link, not a file of the checkpoint"
@@ -463,27 +401,21 @@ def verify_checkpoint(folder: str, quick: bool = False) -> str | None:
     return None
 
 
-def _listdir(folder: str) -> list[str]:
-    return os.listdir(folder) if os.path.isdir(folder) else []
-
-
 def continue_hint(run_dir: str) -> str:
     """How to go on after a stop, naming only what exists: the last complete checkpoint, or none."""
-    done = [c for _, c in list_checkpoints(run_dir) if verify_checkpoint(c, quick=True) is None]
+    done = _complete(run_dir, quick=True)
     if done:
-        return f"the last complete checkpoint is {done[-1]}: continue with --resume {run_dir}"
+        return f"the last complete checkpoint is {done[-1][1]}: continue with --resume {run_dir}"
     return f"no checkpoint was saved yet: restart it in place with --resume {run_dir}"
 
 
-# Flags that name a file or a folder: compared by what they point to, not by how the path is
-# spelled.
+# Flags that name a file or a folder: compared by what they point to, not by their spelling.
 PATH_FLAGS = ("model_path", "prompts_file", "eval_prompts", "psi_file")
 
 
 def path_fingerprint(path: str) -> str | None:
-    """What a path flag means, for comparing two spellings: a file's sha256; a folder's list of
-    (relative name, size) and the content of its .json files (a model folder's configs: reading
-    every weight of a 10 GB model would be too slow); None if the path does not exist."""
+    """A file's sha256; for a folder, its (relative name, size) list and its .json files' content
+    (a model's configs: hashing 10 GB of weights would be too slow); None if it does not exist."""
     if os.path.isfile(path):
         return _sha256(path)
     if not os.path.isdir(path):
@@ -500,8 +432,7 @@ def path_fingerprint(path: str) -> str | None:
 
 
 def path_fingerprints(args: dict) -> dict:
-    """{path flag: fingerprint} of the path flags that name something that exists, as a checkpoint
-    records them."""
+    """{path flag: fingerprint} of the path flags that name something that exists."""
     return {
         k: fp
         for k in PATH_FLAGS
@@ -511,9 +442,7 @@ def path_fingerprints(args: dict) -> dict:
 
 def same_path_meaning(a, b, saved_fingerprint: str | None = None) -> bool:
     """Two values of a path flag name the same thing: equal, the same file once resolved, or the
-    same content (the same run resumed from a second clone of the repository). When `a` no longer
-    exists (the first clone was deleted or moved), its content is the fingerprint the checkpoint
-    recorded, if any."""
+    same content (a second clone); a gone `a` is known by the checkpoint's recorded fingerprint."""
     if a == b:
         return True
     if not isinstance(a, str) or not isinstance(b, str):

@@ -1,47 +1,12 @@
-"""A reward scored by a server over HTTP: the client behind `--reward remote:NAME@URL`.
-
-    --reward "remote:geneval@http://127.0.0.1:8000"                  this project's server
-    --reward "remote:geneval@flowgrpo+http://127.0.0.1:18085:2.0"    flow_grpo's reward-server, weight 2
-    --reward "toyworld:1,remote:ocr@http://gpu-box:8001?timeout=30"  mixed with local rewards
-
-NAME is the scorer's name on the server (and the reward's name in metrics: `remote:NAME`); the URL
-needs its port, so that a trailing `:WEIGHT` is never mistaken for one. The scheme picks the wire
-format (docs/usage.md, "Rewards from a server"):
-
-- `http://` (or https): this project's, common/plumbing/reward_server.py: JSON both ways, PNG images
-  in base64. A reply is data only: it can give wrong scores, never run code here.
-- `flowgrpo+http://`: flow_grpo's reward-server (github.com/yifan123/reward-server, app_geneval.py
-  and app_deqa.py at 7131478; its client, github.com/yifan123/flow_grpo flow_grpo/rewards.py
-  `geneval_score` at 54809b5): one POST to the URL of a pickled {"images": [JPEG bytes],
-  "meta_datas": [...], "only_strict": ...} (plus "prompts", which those servers ignore), answered
-  with a pickled dict whose "scores" (GenEval) or "outputs" (DeQA) holds one score per image. The
-  server unpickles what it is sent, so it must trust every client that can reach it; the reply is
-  decoded here only after every opcode in it is read and found to build plain data
-  (`safe_unpickle`), so it can hold only dicts, lists, strings, numbers, booleans and None: anything
-  else, and any pickle that would run code, is refused in one line.
-
-Query parameters after the URL: timeout (seconds per try, default 120, flow_grpo's; at most
-3600), retries (tries after the first, default 5; at most 100) and backoff (seconds before the first
-retry, doubled each time, default 1; at most 3600). One try has one deadline, `timeout` seconds
-after it starts, for all of it: connecting, sending, and the whole reply, however slowly it comes
-(a watchdog shuts the connection down at the deadline). So all tries of a request and the waits
-between them take at most its budget, (retries + 1) x timeout + backoff x (2^retries - 1) seconds
-(751 s with the defaults), which may be at most MAX_BUDGET_S (an hour: a run stopped by its server
-resumes bit for bit, so waiting longer buys nothing); a spelling over it is refused in one line.
-Connection failures, timeouts and the statuses 429/502/503/504 are retried; a redirect is not
-followed (a reward request goes only to the URL in --reward); any other status, and a reply that is
-malformed, too big (MAX_REPLY_BYTES), of the wrong length or not finite, is not retried (it would
-only come again) and stops with one line naming the server and what it sent.
-
-A prompt's metadata (GenEval's task spec: tag, include, ...) comes from JSON lines, each an object
-with the "prompt" it belongs to: `--reward-model-paths remote:NAME=FILE.jsonl` (or a folder of
-them, e.g. flow_grpo's dataset/geneval/ with train_metadata.jsonl and test_metadata.jsonl). Without
-it a request carries the prompts only.
-
-Requests hold at most 64 images (flow_grpo's batch). A reward submitted by RewardModel.submit is
-sent by one background thread per server, in order, so the next rollout batch samples while this
-one is scored; `overlap = False` does the same requests in the caller's thread instead (the
-sequential arm of benchmarks/bench_reward_server.py): same requests, same scores.
+"""A reward scored by a server over HTTP: the client behind `--reward remote:NAME@URL`, e.g.
+"remote:geneval@http://127.0.0.1:8000" (this project's reward_server.py: JSON, PNG in base64) or
+"remote:geneval@flowgrpo+http://127.0.0.1:18085:2.0" (flow_grpo's reward-server at 7131478,
+github.com/yifan123/reward-server: pickles both ways). Spelling, options, budget and retries:
+docs/usage.md, "Rewards from a server". A reply is decoded only as plain data (safe_decode.py): it
+can give wrong scores, never run code here. A watchdog ends each try at its deadline however slowly
+the reply comes; a redirect is not followed; anything unusable stops with one line naming the
+server. `submit` sends requests on one background thread per server, in order, so the next rollout
+batch samples while this one is scored (`overlap = False`: in the caller's thread).
 """
 
 from __future__ import annotations
@@ -59,39 +24,36 @@ import socket
 import threading
 import time
 import urllib.parse
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_for
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import torch
 from PIL import Image
 
 from common.plumbing.safe_decode import (
+    PROTOCOL,
+    Watchdog,
     _excerpt,
     _json,
     _printable,
     _scores_of,
-    plain_problem,
-    safe_unpickle,
+    decode_reply,
     show,
 )
-from common.plumbing.wire import PROTOCOL, Watchdog
 
 MAX_REQUEST_IMAGES = 64  # flow_grpo's geneval_score sends batches of 64
-# A reply is one score (or a few) per image: flow_grpo's GenEval reply for 64 images is a few KB.
-# The cap bounds what a reply can cost to decode (time and memory grow with its bytes).
+# flow_grpo's GenEval reply for 64 images is a few KB; the cap bounds what decoding one can cost
 MAX_REPLY_BYTES = 1 << 20
 ERROR_BYTES = 4096  # of an error reply: its first line is shown
 CHECK_TIMEOUT_S = 5.0  # the start-up check: a wrong URL is one line in seconds
 RETRIED_STATUSES = (429, 502, 503, 504)  # busy or restarting; anything else would come again
-DEFAULTS = {"timeout": 120.0, "retries": 5, "backoff": 1.0}
-# option -> (lowest, highest, what is expected): checked when --reward is parsed
-OPTION_RANGES = {
-    "timeout": (0, 3600, "seconds in (0, 3600]"),
-    "retries": (0, 100, "an integer in [0, 100]"),
-    "backoff": (0, 3600, "seconds in [0, 3600]"),
+# option -> (default, lowest, highest, what is expected): checked when --reward is parsed
+OPTIONS = {
+    "timeout": (120.0, 0, 3600, "seconds in (0, 3600]"),
+    "retries": (5, 0, 100, "an integer in [0, 100]"),
+    "backoff": (1.0, 0, 3600, "seconds in [0, 3600]"),
 }
-MAX_BUDGET_S = 3600  # all tries of one request and the waits between them
+MAX_BUDGET_S = 3600  # a request's tries and waits: a run its server stops resumes bit for bit
 GRACE_S = 10.0  # past a request's budget, for decoding its reply, before gather gives up on it
 SPELLING = (
     "remote:NAME@http://HOST:PORT[/PATH][?timeout=S&retries=N&backoff=S][:WEIGHT], or "
@@ -105,16 +67,14 @@ _SPEC = re.compile(
 
 
 class RemoteRewardError(SystemExit):
-    """A reward server failed or sent something unusable: one line (a SystemExit, no traceback)
-    naming the server and what it sent."""
+    """A reward server failed or sent something unusable: one line, no traceback."""
 
     def __init__(self, detail: str):
         super().__init__(f"error: {detail}")
         self.detail = detail
 
     def stopping(self) -> RemoteRewardError:
-        """The same line, ending with what the run stopping here can go on from (when a run is
-        under way in this process)."""
+        """The same line, ending with how to go on when a run is under way in this process."""
         from common.plumbing.run import continue_hint_of_this_run
 
         hint = continue_hint_of_this_run()
@@ -123,7 +83,6 @@ class RemoteRewardError(SystemExit):
         return RemoteRewardError(f"{self.detail}; the run stops ({hint} once the server answers)")
 
 
-# ----------------------------------------------------------------------------- the spelling
 @dataclass(frozen=True)
 class RemoteSpec:
     """One `remote:NAME@URL` item of --reward, without its weight."""
@@ -143,11 +102,7 @@ class RemoteSpec:
     @property
     def budget(self) -> float:
         """Seconds that all tries of one request and the waits between them take at most."""
-        return budget_s(self.timeout, self.retries, self.backoff)
-
-
-def budget_s(timeout: float, retries: int, backoff: float) -> float:
-    return (retries + 1) * timeout + backoff * (2**retries - 1)
+        return (self.retries + 1) * self.timeout + self.backoff * (2**self.retries - 1)
 
 
 def is_remote(item: str) -> bool:
@@ -155,12 +110,13 @@ def is_remote(item: str) -> bool:
 
 
 def parse_remote(item: str) -> tuple[RemoteSpec, str | None]:
-    """'remote:NAME@URL[?query][:WEIGHT]' -> (its spec, the weight as written or None); a
-    malformed one is a ValueError of one line."""
-    m = _SPEC.fullmatch(item.strip())
+    """'remote:NAME@URL[?query][:WEIGHT]' -> (its spec, the weight as written or None), or a
+    ValueError of one line."""
+    item = item.strip()
+    m = _SPEC.fullmatch(item)
     if not m:
         raise ValueError(
-            f"bad remote reward '{item.strip()}': expected {SPELLING}, e.g. "
+            f"bad remote reward '{item}': expected {SPELLING}, e.g. "
             "'remote:geneval@http://127.0.0.1:8000' (the port is required)"
         )
     try:
@@ -169,21 +125,21 @@ def parse_remote(item: str) -> tuple[RemoteSpec, str | None]:
         port = None
     if not port:
         raise ValueError(
-            f"bad remote reward '{item.strip()[:200]}': its port must be in 1..65535, e.g. "
+            f"bad remote reward '{item[:200]}': its port must be in 1..65535, e.g. "
             "'remote:geneval@http://127.0.0.1:8000'"
         )
-    options = dict(DEFAULTS)
+    options = {key: default for key, (default, *_) in OPTIONS.items()}
     try:
         pairs = urllib.parse.parse_qsl(m["query"] or "", strict_parsing=bool(m["query"]))
     except ValueError:
         pairs = [("", "")]
     for key, value in pairs:
-        if key not in DEFAULTS:
+        if key not in OPTIONS:
             raise ValueError(
-                f"bad option '{key}' in remote reward '{item.strip()}': expected timeout, "
+                f"bad option '{key}' in remote reward '{item}': expected timeout, "
                 "retries or backoff, e.g. '?timeout=30&retries=3'"
             )
-        lo, hi, expected = OPTION_RANGES[key]
+        _, lo, hi, expected = OPTIONS[key]
         try:
             number = int(value) if key == "retries" else float(value)
         except ValueError:  # also an integer of more than 4300 digits
@@ -191,30 +147,25 @@ def parse_remote(item: str) -> tuple[RemoteSpec, str | None]:
         # (nan fails every comparison; timeout 0 would never wait)
         if not (lo <= number <= hi) or (key == "timeout" and number == 0):
             raise ValueError(
-                f"bad {key}={value[:40]} in remote reward '{item.strip()[:200]}': expected "
-                f"{expected}"
+                f"bad {key}={value[:40]} in remote reward '{item[:200]}': expected {expected}"
             )
         options[key] = number
-    budget = budget_s(**options)
-    if budget > MAX_BUDGET_S:
-        raise ValueError(
-            f"remote reward '{item.strip()[:200]}': timeout={options['timeout']:g}, "
-            f"retries={options['retries']} and backoff={options['backoff']:g} let one request take "
-            f"{budget:.0f} s ({options['retries'] + 1} tries and the waits between them), over "
-            f"the limit of {MAX_BUDGET_S} s: lower one of them (a run its server stops resumes bit "
-            "for bit with --resume)"
-        )
     weight = m["weight"]
-    text = item.strip()[: m.start("weight") - 1] if weight is not None else item.strip()
+    text = item[: m.start("weight") - 1] if weight is not None else item
     spec = RemoteSpec(text, m["scorer"], m["url"], "flowgrpo" if m["wire"] else "json", **options)
+    if spec.budget > MAX_BUDGET_S:
+        raise ValueError(
+            f"remote reward '{item[:200]}': timeout={spec.timeout:g}, retries={spec.retries} and "
+            f"backoff={spec.backoff:g} let one request take {spec.budget:.0f} s ({spec.retries + 1} "
+            f"tries and the waits between them), over the limit of {MAX_BUDGET_S} s: lower one of "
+            "them (a run its server stops resumes bit for bit with --resume)"
+        )
     return spec, weight
 
 
-# ----------------------------------------------------------------------------- metadata
 def load_metadata(path: str) -> dict[str, dict]:
-    """{prompt: its metadata} from a JSON-lines file (or every *.jsonl of a folder), one object a
-    line with its "prompt" (GenEval's train_metadata.jsonl as it is). A line that is not such an
-    object, or a prompt given two different metadata, is a ValueError of one line."""
+    """{prompt: its metadata} from a JSON-lines file (or every *.jsonl of a folder), one object with
+    its "prompt" a line (GenEval's train_metadata.jsonl as it is), or a ValueError of one line."""
     path = os.path.expanduser(path)
     if os.path.isdir(path):
         files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".jsonl"))
@@ -250,34 +201,29 @@ def load_metadata(path: str) -> dict[str, dict]:
     return out
 
 
-# ----------------------------------------------------------------------------- the client
 class _Retry(Exception):
-    """A failure worth trying again (the server busy, restarting, slow or not yet up); `reason`:
-    what the connection said."""
-
-    def __init__(self, message: str, reason: str = ""):
-        super().__init__(message)
-        self.reason = reason or message
+    """A failure worth trying again (busy, restarting, slow, not yet up): (message, reason), the
+    reason being what the connection said."""
 
 
 class _Scores(Future):
-    """The Future `RemoteReward.submit` returns. result() waits no longer than the request under way
-    on the reward's thread may take (its budget, plus GRACE_S): whatever that thread is stuck in
-    (a name lookup, which no socket timeout bounds), the caller gets one line, not a hang."""
+    """The Future `submit` returns. result() waits no longer than the request under way may take
+    (its budget and GRACE_S): wherever its thread is stuck (a name lookup, which no socket timeout
+    bounds), the caller gets one line, not a hang."""
 
     def __init__(self, reward: RemoteReward):
         super().__init__()
         self._reward = reward
 
     def result(self, timeout=None):
-        while timeout is None and not wait_for([self], 1.0).done:
+        while timeout is None and not wait([self], 1.0).done:
             self._reward.raise_if_stuck()
         return super().result(timeout)
 
 
 class RemoteReward:
-    """One scorer on a reward server. `score` runs the requests in the caller's thread; `submit`
-    queues them on this reward's background thread and returns a Future of the scores."""
+    """One scorer on a reward server: `score` in the caller's thread, or `submit` on this reward's
+    background thread, returning a Future of the scores."""
 
     overlap = True  # False: submit scores at once, in the caller's thread (the sequential arm)
 
@@ -293,10 +239,9 @@ class RemoteReward:
     def _where(self) -> str:
         return f"remote reward '{self.spec.name}' at {self.spec.url}"
 
-    # ---- start-up
     def check(self, prompt_files: dict[str, list[str]]) -> None:
-        """That the server answers (this project's: that it serves the scorer), and that the
-        metadata, if any, has every prompt; else ValueError, one line. One try, CHECK_TIMEOUT_S."""
+        """That the server answers (this project's: that it serves the scorer) within
+        CHECK_TIMEOUT_S, and that the metadata, if any, has every prompt; else one-line ValueError."""
         if self.metadata is not None:
             for flag, prompts in prompt_files.items():
                 for i, p in enumerate(prompts, 1):
@@ -307,13 +252,14 @@ class RemoteReward:
                             "each prompt's metadata, so every prompt needs one"
                         )
         health = self.spec.url.rstrip("/") + "/health"
-        seconds = min(self.spec.timeout, CHECK_TIMEOUT_S)
         url = health if self.spec.wire == "json" else self.spec.url
         try:
-            status, _, _, body = self._exchange("GET", url, None, {}, seconds)
+            status, _, _, body = self._exchange(
+                "GET", url, None, {}, min(self.spec.timeout, CHECK_TIMEOUT_S)
+            )
         except _Retry as e:
             raise ValueError(
-                f"{self._where()}: no server answers ({e.reason}): start it (e.g. `python -m "
+                f"{self._where()}: no server answers ({e.args[1]}): start it (e.g. `python -m "
                 "common.plumbing.reward_server --reward toyworld --port 8000`) or fix the URL in --reward"
             ) from None
         if self.spec.wire == "flowgrpo":  # it answers: enough for flow_grpo's (POST only)
@@ -338,11 +284,9 @@ class RemoteReward:
                 f"'{self.spec.scorer}': use one of those names, or start it with that scorer"
             )
 
-    # ---- scoring
     def submit(self, images: torch.Tensor, prompts: list[str], cancel: threading.Event) -> Future:
         """Future of `score(images, prompts)`, run on this reward's thread after the batches
-        submitted before it (or at once, in this thread, when overlap is False). `cancel` set: it
-        stops before its next try."""
+        submitted before it (overlap False: at once, here); `cancel` set stops it before a retry."""
         future = _Scores(self)
         job = (future, lambda: self.score(images, prompts, cancel))
         if not self.overlap:
@@ -377,11 +321,10 @@ class RemoteReward:
         out: list[float] = []
         for i in range(0, len(images), MAX_REQUEST_IMAGES):
             chunk = images[i : i + MAX_REQUEST_IMAGES].permute(0, 2, 3, 1).numpy()
-            chunk_prompts = prompts[i : i + MAX_REQUEST_IMAGES]
-            body = self._request(chunk, chunk_prompts)
+            body = self._request(chunk, prompts[i : i + MAX_REQUEST_IMAGES])
             reply = self._post(body, cancel or threading.Event())
             try:
-                decoded = self._decode(reply)
+                decoded = decode_reply(reply, self.spec.wire)
             except ValueError as e:
                 raise RemoteRewardError(f"{self._where()} sent {e}") from None
             try:
@@ -390,72 +333,36 @@ class RemoteReward:
                 raise RemoteRewardError(f"{self._where()}: {e}") from None
         return torch.tensor(out, dtype=torch.float32)
 
-    def _decode(self, reply: bytes):
-        """A reply's plain value, or ValueError saying what the server sent instead."""
-        if self.spec.wire == "flowgrpo":
-            try:
-                return safe_unpickle(reply)
-            except ValueError as e:
-                raise ValueError(
-                    f"a pickle that was refused: {e}; only dict, list, str, int, float, bool and "
-                    "None are accepted, since anything else could run code on loading (a server "
-                    "that sends numpy numbers: have it send .tolist())"
-                ) from None
-        try:
-            value = json.loads(reply)
-        except ValueError:
-            raise ValueError(f"a reply that is not JSON ({_excerpt(reply)})") from None
-        except RecursionError:
-            value = None
-            problem = "it nests deeper than Python's parser goes"
-        else:
-            problem = plain_problem(value)
-        if problem:
-            raise ValueError(f"a JSON reply that {problem[3:]} ({_excerpt(reply)})")
-        return value
-
     def _request(self, images, prompts: list[str]) -> bytes:
-        """The body of one request: this project's JSON (lossless PNG, base64) or flow_grpo's
-        pickle (JPEG at PIL's default quality 75, as its client)."""
+        """One request's body: this project's JSON (lossless PNG, base64) or flow_grpo's pickle
+        (JPEG at PIL's default quality 75, as its client)."""
         metadata = [self.metadata.get(p.strip()) if self.metadata else None for p in prompts]
         if self.spec.wire == "json":
-            return json.dumps(
-                {
-                    "scorer": self.spec.scorer,
-                    "images": [base64.b64encode(_encode(a, "PNG")).decode() for a in images],
-                    "prompts": prompts,
-                    "metadata": metadata,
-                }
-            ).encode()
-        return pickle.dumps(
-            {
-                "images": [_encode(a, "JPEG") for a in images],
-                "prompts": prompts,
-                # GenEval reads meta_datas; without a metadata file each carries its prompt
-                "meta_datas": [
-                    m if m is not None else {"prompt": p} for m, p in zip(metadata, prompts)
-                ],
-                # scores do not depend on it; True skips GenEval's non-strict check, unused here
-                "only_strict": True,
-            },
-            protocol=4,
-        )
+            images = [base64.b64encode(_encode(a, "PNG")).decode() for a in images]
+            request = dict(
+                scorer=self.spec.scorer, images=images, prompts=prompts, metadata=metadata
+            )
+            return json.dumps(request).encode()
+        # GenEval reads meta_datas: without a metadata file each carries its prompt; scores do not
+        # depend on only_strict (True skips GenEval's non-strict check, unused here)
+        meta_datas = [m if m is not None else {"prompt": p} for m, p in zip(metadata, prompts)]
+        images = [_encode(a, "JPEG") for a in images]
+        request = dict(images=images, prompts=prompts, meta_datas=meta_datas, only_strict=True)
+        return pickle.dumps(request, protocol=4)
 
     def _post(self, body: bytes, cancel: threading.Event) -> bytes:
-        """POST with retries, all within the spec's budget; the reply's body, or RemoteRewardError
-        naming what went wrong."""
+        """POST with retries, all within the spec's budget: the reply's body, or RemoteRewardError."""
         s = self.spec
         url = s.url.rstrip("/") + "/score" if s.wire == "json" else s.url
         kind = "application/json" if s.wire == "json" else "application/octet-stream"
         start, delay = time.monotonic(), s.backoff
-        # each try takes at most `timeout` and each wait its backoff: together the budget
         self._give_up_at = start + s.budget + GRACE_S
         try:
             for attempt in range(1, s.retries + 2):
                 try:
                     return self._post_once(url, body, kind, s.timeout)
                 except _Retry as e:
-                    last = str(e)
+                    last = e.args[0]
                 if attempt > s.retries or cancel.is_set() or cancel.wait(delay):
                     break
                 delay *= 2
@@ -481,7 +388,7 @@ class RemoteReward:
             )
         detail += f": {_error_text(reply)}"
         if status in RETRIED_STATUSES:
-            raise _Retry(detail)
+            raise _Retry(detail, detail)
         hint = ""
         if self.spec.wire == "flowgrpo" and self.metadata is None:
             hint = (
@@ -493,14 +400,12 @@ class RemoteReward:
     def _exchange(
         self, method: str, url: str, body: bytes | None, headers: dict, seconds: float
     ) -> tuple[int, str, http.client.HTTPMessage, bytes]:
-        """One HTTP exchange that ends within `seconds` whatever the server does:
-        (status, reason, headers, body: at most MAX_REPLY_BYTES of a 200, ERROR_BYTES of any
-        other). A failure to connect or a reply cut short or late is _Retry; a Content-Length that
-        is not a byte count, or a 200 over MAX_REPLY_BYTES, is RemoteRewardError. No redirect is
-        followed: a 3xx is returned as it is."""
+        """One HTTP exchange that ends within `seconds` whatever the server does: (status, reason,
+        headers, body: at most MAX_REPLY_BYTES of a 200, ERROR_BYTES of any other; a 3xx as it
+        is). A failure to connect or a reply cut short or late is _Retry; a bad Content-Length,
+        or a 200 over MAX_REPLY_BYTES, is RemoteRewardError."""
         parts = urllib.parse.urlsplit(url)
         within = f"no complete reply within the timeout of {seconds:g} s"
-        late = _Retry(within, within)
         connection = (
             http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         )
@@ -522,14 +427,14 @@ class RemoteReward:
             # read() with a length: a reply cut short is IncompleteRead; without: up to the cap
             reply = r.read() if size is not None and size <= cap else r.read(cap + 1)[:cap]
             if watchdog.fired:  # cut at the deadline: what was read may look whole, and is not
-                raise late
+                raise _Retry(within, within)
             if r.status == 200 and size is None and len(reply) >= cap:
                 raise RemoteRewardError(_too_big(self._where(), cap + 1))
             return r.status, r.reason, r.headers, reply
         # refused, reset, cut short, late, ... (ValueError: a host name idna cannot encode)
         except (OSError, http.client.HTTPException, ValueError) as e:
             if watchdog.fired or isinstance(e, TimeoutError):
-                raise late from None
+                raise _Retry(within, within) from None
             raise _Retry(f"no reply ({_reason(e)})", _reason(e)) from None
         finally:
             watchdog.cancel()

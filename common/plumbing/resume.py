@@ -1,17 +1,16 @@
-"""Loading a checkpoint back: trainer_state.pt with torch.load(weights_only=True) (nothing in it
-runs), checked against its marker and the folder's name before anything is restored, then the
-weights, optimizer, EMA, loss scale, RNG and counters restored exactly, whole (DDP) or by shard
-(FSDP2, torch.distributed.checkpoint). `python -m common.plumbing.resume --convert-trusted FOLDER`
-converts a checkpoint written before 2026-12-05."""
+"""Loading a checkpoint back: trainer_state.pt with torch.load(weights_only=True), checked against
+its marker before anything is restored, then restored exactly, whole (DDP) or by shard (FSDP2).
+`python -m common.plumbing.resume --convert-trusted FOLDER` converts one from before 2026-12-05."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import pickle
 import re
 
-import numpy as np
 import torch
 
 from common.plumbing.checkpoint import (
@@ -19,33 +18,40 @@ from common.plumbing.checkpoint import (
     PREFIX,
     SHARDED_DIR,
     STATE_FILE,
+    _first_line,
     _is_count,
     _listdir,
+    _plain_numpy_state,
     _sha256,
     read_marker,
     set_rng_state,
+    trainer_state,
     verify_checkpoint,
 )
 from common.plumbing.checks import ConfigError, pickled_global
+from common.plumbing.parallel import is_sharded
 from common.plumbing.run_folder import hold_run_folder, release_run_folder
+from common.plumbing.utils import atomic_file, atomic_write
 
 
-# ---------------------------------------------------------------------------------------- load
 def load_checkpoint(folder: str) -> dict:
-    """trainer_state.pt, loaded without running anything: torch.load(weights_only=True) rebuilds
-    only tensors and plain values (dicts, lists, tuples, strings, numbers), never an object whose
-    unpickling could run code, so a run folder from someone else is safe to --resume (its layout is
-    checked by restore_checkpoint, `trainer_state_problem`)."""
-    import pickle
-
+    """trainer_state.pt via torch.load(weights_only=True): only tensors and plain values, never an
+    object whose unpickling could run code, so a received run folder is safe to --resume."""
     path = os.path.join(folder, STATE_FILE)
+
+    def unreadable(e):
+        return ConfigError(
+            f"--resume: {path} is unreadable ({e.__class__.__name__}: {_first_line(e)}); resume "
+            "from an older checkpoint-N folder"
+        )
+
     try:
-        state = torch.load(path, weights_only=True, map_location="cpu")
+        return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
-        if pickled_global(e) is None:  # not a checkpoint at all: below
-            raise ConfigError(_unreadable(path, e)) from None
-        # weights_only refused a global: a checkpoint written before 2026-12-05 (numpy's RNG state
-        # was pickled as an ndarray), or a file built to run code; both are refused unloaded
+        if pickled_global(e) is None:  # not a checkpoint at all
+            raise unreadable(e) from None
+        # weights_only refused a global: a checkpoint from before 2026-12-05 (numpy's RNG state
+        # pickled as an ndarray), or a file built to run code; both are refused unloaded
         raise ConfigError(
             f"--resume: {path} holds Python objects ({pickled_global(e)}) "
             "that only pickle restores, and unpickling a file can run code, so it was not loaded; "
@@ -54,16 +60,7 @@ def load_checkpoint(folder: str) -> dict:
             f"{folder}`, else start a new run"
         ) from None
     except Exception as e:  # noqa: BLE001 - any unreadable zip is the same fault for the user
-        raise ConfigError(_unreadable(path, e)) from None
-    return state
-
-
-def _unreadable(path: str, e: BaseException) -> str:
-    first = (str(e).strip().splitlines() or [""])[0][:160]
-    return (
-        f"--resume: {path} is unreadable ({e.__class__.__name__}: {first}); resume from an older "
-        "checkpoint-N folder"
-    )
+        raise unreadable(e) from None
 
 
 def _refuse_layout(folder: str, state) -> None:
@@ -76,10 +73,8 @@ def _refuse_layout(folder: str, state) -> None:
 
 
 def _refuse_disagreement(folder: str, state: dict) -> None:
-    """The numbers a resume trusts agree with the checkpoint's COMPLETE.json and folder name: the
-    iteration it starts from (a trainer_state.pt re-sealed with iteration 10**18 in checkpoint-2
-    would end the run at once, "finished" without training), the script and flags it records, and
-    every counter and clock a plain count (finite, >= 0). One line, before anything is restored."""
+    """The iteration agrees with COMPLETE.json and the folder's name (a re-sealed iteration 10**18
+    would end the run at once, "finished"); counters and clocks are finite counts >= 0."""
     marker = read_marker(folder)
     named = re.fullmatch(rf"\.?{PREFIX}(\d+)", os.path.basename(folder.rstrip("/")))
     says = {"its COMPLETE.json": marker["iteration"]}
@@ -111,49 +106,44 @@ def _refuse_disagreement(folder: str, state: dict) -> None:
 
 
 def trainer_state_problem(state) -> str | None:
-    """What is wrong with the layout of a loaded trainer state (None: nothing): the types the
-    restore relies on, before it relies on them. Shapes are checked against the model by
-    `_check_tensors` during the restore."""
+    """What is wrong with a loaded trainer state's types (None: nothing), before the restore relies
+    on them; shapes are checked against the model during the restore."""
     if not isinstance(state, dict):
         return f"{type(state).__name__}, not a dict"
     if not _is_count(state.get("iteration")):
         return "its 'iteration' is not an integer >= 0"
-    counts = state.get("counts", {})
-    if not isinstance(counts, dict) or not all(
-        isinstance(v, (int, float)) for v in counts.values()
-    ):
-        return "its 'counts' are not a dict of numbers"
-    clocks = state.get("clocks", {})
-    if not isinstance(clocks, dict) or not all(
-        isinstance(v, (int, float)) for v in clocks.values()
-    ):
-        return "its 'clocks' are not a dict of numbers"
+    for field in ("counts", "clocks"):
+        numbers = state.get(field, {})
+        if not isinstance(numbers, dict) or not all(
+            isinstance(v, (int, float)) for v in numbers.values()
+        ):
+            return f"its '{field}' are not a dict of numbers"
     rngs = state.get("rng")
     if not isinstance(rngs, list) or not rngs or not all(_rng_ok(r) for r in rngs):
         return "its 'rng' is not a list of RNG states (python, numpy, torch)"
-    if "sharded_state" not in state:
-        if not _tensor_dict(state.get("params")):
-            return "its 'params' are not a dict of tensors"
-        optim = state.get("optimizer")
-        if not (
-            isinstance(optim, dict)
-            and isinstance(optim.get("state"), dict)
-            and isinstance(optim.get("param_groups"), list)
-            and all(isinstance(v, dict) for v in optim["state"].values())
-            and all(
-                isinstance(g, dict)
-                and isinstance(g.get("params"), list)
-                and all(_is_count(i) for i in g["params"])
-                for g in optim["param_groups"]
-            )
-        ):
-            return "its 'optimizer' is not an optimizer state_dict (state, param_groups)"
+    whole = "sharded_state" not in state
+    if whole and not _tensor_dict(state.get("params")):
+        return "its 'params' are not a dict of tensors"
+    optim = state.get("optimizer")
+    if whole and not (
+        isinstance(optim, dict)
+        and isinstance(optim.get("state"), dict)
+        and isinstance(optim.get("param_groups"), list)
+        and all(isinstance(v, dict) for v in optim["state"].values())
+        and all(
+            isinstance(g, dict)
+            and isinstance(g.get("params"), list)
+            and all(_is_count(i) for i in g["params"])
+            for g in optim["param_groups"]
+        )
+    ):
+        return "its 'optimizer' is not an optimizer state_dict (state, param_groups)"
     for name, ema in [("ema", state.get("ema")), *(state.get("extras") or {}).items()]:
         if ema is None and name == "ema":
             continue
         if not (isinstance(ema, dict) and _is_count(ema.get("steps"))):
             return f"its '{name}' is not an EMA state (shadow, steps)"
-        if "sharded_state" not in state and not _tensor_dict(ema.get("shadow")):
+        if whole and not _tensor_dict(ema.get("shadow")):
             return f"its '{name}' shadow is not a dict of tensors"
     if not isinstance(state.get("extras", {}), dict):
         return "its 'extras' are not a dict"
@@ -183,9 +173,8 @@ def _rng_ok(r) -> bool:
 
 
 def _check_tensors(folder: str, what: str, saved: dict, expected: dict) -> None:
-    """Every tensor of `expected` (name -> the model's tensor) is in `saved` with its shape: a
-    missing name or another shape is one line (copy_ would broadcast a (1,) tensor into a whole
-    weight without a word)."""
+    """Every tensor of `expected` is in `saved` with its shape (copy_ would broadcast a (1,)
+    tensor into a whole weight without a word)."""
     for n, p in expected.items():
         got = saved.get(n)
         if got is None or tuple(got.shape) != tuple(p.shape):
@@ -197,9 +186,8 @@ def _check_tensors(folder: str, what: str, saved: dict, expected: dict) -> None:
 
 
 def _check_optimizer(folder: str, saved: dict, optimizer) -> None:
-    """The optimizer state fits the optimizer: as many groups and parameters, and every per-
-    parameter tensor (Adam's moments) of its parameter's shape (load_state_dict checks only the
-    counts, with a traceback; a wrong moment shape was a traceback at the first step)."""
+    """As many groups and parameters, and every per-parameter tensor (Adam's moments) of its
+    parameter's shape (load_state_dict checks only the counts, with a traceback)."""
     now = optimizer.param_groups
     sizes = [len(g["params"]) for g in now]
     got = [len(g.get("params", [])) if isinstance(g, dict) else -1 for g in saved["param_groups"]]
@@ -221,15 +209,9 @@ def _check_optimizer(folder: str, saved: dict, optimizer) -> None:
 
 
 def convert_trusted(folder: str) -> None:
-    """Rewrite the trainer_state.pt of a checkpoint written before 2026-12-05 (numpy's RNG state
-    pickled as an ndarray) into the plain form `load_checkpoint` reads, and re-seal its marker.
-    It unpickles the file: run it only on a file you trust (`python -m common.plumbing.checkpoint
-    --convert-trusted FOLDER`). FOLDER is a run's checkpoint-N; the conversion holds the run's
-    lock (a run writing the folder: one line, nothing converted), writes only inside the run
-    folder (a link in it is refused, as a run refuses it), and leaves a checkpoint that already
-    loads with weights_only=True as it is."""
-    from common.plumbing.utils import atomic_file
-
+    """Rewrite a checkpoint-N's trainer_state.pt written before 2026-12-05 (numpy's RNG state
+    pickled as an ndarray) into the form `load_checkpoint` reads, and re-seal its marker. It
+    unpickles the file: only for a file you trust. It holds the run's lock and refuses links."""
     folder = os.path.normpath(os.path.abspath(folder))
     run_dir, name = os.path.split(folder)
     if not re.fullmatch(rf"{PREFIX}\d+", name):
@@ -245,30 +227,18 @@ def convert_trusted(folder: str) -> None:
         if problem:
             raise SystemExit(f"error: {problem}; nothing was converted")
         path = os.path.join(folder, STATE_FILE)
-        try:
+        with contextlib.suppress(Exception):  # else converted below (the user trusts it)
             torch.load(path, weights_only=True, map_location="cpu")
             print(f"{path} already loads with weights_only=True: left as it is")
             return
-        except Exception:  # noqa: BLE001 - the user trusts it: converted below, or refused there
-            pass
         state = torch.load(path, weights_only=False, map_location="cpu")  # the user trusts it
         for r in state.get("rng") or []:
-            n = r.get("numpy")
-            if isinstance(n, tuple):  # (kind, keys ndarray, pos, has_gauss, cached)
-                r["numpy"] = dict(
-                    kind=str(n[0]),
-                    keys=torch.from_numpy(np.asarray(n[1]).astype(np.int64)),
-                    pos=int(n[2]),
-                    has_gauss=int(n[3]),
-                    cached_gaussian=float(n[4]),
-                )
+            if isinstance(r.get("numpy"), tuple):  # (kind, keys ndarray, pos, has_gauss, cached)
+                r["numpy"] = _plain_numpy_state(r["numpy"])
         atomic_file(path, lambda tmp: torch.save(state, tmp))
         marker = read_marker(folder)
         marker["files"][STATE_FILE] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
-        atomic_file(
-            os.path.join(folder, MARKER),
-            lambda tmp: open(tmp, "w").write(json.dumps(marker, indent=1)),  # noqa: SIM115
-        )
+        atomic_write(os.path.join(folder, MARKER), json.dumps(marker, indent=1))
         load_checkpoint(folder)  # what a resume will do: it must load now
         print(f"converted {path}: it loads with weights_only=True")
     finally:
@@ -285,21 +255,14 @@ def restore_checkpoint(
     extras: dict | None = None,
     scaler=None,
 ) -> tuple[int, dict]:
-    """Load a checkpoint (verified by resolve_run_dir) into params / optimizer / EMA
-    (common.plumbing.transitions.EMA) / fp16's loss scaler / this rank's RNG, in place. Returns
-    (iteration, the run's cumulative counts: images and NFE per phase, its clocks time/cpu_s and
-    time/elapsed_s, and the loss scaler's skips_in_a_row). A parameter whose name or shape differs
-    is one line, not a tensor-size traceback. FSDP (`params` are DTensors, `model` the sharded
-    transformer): every rank reads its own shards from trainer_state.dcp/ (a collective)."""
-    from common.plumbing.parallel import is_sharded
-
+    """Load a verified checkpoint into params, optimizer, EMA, extras, fp16's loss scaler and this
+    rank's RNG, in place; returns (iteration, counts + clocks + skips_in_a_row). FSDP (DTensor
+    `params`, `model` the sharded transformer): every rank reads its shards (a collective)."""
     state = load_checkpoint(folder)
     if not isinstance(state, dict):
         _refuse_layout(folder, state)
-    saved_as, now = (
-        ("fsdp" if "sharded_state" in state else "ddp"),
-        ("fsdp" if is_sharded(params) else "ddp"),
-    )
+    saved_as = "fsdp" if "sharded_state" in state else "ddp"
+    now = "fsdp" if is_sharded(params) else "ddp"
     if saved_as != now:
         raise ConfigError(
             f"--resume {folder} was saved with --parallel {saved_as} and this run has --parallel "
@@ -316,10 +279,15 @@ def restore_checkpoint(
     _refuse_layout(folder, state)  # (a checkpoint of another script is named as such above)
     _refuse_disagreement(folder, state)
     scaling = loss_scaling_state(folder, state)  # checked before anything is copied in
+    had_ema = ema is not None and state.get("ema") is not None
     if now == "fsdp":
-        _restore_sharded(folder, state, params, optimizer, ema, model, extras)
+        _restore_sharded(folder, state, params, optimizer, ema if had_ema else None, model, extras)
     else:
-        _restore_whole(folder, state, params, optimizer, ema, extras)
+        _restore_whole(folder, state, params, optimizer, ema if had_ema else None, extras)
+    if ema is not None and not had_ema:
+        # the EMA starts now (--resume-override of a run without one): from the resumed weights
+        for n in ema.shadow:
+            ema.shadow[n].copy_(params[n].detach())
     if scaler is not None and scaler.is_enabled() and scaling.get("scaler"):
         scaler.load_state_dict(scaling["scaler"])
     rngs = state["rng"]
@@ -328,10 +296,10 @@ def restore_checkpoint(
     except (TypeError, ValueError, KeyError, RuntimeError) as e:
         raise ConfigError(
             f"--resume {folder}: its RNG state is not one this code wrote ({e.__class__.__name__}: "
-            f"{str(e).splitlines()[0][:160] if str(e) else ''}); resume from an older checkpoint"
+            f"{_first_line(e)}); resume from an older checkpoint"
         ) from None
-    # the clocks apart from the counts: a resume replays the iterations after the checkpoint, so
-    # only the counts are reproduced exactly; checkpoints before 2026-12-03 have no clocks
+    # only the counts are reproduced exactly (a resume replays the iterations after the
+    # checkpoint); checkpoints before 2026-12-03 have no clocks
     skips = {"skips_in_a_row": int(scaling.get("skips_in_a_row", 0))}
     return state["iteration"], {**state["counts"], **state.get("clocks", {}), **skips}
 
@@ -355,61 +323,41 @@ def loss_scaling_state(folder: str, state: dict) -> dict:
     return scaling
 
 
-def _restore_whole(
-    folder: str, state: dict, params: dict, optimizer, ema, extras: dict | None = None
-) -> None:
-    """Every saved state is checked against the model before any of it is copied in, so a
-    refused checkpoint leaves the model as it was."""
-    saved = state["params"]
-    _check_tensors(folder, "trained weight", saved, params)
+def _emas(state: dict, ema, extras: dict) -> list[tuple[str, object, dict]]:
+    """(label, object, saved state) of the EMA (None: none saved) and every extra."""
+    found = [("EMA", ema, state["ema"])] if ema is not None else []
+    return found + [(k, x, state["extras"][k]) for k, x in extras.items()]
+
+
+def _restore_whole(folder: str, state: dict, params: dict, optimizer, ema, extras: dict) -> None:
+    """Everything is checked against the model before any of it is copied in, so a refused
+    checkpoint leaves the model as it was."""
+    _check_tensors(folder, "trained weight", state["params"], params)
     _check_optimizer(folder, state["optimizer"], optimizer)
-    if ema is not None and state.get("ema") is not None:
-        _check_tensors(folder, "EMA weight", state["ema"]["shadow"], ema.shadow)
-    for k, x in (extras or {}).items():
-        _check_tensors(folder, f"{k} weight", state["extras"][k]["shadow"], x.shadow)
+    for label, x, saved in _emas(state, ema, extras):
+        _check_tensors(folder, f"{label} weight", saved["shadow"], x.shadow)
     for n, p in params.items():
-        p.data.copy_(saved[n])
+        p.data.copy_(state["params"][n])
     optimizer.load_state_dict(state["optimizer"])
-    for k, x in (extras or {}).items():
-        x.load_state_dict(state["extras"][k])
-    if ema is not None:
-        if state.get("ema") is not None:
-            ema.load_state_dict(state["ema"])
-        else:
-            # the EMA starts now (--resume-override of a run without one): from the resumed weights
-            for n in ema.shadow:
-                ema.shadow[n].copy_(saved[n])
+    for _, x, saved in _emas(state, ema, extras):
+        x.load_state_dict(saved)
 
 
-def _restore_sharded(
-    folder: str, state: dict, params: dict, optimizer, ema, model, extras: dict
-) -> None:
-    """dcp.load fills the given shards in place (loading each rank's part of every saved tensor),
-    and set_state_dict hands the optimizer state back by parameter name."""
+def _restore_sharded(folder: str, state: dict, params: dict, optimizer, ema, model, extras) -> None:
+    """dcp.load fills this rank's shards in place (the layout `trainer_state` saves), and
+    set_state_dict hands the optimizer state back by parameter name."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_state_dict,
-        set_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    options = StateDictOptions(ignore_frozen_params=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    had_ema = ema is not None and state.get("ema") is not None
-    box = {
-        "model": model_sd,
-        "optimizer": optim_sd,
-        "ema": dict(ema.shadow) if had_ema else {},
-        "extras": {k: dict(x.shadow) for k, x in extras.items()},
-    }
+    box = trainer_state(params, optimizer, ema, model, extras)["sharded"]
     check_sharded_metadata(os.path.join(folder, SHARDED_DIR))
     try:
         dcp.load(box, checkpoint_id=os.path.join(folder, SHARDED_DIR))
     except Exception as e:  # noqa: BLE001 - a missing key or shape is the same fault for the user
-        first = (str(e).strip().splitlines() or [e.__class__.__name__])[0][:200]
         raise ConfigError(
-            f"--resume {folder}: its sharded trainer state does not fit this model ({first}): "
-            "resume with the model and LoRA flags it was trained with"
+            f"--resume {folder}: its sharded trainer state does not fit this model "
+            f"({_first_line(e, 200, e.__class__.__name__)}): resume with the model and LoRA flags "
+            "it was trained with"
         ) from None
     set_state_dict(
         model,
@@ -418,15 +366,8 @@ def _restore_sharded(
         optim_state_dict=box["optimizer"],
         options=StateDictOptions(ignore_frozen_params=True, strict=False),
     )
-    for k, x in extras.items():  # dcp.load filled their shadows in place
-        x.steps = state["extras"][k]["steps"]
-    if ema is not None:
-        if had_ema:
-            ema.steps = state["ema"]["steps"]
-        else:
-            # the EMA starts now (--resume-override of a run without one): from the resumed weights
-            for n, p in params.items():
-                ema.shadow[n].copy_(p.detach())
+    for _, x, saved in _emas(state, ema, extras):  # dcp.load filled their shadows in place
+        x.steps = saved["steps"]
 
 
 # torch.distributed.checkpoint reads its .metadata with plain pickle.load, which would run whatever
@@ -440,25 +381,18 @@ _DCP_GLOBALS |= {("pathlib", n) for n in ("Path", "PosixPath", "PurePosixPath")}
 def check_sharded_metadata(dcp_dir: str) -> None:
     """Every *.metadata file of a trainer_state.dcp/ folder unpickles with the allow-list above;
     anything else is refused in one line before torch.distributed.checkpoint opens it."""
-    import pickle
 
     class Restricted(pickle.Unpickler):
         def find_class(self, module, name):
-            obj = None
-            if module in _DCP_MODULES or (module, name) in _DCP_GLOBALS or module == "torch":
+            if (module, name) in _DCP_GLOBALS:
+                return super().find_class(module, name)
+            if module in _DCP_MODULES or module == "torch":
                 obj = super().find_class(module, name)
-            allowed = (
-                (module in _DCP_MODULES and isinstance(obj, type))
-                or (module, name) in _DCP_GLOBALS
-                or (module == "torch" and isinstance(obj, torch.dtype))
-            )
-            if not allowed:
-                raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
-            return obj
+                if isinstance(obj, torch.dtype if module == "torch" else type):
+                    return obj
+            raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
 
-    for name in sorted(_listdir(dcp_dir)):
-        if not name.endswith(".metadata"):
-            continue
+    for name in sorted(n for n in _listdir(dcp_dir) if n.endswith(".metadata")):
         path = os.path.join(dcp_dir, name)
         try:
             with open(path, "rb") as f:
@@ -466,8 +400,8 @@ def check_sharded_metadata(dcp_dir: str) -> None:
         except Exception as e:  # noqa: BLE001 - whatever it is, it is not loaded
             raise ConfigError(
                 f"--resume: {path} is not a torch.distributed.checkpoint metadata file "
-                f"({e.__class__.__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); it "
-                "was not loaded (unpickling it could run code): resume from an older checkpoint"
+                f"({e.__class__.__name__}: {_first_line(e)}); it was not loaded (unpickling it "
+                "could run code): resume from an older checkpoint"
             ) from None
 
 

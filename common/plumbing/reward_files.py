@@ -1,4 +1,4 @@
-"""Reward weights from local files or hub ids, each failure one line naming what was expected;
+"""Reward weights from local files or hub ids, each failure one line naming what was expected, and
 optional packages imported with their pip command. Nothing here unpickles a file: weights load with
 torch.load(weights_only=True)."""
 
@@ -14,15 +14,8 @@ import torch
 
 from common.plumbing.checks import pickled_global
 
-# reward -> (module, package, install command (torchvision pinned to torch 2.13), note)
-OPTIONAL = {
-    "hpsv2": (
-        "open_clip",
-        "open_clip_torch",
-        "pip install open_clip_torch==3.3.0 torchvision==0.28.0",
-        "",
-    ),
-}
+# reward -> (module, package, its pip install arguments (torchvision pinned to torch 2.13))
+OPTIONAL = {"hpsv2": ("open_clip", "open_clip_torch", "open_clip_torch==3.3.0 torchvision==0.28.0")}
 
 
 class RewardLoadError(ValueError):
@@ -33,7 +26,6 @@ class MissingRewardPackage(ImportError):
     """An optional package a reward needs is not installed; the message gives the pip command."""
 
 
-# ----------------------------------------------------------------------------- loading helpers
 def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
 
@@ -44,19 +36,18 @@ def _is_hub_id(path: str) -> bool:
 
 def _require(name: str):
     """Import an optional package, or fail with one line naming it and its pip command."""
-    module, package, command, note = OPTIONAL[name]
+    module, package, pins = OPTIONAL[name]
     try:
         return importlib.import_module(module)
     except ImportError as e:
         raise MissingRewardPackage(
             f"{name}: needs the optional package '{package}' ({_first_line(e)}); install it "
-            f"with `{command}` (see requirements-optional.txt){note}"
+            f"with `pip install {pins}` (see requirements-optional.txt)"
         ) from None
 
 
 def _find_file(name: str, path: str, filename: str, hint: str) -> str:
-    """`path` is the file itself, a folder holding `filename`, or a hub repo id (fetched to the HF
-    cache)."""
+    """`path` is the file, a folder holding `filename`, or a hub repo id (fetched to the HF cache)."""
     if os.path.isfile(path):
         return path
     if os.path.isdir(path):
@@ -89,18 +80,14 @@ def _from_pretrained(name: str, cls, path: str, hint: str):
 
 
 def _torch_load(path: str, name: str):
-    """A reward's weight file, loaded without running anything (weights_only=True: tensors and
-    plain values only). A file that needs pickle is refused, never loaded: unpickling a file
-    someone else made can run code."""
+    """A reward's weight file, tensors and plain values only (weights_only=True). A file that needs
+    pickle is refused, never loaded: unpickling a file someone else made can run code."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if pickled_global(e) is not None:
+    # UnpicklingError: it needs pickle, or is malformed; the rest: a truncated or corrupt file
+    except (pickle.UnpicklingError, OSError, RuntimeError, EOFError, ValueError) as e:
+        if isinstance(e, pickle.UnpicklingError) and pickled_global(e) is not None:
             raise RewardLoadError(_needs_pickle(name, path)) from None
-        raise RewardLoadError(
-            f"{name}: '{path}' is not a weight file torch can read ({_first_line(e)})"
-        ) from None
-    except (OSError, RuntimeError, EOFError, ValueError) as e:  # a truncated or corrupt file
         raise RewardLoadError(
             f"{name}: '{path}' is not a weight file torch can read ({_first_line(e)})"
         ) from None
@@ -137,12 +124,9 @@ _BLIP_VIT_RENAMES = (
 
 
 def _imagereward_state_dicts(state: dict) -> dict[str, dict]:
-    """The package's ImageReward.pt (one flat state dict) -> {"vision", "text", "mlp"} state dicts
-    in the names of BlipVisionModel, BlipTextModel and AestheticMLP. blip.visual_encoder.* is
-    renamed by _BLIP_VIT_RENAMES; blip.text_encoder.* is BLIP's med.py BERT, whose names
-    BlipTextModel kept (its position_ids buffer is dropped: transformers rebuilds it); mlp.* is
-    already nn.Sequential `layers.N`. Other keys (blip.vision_proj, blip.text_proj: BLIP's
-    contrastive heads) are not used for the score and are dropped."""
+    """ImageReward.pt's flat state dict -> the "vision", "text" and "mlp" state dicts of
+    BlipVisionModel (renamed by _BLIP_VIT_RENAMES), BlipTextModel (BLIP's med.py BERT, whose names
+    it kept; position_ids is rebuilt) and AestheticMLP. BLIP's contrastive heads are dropped."""
     out: dict[str, dict] = {"vision": {}, "text": {}, "mlp": {}}
     for key, value in state.items():
         part, _, rest = key.partition(".")
@@ -163,16 +147,13 @@ def _imagereward_state_dicts(state: dict) -> dict[str, dict]:
 
 
 def _blip_configs(vit: dict, med: dict):
-    """BlipVisionConfig from the ViT's weights (ImageReward-v1.0: ViT-L/16 at 224 px, 24 blocks 1024
-    wide; BLIP's ViTs have 64-wide heads and timm's LayerNorm eps 1e-6) and BlipTextConfig from
-    med_config.json (its BERT, with cross-attention from every layer to the image tokens, as BLIP's
-    med.py in 'multimodal' mode)."""
+    """BlipVisionConfig from the ViT's weights (BLIP's ViTs: 64-wide heads, timm's LayerNorm eps
+    1e-6) and BlipTextConfig from med_config.json (cross-attention from every layer to the image
+    tokens, as BLIP's med.py in 'multimodal' mode)."""
     from transformers import BlipTextConfig, BlipVisionConfig
 
-    width, patch = (
-        vit["embeddings.class_embedding"].shape[-1],
-        vit["embeddings.patch_embedding.weight"].shape[-1],
-    )
+    width = vit["embeddings.class_embedding"].shape[-1]
+    patch = vit["embeddings.patch_embedding.weight"].shape[-1]
     vision = BlipVisionConfig(
         hidden_size=width,
         intermediate_size=vit["encoder.layers.0.mlp.fc1.weight"].shape[0],
@@ -182,21 +163,14 @@ def _blip_configs(vit: dict, med: dict):
         layer_norm_eps=1e-6,
         image_size=math.isqrt(vit["embeddings.position_embedding"].shape[1] - 1) * patch,
     )
-    # is_decoder: build the cross-attention layers
+    required = "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads"
+    optional = {"hidden_act": "gelu", "layer_norm_eps": 1e-12, "pad_token_id": 0}
     text = BlipTextConfig(
-        vocab_size=med["vocab_size"],
-        hidden_size=med["hidden_size"],
-        intermediate_size=med["intermediate_size"],
-        num_hidden_layers=med["num_hidden_layers"],
-        num_attention_heads=med["num_attention_heads"],
-        max_position_embeddings=med["max_position_embeddings"],
-        hidden_act=med.get("hidden_act", "gelu"),
-        layer_norm_eps=med.get("layer_norm_eps", 1e-12),
-        pad_token_id=med.get("pad_token_id", 0),
-        bos_token_id=None,
-        eos_token_id=None,
-        sep_token_id=None,  # unused here; BLIP's defaults overflow tiny vocabs
+        **{k: med[k] for k in (*required.split(), "max_position_embeddings")},
+        **{k: med.get(k, default) for k, default in optional.items()},
+        # unused here; BLIP's defaults overflow tiny vocabs
+        **dict.fromkeys(("bos_token_id", "eos_token_id", "sep_token_id")),
         encoder_hidden_size=width,
-        is_decoder=True,
+        is_decoder=True,  # build the cross-attention layers
     )
     return vision, text

@@ -1,35 +1,21 @@
 """The reward flags: their spelling, what can be checked before any model loads, and the RewardModel
 they build (common/rewards.py has the rewards themselves).
-Reward registry: every reward the papers train or evaluate with, behind one flag.
 
     --reward pickscore                         one reward
-    --reward "pickscore:1.0,clipscore:0.5"     a weighted mix (weights multiply the scores below)
-    --reward-mix score | advantage             Flow-GRPO mixes raw scores: A = norm(scores @ w);
-                                               G²RPO normalises each reward and sums:
-                                               A = norm(s_k) @ w
+    --reward "pickscore:1.0,clipscore:0.5"     a weighted mix (weights multiply the scores)
+    --reward-mix score | advantage             Flow-GRPO: A = norm(scores @ w); G²RPO: A = norm(s_k) @ w
     --guard-rewards "pickscore,aesthetic"      same registry, logged beside the target at evaluation
     --reward-model-paths "pickscore=/ckpt/PickScore_v1,aesthetic=/ckpt/aesthetic"
     --reward "toyworld,remote:geneval@http://127.0.0.1:8000:0.5"   a reward scored by a server
-                                               (common/plumbing/remote_reward.py, docs/usage.md)
 
-Weights (--reward-model-paths KEY=PATH; PATH is a local folder/file or a hub id, default in
-DEFAULT_PATHS):
-- pickscore, clipscore: a transformers CLIP checkpoint folder; its processor (tokenizer +
-  preprocessor_config.json) comes from `<name>_processor`, else the checkpoint folder if it holds
-  one, else laion/CLIP-ViT-H-14-laion2B-s32B-b79K (pickscore) or the checkpoint itself (clipscore).
-- aesthetic: a folder holding `sac+logos+ava1-l14-linearMSE.pth` and, optionally, the CLIP ViT-L/14
-  checkpoint; else that CLIP comes from `aesthetic_clip` (default openai/clip-vit-large-patch14).
-- hpsv2: `HPS_v2.1_compressed.pt`, a folder holding it, or the hub repo xswu/HPSv2.
-- imagereward: a folder holding `ImageReward.pt` + `med_config.json` (hub repo THUDM/ImageReward;
-  `ImageReward.load("ImageReward-v1.0")` puts them in ~/.cache/ImageReward), scored with
-  transformers' BLIP classes (no `image-reward` package); its tokenizer (bert-base-uncased) comes
-  from `imagereward_tokenizer`, else the ImageReward folder if it holds a vocab.txt, else the hub id
-  bert-base-uncased.
-
-A remote reward (`remote:NAME@URL`) mixes, weighs, guards and evaluates like any other; it scores
-the 8-bit image ((x * 255).round()), which changes nothing for the rewards that quantise first
-(toyworld, jpeg_*). `RewardModel.submit` starts it on a batch in the background, so the scripts
-sample their next rollout batch while the server scores this one (`gather` waits for the scores).
+Weights (--reward-model-paths KEY=PATH, PATH a local folder or file or a hub id; defaults in
+DEFAULT_PATHS): pickscore, clipscore: a transformers CLIP folder, its processor from <name>_processor,
+else that folder, else a hub default; aesthetic: a folder holding sac+logos+ava1-l14-linearMSE.pth,
+its CLIP from aesthetic_clip, else that folder, else openai/clip-vit-large-patch14; hpsv2:
+HPS_v2.1_compressed.pt, its folder, or xswu/HPSv2; imagereward: a folder holding ImageReward.pt and
+med_config.json (THUDM/ImageReward), scored with transformers' BLIP classes, its tokenizer from
+imagereward_tokenizer, else that folder, else bert-base-uncased. A remote reward (remote_reward.py)
+mixes, weighs, guards and evaluates like any other, scoring the 8-bit image ((x * 255).round()).
 """
 
 from __future__ import annotations
@@ -44,25 +30,14 @@ from common.plumbing.remote_reward import RemoteReward, is_remote, load_metadata
 from common.plumbing.reward_files import OPTIONAL, _require
 from common.rewards import DEFAULT_PATHS, LOADERS, RewardModel
 
-# every in-process reward, by its --reward name
-REWARD_NAMES: tuple[str, ...] = tuple(LOADERS)
+REWARD_NAMES: tuple[str, ...] = tuple(LOADERS)  # every in-process reward, by its --reward name
 _CACHE: dict[tuple, object] = {}
-
-
-PATH_KEYS = (
-    "aesthetic",
-    "aesthetic_clip",
-    "pickscore",
-    "pickscore_processor",
-    "clipscore",
-    "clipscore_processor",
-    "hpsv2",
-    "imagereward",
-    "imagereward_tokenizer",
+PATH_KEYS = tuple(
+    "aesthetic aesthetic_clip pickscore pickscore_processor clipscore clipscore_processor hpsv2 "
+    "imagereward imagereward_tokenizer".split()
 )
 
 
-# ----------------------------------------------------------------------------- parsing
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     """'pickscore:1.0,clipscore:0.5' or 'pickscore' (weight 1) -> [(name, weight), ...]; a remote
     reward's name is its item without the weight ('remote:geneval@http://h:8000'). No imports."""
@@ -134,10 +109,9 @@ def check_rewards(
     spec: str, guard_spec: str, model_paths: str, prompt_files: dict[str, list[str]]
 ) -> None:
     """All that can be checked about the rewards before any model loads, as one line (ConfigError):
-    both specs and their weights, the --reward-model-paths keys, the optional packages, that every
-    reward server answers (and has the metadata of every prompt, if it is given some), and every
-    prompt a toy-world reward will score (it scores only prompts of its grammar). prompt_files:
-    {flag: its prompts}."""
+    the specs, the path keys, the optional packages, that each reward server answers (with every
+    prompt's metadata, if given some), and that a toy-world reward can parse every prompt of
+    prompt_files ({flag: its prompts})."""
     from common.plumbing.checks import ConfigError
 
     try:
@@ -176,16 +150,14 @@ def check_rewards(
 def load_rewards(
     spec: str, guard_spec: str, model_paths: str, device
 ) -> tuple[RewardModel, RewardModel | None]:
-    """The target reward and the guard rewards (None without --guard-rewards), each a RewardModel; a
-    weight file that is missing or unreadable is one line (ConfigError). The scripts load them
-    before the backbone, so that such a mistake costs seconds, not a model load."""
+    """The target and guard rewards (None without --guard-rewards); a weight file that is missing or
+    unreadable is one line (ConfigError), costing seconds, not a backbone load."""
     from common.plumbing.checks import ConfigError
 
     try:
         paths = parse_model_paths(model_paths)
-        return build_reward(spec, device, paths), build_reward(
-            guard_spec, device, paths
-        ) if guard_spec else None
+        target = build_reward(spec, device, paths)
+        return target, build_reward(guard_spec, device, paths) if guard_spec else None
     except (ValueError, ImportError) as e:
         raise ConfigError(str(e)) from None
 

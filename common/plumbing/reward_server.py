@@ -1,41 +1,19 @@
-"""Serve rewards over HTTP for `--reward remote:NAME@http://HOST:PORT`
-(common/plumbing/remote_reward.py).
+"""Serve rewards over HTTP for `--reward remote:NAME@http://HOST:PORT` (remote_reward.py;
+docs/usage.md, "Serving a scorer").
 
     python -m common.plumbing.reward_server --reward toyworld --port 8000         the toy scorer (default)
-    python -m common.plumbing.reward_server --reward "pickscore,aesthetic" --device cuda --port 8000 \\
-        --reward-model-paths pickscore=/models/PickScore_v1              any registry reward
+    python -m common.plumbing.reward_server --reward "pickscore,aesthetic" --device cuda --port 8000
     python -m common.plumbing.reward_server --scorer ocr=my_scorers:ocr --port 8001   any scorer, wrapped
 
-A scorer is `fn(images, prompts, metadata) -> one float per image`: images a list of RGB PIL
-images, prompts a list of strings, metadata a list of what the client sent for each prompt (a dict
-or None). `--scorer NAME=MODULE:FACTORY` imports MODULE and calls FACTORY() once, at start (load the
-models there), for the scorer: FACTORY must be a function defined in MODULE that takes no argument
-(not a builtin, a class or a name MODULE imported); `serve({"ocr": fn}, port=8001)` does the same
-from Python. A registry reward is served under its own name and scores the 8-bit image as the
-training scripts send it.
+A scorer is `fn(images, prompts, metadata) -> one float per image` (RGB PIL images, strings, and
+what the client sent per prompt: a dict or None); FACTORY of --scorer is called once at start. The
+protocol, "flow-rl-reward/1": GET /health -> {"protocol", "scorers"}; POST /score {"scorer",
+"images" (base64 PNG or JPEG), "prompts", "metadata"} -> {"scores"}, or a 4xx/5xx {"error"}.
 
-The wire format, "flow-rl-reward/1": JSON both ways, images in base64, nothing in it that can run
-code on either side.
-
-    GET  /health -> 200 {"protocol": "flow-rl-reward/1", "scorers": ["toyworld", ...]}
-    POST /score  {"scorer": "toyworld", "images": ["<base64 PNG or JPEG>", ...],
-                  "prompts": ["...", ...], "metadata": [{...} or null, ...]}  (metadata optional)
-              -> 200 {"scores": [float, ...]}   one per image, in order
-              -> 4xx or 5xx {"error": "one line"}   (any other method or path too)
-
-What a request may hold is bounded before it is decoded, so that no request under the limits can
-take more memory or time than they allow: its body at most --max-request-mb (a Content-Length is
-required: 411 without one, 413 over the limit, its body unread), read within --read-timeout seconds
-of the connection (and of the request's turn), JSON of at most MAX_JSON_VALUES values nested at most
-MAX_JSON_DEPTH deep, at most MAX_REQUEST_IMAGES images, each PNG or JPEG of at most
-MAX_IMAGE_PIXELS pixels and all together at most --max-request-pixels, checked from each image's
-header before its pixels are decoded (413). One request is read, decoded and scored at a time (a
-model is not shared between threads, and so at most one request's pixels are held); other
-connections wait for their turn with their bodies unread.
-
-Only the standard library and Pillow are imported at start (torch and the registry only for
---reward), so the module runs in a scorer's own environment, from a checkout of this repository:
-`/envs/geneval/bin/python -m common.plumbing.reward_server --scorer geneval=my_scorers:geneval`.
+A request is bounded before it is decoded (its bytes, its arrival time, its JSON values and depth,
+its images' count and pixels, read from their headers), and one is scored at a time, the others
+waiting unread. Only the standard library and Pillow are imported at start (torch only for
+--reward), so the server runs in a scorer's own environment.
 """
 
 from __future__ import annotations
@@ -58,25 +36,22 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from PIL import Image
 
 from common.plumbing.checks import kind_of, parse_json
-from common.plumbing.wire import PROTOCOL, Watchdog
+from common.plumbing.safe_decode import PROTOCOL, Watchdog
 
 MAX_REQUEST_MB = 256  # 64 PNGs of 1024 px in base64 are ~150 MB
-# a request body is held whole in memory: a limit past this is a typo
-MAX_REQUEST_MB_LIMIT = 4096
+MAX_REQUEST_MB_LIMIT = 4096  # a request body is held whole in memory: past this is a typo
 READ_TIMEOUT_S = 60.0  # to send a request (its line, headers and body): 256 MB at 5 MB/s
 MAX_REQUEST_IMAGES = 256  # 4 times a client's batch (64, flow_grpo's)
 MAX_IMAGE_PIXELS = 2**24  # 4096 x 4096
 MAX_REQUEST_PIXELS = 2**26  # 64 images of 1024 x 1024: the client's batch at SD3.5's resolution
-# A request's JSON holds about ten values per image (its image, prompt and metadata): a hundred
-# thousand is far above any request, and bounds the objects json.loads builds (~100 bytes each)
+# about ten values per image: far above any request, and it bounds the objects json.loads builds
 MAX_JSON_VALUES = 100_000
 SCORER_NAME = re.compile(r"[\w.-]+")  # what a client can spell in remote:NAME@URL
 
 
 def registry_scorer(name: str, device: str = "cpu", model_paths: str = ""):
-    """A registry reward (common/rewards.py) as a scorer: the 8-bit images (3 bytes a pixel, held
-    once), as floats in [0, 1] a batch of the model's batch size at a time (a whole request in
-    floats would take 12 bytes a pixel)."""
+    """A registry reward (common/rewards.py) as a scorer. The 8-bit images are held once and turned
+    into floats one model batch at a time (a whole request in floats takes 12 bytes a pixel)."""
     import numpy as np
     import torch
 
@@ -103,9 +78,9 @@ def registry_scorer(name: str, device: str = "cpu", model_paths: str = ""):
 
 
 def load_scorer(target: str):
-    """'MODULE:FACTORY' -> FACTORY(), which must be a scorer (callable). FACTORY must be a function
-    defined in MODULE that takes no argument; anything else (a builtin such as os:system, a class,
-    a name MODULE imported) is a ValueError of one line, before it is called."""
+    """'MODULE:FACTORY' -> FACTORY(), a callable. FACTORY must be a function defined in MODULE that
+    takes no argument; anything else (a builtin such as os:system, a class, a name MODULE imported)
+    is a one-line ValueError before it is called."""
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
         raise ValueError(f"bad scorer '{target}': expected MODULE:FACTORY, e.g. my_scorers:ocr")
@@ -152,9 +127,8 @@ class _Refused(Exception):
 
 
 def _decode_images(texts: list, max_pixels: int) -> list:
-    """The RGB images of a request, each size read from its header before its pixels are decoded:
-    an image over MAX_IMAGE_PIXELS, or all of them together over `max_pixels`, is refused (413)
-    with nothing of it decoded."""
+    """The RGB images of a request; each size is read from its header first, so an image over
+    MAX_IMAGE_PIXELS, or all together over `max_pixels`, is refused (413) before it is decoded."""
     out, total = [], 0
     for i, text in enumerate(texts):
         try:
@@ -184,8 +158,7 @@ def _decode_images(texts: list, max_pixels: int) -> list:
 
 
 def _parse(body: bytes, scorers: dict) -> tuple:
-    """(scorer name, images as base64 strings, prompts, metadata) of a /score request, every field
-    of its type, or _Refused."""
+    """(scorer name, base64 images, prompts, metadata) of a /score request, or _Refused."""
     values = body.count(b",") + body.count(b"[") + body.count(b"{")  # at least the values - 1
     if values > MAX_JSON_VALUES:
         raise _Refused(
@@ -229,15 +202,14 @@ def make_server(
     read_timeout: float = READ_TIMEOUT_S,
     max_request_pixels: int = MAX_REQUEST_PIXELS,
 ) -> ThreadingHTTPServer:
-    """An HTTP server (bound, not yet serving) for `scorers` ({name: fn}); port 0 picks a free one.
-    `scorers` is read at each request, so it may be filled after this returns."""
+    """An HTTP server (bound, not yet serving; port 0: a free one) for `scorers` ({name: fn}), which
+    is read at each request, so it may be filled after this returns."""
     lock = threading.Lock()  # one request read, decoded and scored at a time
     limit = int(max_request_mb * 2**20)
 
     class Handler(BaseHTTPRequestHandler):
-        # each read and write of the connection; longer than the watchdog's deadline, so a request
-        # that stops coming is cut by the watchdog, which answers 408, and not by a read's timeout,
-        # which http.server ends without an answer
+        # each read and write; longer than the watchdog's deadline, so a request that stops coming
+        # is cut by the watchdog, which answers 408, not by a read's timeout, which answers nothing
         timeout = read_timeout + 5
 
         def setup(self):
@@ -265,21 +237,23 @@ def make_server(
             if self.command != "HEAD":
                 self.wfile.write(body)
 
-        def _late(self) -> bool:
-            """The request line and headers are in, or were cut at the read timeout (True)."""
-            self.watchdog.cancel()
-            return self.watchdog.fired
+        def _refuse(self, status: int, message: str) -> None:
+            self.log_message("refused (%d): %s", status, message)
+            self._reply(status, {"error": message})
 
-        def _too_slow(self) -> None:
-            message = f"the request did not arrive within {read_timeout:g} s (--read-timeout)"
-            self.log_message("refused (408): %s", message)
-            self._reply(408, {"error": message})
+        def _late(self) -> bool:
+            """True, after answering 408, when the watchdog cut the request line or headers."""
+            self.watchdog.cancel()
+            if self.watchdog.fired:
+                message = f"the request did not arrive within {read_timeout:g} s (--read-timeout)"
+                self._refuse(408, message)
+            return self.watchdog.fired
 
         def send_error(self, code, message=None, explain=None):
             """http.server's own refusals (a malformed request line, too long a header, a method
             with no do_ handler), as the documented JSON error instead of an HTML page."""
             if self._late():
-                return self._too_slow()
+                return
             if code == 501:  # a method this server has no handler for
                 code, message = 405, f"no {str(self.command)[:40]} here"
             text = message or self.responses.get(code, ("error",))[0]
@@ -288,7 +262,7 @@ def make_server(
 
         def do_GET(self):
             if self._late():
-                return self._too_slow()
+                return
             if self.path.rstrip("/") == "/health":
                 self._reply(200, {"protocol": PROTOCOL, "scorers": list(scorers)})
             else:
@@ -297,8 +271,8 @@ def make_server(
                 )
 
         def _content_length(self) -> int:
-            """The body's size, from one Content-Length of digits at most the limit, or _Refused
-            (a negative one would read to the end of the connection, past the limit)."""
+            """The body's size: one Content-Length of digits, at most the limit (a negative one
+            would read to the end of the connection), or _Refused."""
             if self.headers.get("Transfer-Encoding") is not None:
                 raise _Refused(411, "a chunked request is not read: send it with a Content-Length")
             given = self.headers.get_all("Content-Length") or []
@@ -318,7 +292,7 @@ def make_server(
 
         def do_POST(self):
             if self._late():
-                return self._too_slow()
+                return
             try:
                 if self.path.rstrip("/") != "/score":
                     raise _Refused(404, f"no {self.path[:200]} here: POST /score")
@@ -356,9 +330,7 @@ def make_server(
                 self.log_message("%s: %d images in %.3f s", name, len(images), seconds)
                 self._reply(200, {"scores": scores})
             except _Refused as e:
-                status, message = e.args
-                self.log_message("refused (%d): %s", status, message)
-                self._reply(status, {"error": message})
+                self._refuse(*e.args)
 
     server = ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True
@@ -366,9 +338,8 @@ def make_server(
 
 
 def serve(scorers: dict, host: str = "127.0.0.1", port: int = 8000, **limits) -> None:
-    """Serve `scorers` ({name: fn(images, prompts, metadata) -> scores}) until interrupted. The
-    first line on stdout gives the URL (with port 0, the port picked). `limits`: make_server's
-    max_request_mb, read_timeout and max_request_pixels."""
+    """Serve `scorers` ({name: fn(images, prompts, metadata) -> scores}) until interrupted, the URL
+    first on stdout. `limits`: make_server's max_request_mb, read_timeout, max_request_pixels."""
     _serve_forever(make_server(scorers, host, port, **limits), scorers, host)
 
 
@@ -401,17 +372,21 @@ LIMITS = {
 }
 
 
-def _check_limits(a) -> None:
+def _bind(a, scorers: dict) -> ThreadingHTTPServer:
+    """The server of --host and --port, its flags checked, or one line saying why it cannot be."""
     for name, (lo, hi, what) in LIMITS.items():
         value = getattr(a, name)
         if not (math.isfinite(value) and lo <= value <= hi):
             raise SystemExit(
                 f"error: --{name.replace('_', '-')} {value}: must be in [{lo:g}, {hi:g}] ({what})"
             )
-
-
-def _bind(a, scorers: dict) -> ThreadingHTTPServer:
-    """The server bound to --host and --port, or one line saying why it cannot be."""
+    for item in a.scorer:
+        name, eq, target = item.partition("=")
+        if not eq or not SCORER_NAME.fullmatch(name) or not target:
+            raise SystemExit(
+                f"error: --scorer {item}: expected NAME=MODULE:FACTORY, NAME of letters, digits, "
+                "'_', '.' and '-' (as a client spells remote:NAME@URL)"
+            )
     try:
         return make_server(
             scorers, a.host, a.port, a.max_request_mb, a.read_timeout, a.max_request_pixels
@@ -456,14 +431,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S, help="seconds")
     p.add_argument("--max-request-pixels", type=int, default=MAX_REQUEST_PIXELS)
     a = p.parse_args(argv)
-    _check_limits(a)
-    for item in a.scorer:
-        name, eq, target = item.partition("=")
-        if not eq or not SCORER_NAME.fullmatch(name) or not target:
-            raise SystemExit(
-                f"error: --scorer {item}: expected NAME=MODULE:FACTORY, NAME of letters, digits, "
-                "'_', '.' and '-' (as a client spells remote:NAME@URL)"
-            )
     scorers: dict = {}  # filled after the port is bound: a busy port is one line in a blink
     server = _bind(a, scorers)
     try:

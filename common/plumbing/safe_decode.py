@@ -1,8 +1,6 @@
-"""Decoding what a reward server sends, in bounded time and memory: a flow_grpo-format pickle is
-scanned opcode by opcode before anything is built (only the opcodes of plain data: dicts, lists,
-strings, numbers, booleans, None; no global is ever looked up), the decoded value is walked once per
-container to a bounded depth, and the scores are checked to be finite numbers, one per image. Each
-refusal is a ValueError whose text names what was sent."""
+"""What the reward client (remote_reward.py) and server (reward_server.py) share: the protocol's
+name, the socket watchdog, and decoding replies in time and memory bounded by their bytes. Each
+refusal is a ValueError naming what was sent. Standard library only: the server runs without torch."""
 
 from __future__ import annotations
 
@@ -11,13 +9,14 @@ import json
 import math
 import pickle
 import pickletools
+import threading
 
 from common.plumbing.checks import MAX_JSON_DEPTH
 
+PROTOCOL = "flow-rl-reward/1"
 PLAIN_TYPES = (dict, list, str, int, float, bool, type(None))
-# The pickle opcodes that build plain data, all that Python's pickler writes for dicts, lists,
-# strings, numbers, booleans and None in protocols 0-5 (pickletools names them); any other opcode
-# builds something else (a tuple, bytes, a set) or calls something (GLOBAL, REDUCE, ...).
+# The opcodes Python's pickler writes for dicts, lists, strings, numbers, booleans and None in
+# protocols 0-5; any other opcode builds something else (a tuple, bytes, a set) or calls something.
 PLAIN_OPCODES = frozenset(
     "PROTO FRAME STOP MARK EMPTY_DICT DICT EMPTY_LIST LIST APPEND APPENDS SETITEM SETITEMS "
     "NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 LONG LONG1 LONG4 FLOAT BINFLOAT "
@@ -32,20 +31,42 @@ _BUILDS = {  # what the other opcodes that build data build, for the refusal
 }
 
 
+class Watchdog:
+    """Shuts a socket down (`how`: socket.SHUT_RD or SHUT_RDWR) `seconds` from now unless cancelled,
+    so a read or write blocked on it returns however slowly the other side trickles its bytes (a
+    socket timeout bounds each read, not their sum). `sock`: the socket, or a function returning it."""
+
+    def __init__(self, seconds: float, sock, how: int):
+        self.fired = False
+        self._sock, self._how = sock, how
+        self._timer = threading.Timer(max(0.0, seconds), self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        self.fired = True
+        sock = self._sock() if callable(self._sock) else self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(self._how)
+            except OSError:  # already closed
+                pass
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
 class _NoGlobals(pickle.Unpickler):
-    """Resolves no global: a pickle can then build only what its opcodes make by themselves (dicts,
-    lists, strings, numbers, ...); every class or function, the way a pickle runs code, is refused.
-    The Python docs' "Restricting Globals", with nothing allowed."""
+    """Resolves no global, so no class or function (the way a pickle runs code) can be built."""
 
     def find_class(self, module, name):
         raise pickle.UnpicklingError(f"it needs the global '{module}.{name}'")
 
 
 def _scan_pickle(data: bytes) -> None:
-    """Every opcode of a pickle, read without building anything (pickletools.genops): only those of
-    plain data (PLAIN_OPCODES), and memo indices below the pickle's length, else UnpicklingError
-    naming what it would build. (The C unpickler sizes its memo by the largest index it is given:
-    a 9-byte pickle naming index 10**8 makes it take 1.5 GB.)"""
+    """Reads every opcode without building anything: only PLAIN_OPCODES, and memo indices below the
+    pickle's length (the C unpickler sizes its memo by the largest index: a 9-byte pickle naming
+    index 10**8 takes 1.5 GB), else UnpicklingError naming what it would build."""
     texts: list[str] = []  # the last strings pushed: what STACK_GLOBAL names
     for op, arg, pos in pickletools.genops(data):
         name = op.name
@@ -68,10 +89,8 @@ def _scan_pickle(data: bytes) -> None:
 
 
 def safe_unpickle(data: bytes):
-    """The plain value a pickle holds (dict, list, str, int, float, bool, None, nested at most
-    MAX_JSON_DEPTH deep), or ValueError naming what else it holds. Nothing in it is called, and
-    decoding takes time and memory in proportion to its bytes: its opcodes are checked before
-    anything is built."""
+    """The plain value a pickle holds (nested at most MAX_JSON_DEPTH deep), or ValueError naming what
+    else it holds; its opcodes are checked before anything is built, and nothing is called."""
     try:
         _scan_pickle(data)
         value = _NoGlobals(io.BytesIO(data)).load()
@@ -84,10 +103,8 @@ def safe_unpickle(data: bytes):
 
 
 def plain_problem(value) -> str | None:
-    """What keeps a decoded reply from being plain data (None: nothing): a type other than dict,
-    list, str, int, float, bool or None, or nesting deeper than MAX_JSON_DEPTH. Each list and dict
-    is visited once, so a reply whose lists contain themselves, or share one list down many
-    levels, is walked in time proportional to its bytes."""
+    """What keeps a decoded value from being plain data nested at most MAX_JSON_DEPTH deep (None:
+    nothing). Each container is visited once, so self-containing or shared lists take linear time."""
     seen: set[int] = set()
     todo = [(value, 1)]
     while todo:
@@ -104,9 +121,33 @@ def plain_problem(value) -> str | None:
     return None
 
 
+def decode_reply(reply: bytes, wire: str):
+    """A reply's plain value ("json" or flow_grpo's pickle), or ValueError naming what it is instead."""
+    if wire == "flowgrpo":
+        try:
+            return safe_unpickle(reply)
+        except ValueError as e:
+            raise ValueError(
+                f"a pickle that was refused: {e}; only dict, list, str, int, float, bool and "
+                "None are accepted, since anything else could run code on loading (a server "
+                "that sends numpy numbers: have it send .tolist())"
+            ) from None
+    try:
+        value = json.loads(reply)
+    except ValueError:
+        raise ValueError(f"a reply that is not JSON ({_excerpt(reply)})") from None
+    except RecursionError:
+        value, problem = None, "it nests deeper than Python's parser goes"
+    else:
+        problem = plain_problem(value)
+    if problem:
+        raise ValueError(f"a JSON reply that {problem[3:]} ({_excerpt(reply)})")
+    return value
+
+
 def show(x) -> str:
-    """A decoded value in a few words, whatever it is: a reply's content in a message (a repr of
-    a list that shares itself down 60 levels would never end, str of a 5000-digit int raises)."""
+    """A decoded value in a few words, whatever it is (a repr of a list that shares itself down 60
+    levels would never end, str of a 5000-digit int raises)."""
     if isinstance(x, (dict, list)):
         return f"a {type(x).__name__} of {len(x)}"
     if isinstance(x, int) and not isinstance(x, bool) and x.bit_length() > 64:

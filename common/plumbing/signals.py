@@ -1,55 +1,45 @@
-"""SIGINT and SIGTERM stop a run with one line: during the set-up (stop_on_signals_in_setup, which
-decorates it) and during training (Run.stop_on_signals); the line names what exists to go on from.
-Also where this process's run folder is recorded once the set-up knows it (the one-line stops name
-its checkpoints)."""
+"""SIGINT and SIGTERM stop a run with one line naming what exists to go on from: during the set-up
+(stop_on_signals_in_setup) and during training (stop_training_on_signals, via Run.stop_on_signals).
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
+import threading
 
 from common.plumbing.checkpoint import continue_hint
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # the handlers the process had before the set-up installed its own (Run.finish puts them back)
 _before_setup: dict = {}
-# where the set-up stands, for the line a signal prints: the run folder once it is known, and the
-# signal that stopped it (a library that swallows the SystemExit does not make the run go on)
+# the run folder once the set-up knows it, and the signal that stopped the set-up (a library that
+# swallows the SystemExit does not make the run go on: setup_reached raises it again)
 _setup_state: dict = {"run_dir": None, "signal": None}
 
 
 def stop_by_signal(signum: int, when: str, hint, show: bool) -> None:
-    """The one line a signal stops the process with (rank 0 prints it; `hint()` names what exists
-    to go on from), and exit code 128 + the signal."""
+    """Exit with code 128 + the signal; if `show` (rank 0), first the one line (`hint()`: what
+    exists to go on from)."""
     if show:
-        print(
-            f"stopped by {signal.Signals(signum).name} {when}; {hint()}",
-            file=sys.stderr,
-            flush=True,
-        )
+        name = signal.Signals(signum).name
+        print(f"stopped by {name} {when}; {hint()}", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 
 
 def stop_on_signals_in_setup(setup):
-    """Decorates the set-up: SIGINT and SIGTERM from its first line (checks, reward and model loads)
-    stop the process with one line and exit code 128 + the signal, as they do during training
-    (where `Run.stop_on_signals` takes over). A second signal while the first unwinds leaves at
-    once. A set-up that stops (bad input, a signal) puts the previous handlers back, for a process
-    that goes on (a test runner, a notebook)."""
-    import functools
-    import threading
+    """Decorates the set-up: from its first line, SIGINT and SIGTERM stop the process with one line
+    and exit code 128 + the signal; a second signal while the first unwinds leaves at once. A set-up
+    that stops puts the previous handlers back, for a process that goes on (a test runner)."""
 
     def stop(signum, frame):
         if _setup_state["signal"] is not None:
             os._exit(128 + signum)
         _setup_state["signal"] = signum
-        stop_by_signal(
-            signum,
-            "during the set-up, before training started",
-            _setup_hint,
-            int(os.environ.get("RANK", "0")) == 0,
-        )
+        show = int(os.environ.get("RANK", "0")) == 0
+        stop_by_signal(signum, "during the set-up, before training started", _setup_hint, show)
 
     @functools.wraps(setup)
     def guarded(*args, **kwargs):
@@ -70,8 +60,7 @@ def stop_on_signals_in_setup(setup):
 
 
 def setup_reached(run_dir: str) -> None:
-    """The set-up knows its run folder (a signal's line names it), and has not been stopped: a
-    stop whose SystemExit some library caught is raised again here."""
+    """The set-up knows its run folder; a stop whose SystemExit some library caught is raised again."""
     _setup_state["run_dir"] = run_dir
     if _setup_state["signal"] is not None:
         raise SystemExit(128 + _setup_state["signal"])
@@ -87,18 +76,13 @@ def _setup_hint() -> str:
 
 
 def stop_training_on_signals(run) -> dict:
-    """From the training loop on (Run.stop_on_signals), SIGINT (Ctrl-C) and SIGTERM stop the run with
-    one line: the iteration reached, the last complete checkpoint and the command that continues. A
-    write in progress is abandoned whole (every write goes to a temporary name first). Returns the
-    handlers the process had before its set-up, which `Run.finish` puts back."""
+    """From the training loop on, SIGINT and SIGTERM stop the run with one line: the iteration, the
+    last complete checkpoint and the command that continues (a write in progress, to a temporary
+    name, is abandoned). Returns the handlers from before the set-up, for Run.finish."""
 
     def stop(signum, frame):
-        stop_by_signal(
-            signum, f"at iteration {run.iteration}", lambda: continue_hint(run.dir), run.is_main
-        )
+        hint = functools.partial(continue_hint, run.dir)
+        stop_by_signal(signum, f"at iteration {run.iteration}", hint, run.is_main)
 
-    handlers = {}
-    for sig in SIGNALS:
-        previous = signal.signal(sig, stop)
-        handlers[sig] = _before_setup.pop(sig, previous)
-    return handlers
+    # install ours; hand back the handler from before the set-up, else the one just replaced
+    return {sig: _before_setup.pop(sig, signal.signal(sig, stop)) for sig in SIGNALS}

@@ -1,9 +1,7 @@
 """Random-weight SD3 / SD3.5 / FLUX.1 pipelines written to disk in diffusers layout, fully offline.
 
-Tests, the toy-world pretraining script and the GPU benchmark build their models here and then load
-them through `common.backbones.load_backbone(path)`: the very same `from_pretrained(folder)` path a
-user takes with real SD3.5 / FLUX.1 weights. Nothing downloads anything: both tokenizers are built
-in memory from a word list (transformers 5 accepts `vocab=`/`merges=` directly).
+Loaded through `common.backbones.load_backbone(path)`, the `from_pretrained` path real weights
+take. Both tokenizers are built in memory from a word list.
 
 Shape rules (see ../shared/reference/offline.md §2):
 - SD3: the two CLIP hidden states are concatenated and padded to the T5 width, so
@@ -29,9 +27,9 @@ from transformers import (
     T5EncoderModel,
     T5Tokenizer,
 )
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-# A small vocabulary: every word is one token; unknown words still tokenize (CLIP falls back to
-# bytes).
+# A small vocabulary: every word is one token; unknown words still tokenize (into pieces).
 WORDS = (
     "a an the of in on with and photo picture red green blue yellow magenta cyan black white "
     "circle circles square squares triangle triangles two three four left right above below "
@@ -39,30 +37,13 @@ WORDS = (
 ).split()
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2/CLIP byte -> printable character table (transformers 5 no longer exports it)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 def make_clip_tokenizer(words=WORDS, model_max_length: int = 16) -> CLIPTokenizer:
-    """Byte-level BPE whose merges turn every listed word into a single token (word-level in
-    practice).
-
-    The merges are learned as BPE learns them (repeatedly merge the most frequent adjacent pair over
-    the word list), so applying them in rank order rebuilds every listed word; unknown words fall
-    back to pieces.
-    """
-    chars = list(bytes_to_unicode().values())
+    """Byte-level BPE whose merges turn every listed word into one token: they are learned as BPE
+    learns them (merge the most frequent adjacent pair, repeatedly); unknown words fall back to
+    pieces."""
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for suffix in ("", "</w>"):
-        for c in chars:
+        for c in bytes_to_unicode().values():
             vocab.setdefault(c + suffix, len(vocab))
     symbols = [list(w[:-1]) + [w[-1] + "</w>"] for w in dict.fromkeys(words)]
     merges = []
@@ -91,12 +72,9 @@ def make_t5_tokenizer(words=WORDS, model_max_length: int = 512) -> T5Tokenizer:
     """Unigram tokenizer: <pad>=0, </s>=1, <unk>=2, one piece per word, then single characters."""
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
     pieces += [("\u2581" + w, -3.0) for w in dict.fromkeys(words)]
-    seen = {p for p, _ in pieces}
-    for c in map(chr, range(33, 127)):
-        for p in (c, "\u2581" + c):
-            if p not in seen:
-                seen.add(p)
-                pieces.append((p, -8.0))
+    seen = dict(pieces)
+    chars = [p for c in map(chr, range(33, 127)) for p in (c, "\u2581" + c) if p not in seen]
+    pieces += [(p, -8.0) for p in chars]
     # extra_ids=0: no 100 sentinel tokens, which would dwarf the tiny vocabulary.
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
 
@@ -170,6 +148,22 @@ def tiny_vae(
     )
 
 
+def _text_encoders(seed, words, max_len, clip_cls, n_clip, clip_dim, clip_layers, t5_dim) -> dict:
+    """Seeds torch, then the pipeline's tokenizers and random text encoders: `n_clip` CLIPs, then
+    T5 (None for both when `t5_dim` is None), named as the diffusers pipelines name them."""
+    torch.manual_seed(seed)
+    parts = {}
+    for suffix in ("", "_2")[:n_clip]:
+        tok = make_clip_tokenizer(words, max_len)
+        config = clip_text_config(len(tok), clip_dim, clip_layers, max_len=max_len)
+        parts.update({f"tokenizer{suffix}": tok, f"text_encoder{suffix}": clip_cls(config)})
+    t5 = ("", "_2", "_3")[n_clip]
+    tok = make_t5_tokenizer(words) if t5_dim is not None else None
+    model = T5EncoderModel(t5_config(len(tok), t5_dim)) if tok is not None else None
+    parts.update({f"tokenizer{t5}": tok, f"text_encoder{t5}": model})
+    return parts
+
+
 def build_sd3(
     path: str | None = None,
     seed: int = 0,
@@ -187,59 +181,39 @@ def build_sd3(
     words=WORDS,
     transformer_kwargs: dict | None = None,
 ):
-    """A StableDiffusion3Pipeline with random weights; saved to `path` (diffusers layout) if given.
+    """A StableDiffusion3Pipeline with random weights, saved to `path` if given. `sd35`: SD3.5's
+    dual attention in the first layer and RMS qk-norm. `t5_dim=None`: no T5 (the pipeline feeds
+    zeros in its place)."""
+    import diffusers
 
-    `sd35=True` adds what SD3.5 adds to the block: dual attention in the first layer and RMS
-    qk-norm. `t5_dim=None` leaves out the T5 encoder; the SD3 pipeline then feeds zeros in its
-    place.
-    """
-    from diffusers import (
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-
-    torch.manual_seed(seed)
     joint = t5_dim if t5_dim is not None else 2 * clip_dim
     if joint < 2 * clip_dim:
         raise ValueError("SD3 pads the two CLIP states to the T5 width: t5_dim >= 2 * clip_dim")
-    tok, tok2 = make_clip_tokenizer(words, max_len), make_clip_tokenizer(words, max_len)
-    te = CLIPTextModelWithProjection(
-        clip_text_config(len(tok), clip_dim, clip_layers, max_len=max_len)
+    encoders = _text_encoders(
+        seed, words, max_len, CLIPTextModelWithProjection, 2, clip_dim, clip_layers, t5_dim
     )
-    te2 = CLIPTextModelWithProjection(
-        clip_text_config(len(tok2), clip_dim, clip_layers, max_len=max_len)
-    )
-    tok3 = make_t5_tokenizer(words) if t5_dim is not None else None
-    te3 = T5EncoderModel(t5_config(len(tok3), t5_dim)) if t5_dim is not None else None
     vae = vae if vae is not None else tiny_vae(latent_channels)
     extra = dict(dual_attention_layers=(0,), qk_norm="rms_norm") if sd35 else {}
-    kw = dict(
-        sample_size=32,
-        patch_size=patch_size,
-        in_channels=latent_channels,
-        out_channels=latent_channels,
-        num_layers=num_layers,
-        attention_head_dim=head_dim,
-        num_attention_heads=heads,
-        caption_projection_dim=heads * head_dim,
-        joint_attention_dim=joint,
-        pooled_projection_dim=2 * clip_dim,
-        pos_embed_max_size=64,
-        **extra,
+    transformer = diffusers.SD3Transformer2DModel(
+        **{
+            "sample_size": 32,
+            "patch_size": patch_size,
+            "in_channels": latent_channels,
+            "out_channels": latent_channels,
+            "num_layers": num_layers,
+            "attention_head_dim": head_dim,
+            "num_attention_heads": heads,
+            "caption_projection_dim": heads * head_dim,
+            "joint_attention_dim": joint,
+            "pooled_projection_dim": 2 * clip_dim,
+            "pos_embed_max_size": 64,
+            **extra,
+            **(transformer_kwargs or {}),
+        }
     )
-    kw.update(transformer_kwargs or {})
-    transformer = SD3Transformer2DModel(**kw)
-    pipe = StableDiffusion3Pipeline(
-        transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=vae,
-        text_encoder=te,
-        tokenizer=tok,
-        text_encoder_2=te2,
-        tokenizer_2=tok2,
-        text_encoder_3=te3,
-        tokenizer_3=tok3,
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    pipe = diffusers.StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=scheduler, vae=vae, **encoders
     )
     if path is not None:
         pipe.save_pretrained(path)
@@ -253,39 +227,29 @@ def build_flux(
     latent_channels: int = 4,
     num_layers: int = 1,
     num_single_layers: int = 1,
-    heads: int = 2,
-    head_dim: int = 16,
-    clip_dim: int = 32,
-    t5_dim: int = 32,
     max_len: int = 16,
     vae=None,
-    words=WORDS,
-    transformer_kwargs: dict | None = None,
 ):
     """A FluxPipeline with random weights (FLUX.1-dev style when `guidance_embeds`), saved to `path`
     if given."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    import diffusers
 
-    torch.manual_seed(seed)
-    tok, tok2 = make_clip_tokenizer(words, max_len), make_t5_tokenizer(words)
-    te = CLIPTextModel(clip_text_config(len(tok), clip_dim, 2, max_len=max_len))
-    te2 = T5EncoderModel(t5_config(len(tok2), t5_dim))
-    rope = (head_dim // 4, head_dim // 4, head_dim // 2)  # the rope axes must sum to the head dim
-    kw = dict(
-        patch_size=1,
-        in_channels=4 * latent_channels,
-        num_layers=num_layers,
-        num_single_layers=num_single_layers,
-        attention_head_dim=head_dim,
-        num_attention_heads=heads,
-        joint_attention_dim=t5_dim,
-        pooled_projection_dim=clip_dim,
-        guidance_embeds=guidance_embeds,
-        axes_dims_rope=rope,
+    encoders = _text_encoders(seed, WORDS, max_len, CLIPTextModel, 1, 32, 2, 32)
+    transformer = diffusers.FluxTransformer2DModel(
+        **{
+            "patch_size": 1,
+            "in_channels": 4 * latent_channels,
+            "num_layers": num_layers,
+            "num_single_layers": num_single_layers,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": 32,  # the T5 width
+            "pooled_projection_dim": 32,  # the CLIP width
+            "guidance_embeds": guidance_embeds,
+            "axes_dims_rope": (4, 4, 8),  # they must sum to the head dim
+        }
     )
-    kw.update(transformer_kwargs or {})
-    transformer = FluxTransformer2DModel(**kw)
-    scheduler = FlowMatchEulerDiscreteScheduler(
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
         shift=3.0,
         use_dynamic_shifting=True,
         base_shift=0.5,
@@ -293,16 +257,8 @@ def build_flux(
         base_image_seq_len=256,
         max_image_seq_len=4096,
     )
-    vae = vae if vae is not None else tiny_vae(latent_channels)
-    pipe = FluxPipeline(
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=te,
-        tokenizer=tok,
-        text_encoder_2=te2,
-        tokenizer_2=tok2,
-        transformer=transformer,
-    )
+    vae = vae if vae is not None else tiny_vae(latent_channels)  # after the transformer: its seed
+    pipe = diffusers.FluxPipeline(transformer=transformer, scheduler=scheduler, vae=vae, **encoders)
     if path is not None:
         pipe.save_pretrained(path)
     return pipe

@@ -1,12 +1,6 @@
-"""The hand-over from rollout to training, checked, and the training section's diagnostic.
-
-- `check_transitions`: the contract of the transitions a GRPO rollout hands its training section
-  (fields, shapes, dtypes, order; docs/design.md), checked on a run's first iteration.
-- `GradShare`: the diagnostic that splits an iteration's gradient by trained step
-  (--grad-share-every).
-- `Rollout`: what a rollout hands the training section.
-Tested in tests/test_training.py. What is trained (LoRA or full weights, the KL reference, the EMA)
-lives in common/policy.py; the metrics and the optimizer step's checks in common/plumbing/run.py.
+"""The hand-over from rollout to training: its contract (`check_transitions`), what a rollout
+hands over (`Rollout`) and the --grad-share-every diagnostic (`GradShare`). Tested in
+tests/test_training.py; what is trained lives in common/policy.py.
 """
 
 from __future__ import annotations
@@ -15,28 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
-REQUIRED = {  # field -> (dtype kind, shape after the first dim is [N])
-    "latents": "float",
-    "next_latents": "float",
-    "log_prob": "float",
-    "sigma": "float",
-    "sigma_next": "float",
-    "noise_level": "float",
-    "advantage": "float",
-    "prompt_index": "long",
-    "step_index": "long",
-}
-# optional fields; mean: the rollout step's Gaussian mean, [N, ...] like latents (--ratio-norm
-# needs it)
-OPTIONAL = {
-    "trajectory": "long",
-    "state_index": "long",
-    "update_block": "long",
-    "mean": "float",
-}
+# field -> dtype kind; every field is [N] but latents, next_latents and mean ([N, ...]). mean (the
+# rollout step's Gaussian mean, optional) is what --ratio-norm needs.
+_FLOATS = ("latents", "next_latents", "log_prob", "sigma", "sigma_next", "noise_level", "advantage")
+REQUIRED = {**dict.fromkeys(_FLOATS, "float"), "prompt_index": "long", "step_index": "long"}
+OPTIONAL = {**dict.fromkeys(("trajectory", "state_index", "update_block"), "long"), "mean": "float"}
 
 
-# ------------------------------------------------------------------------------------- the contract
 class TransitionsError(ValueError):
     """A rollout broke the transitions contract (a bug in the rollout, e.g. of a new variant)."""
 
@@ -48,22 +27,15 @@ def require(condition, message: str) -> None:
 
 
 def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int) -> None:
-    """Check what the training section relies on, at the hand-over from rollout to training
-    (docs/design.md): a broken contract raises TransitionsError. It is the rollout's code, the same
-    every iteration, so the scripts check it on a run's first iteration (their finite check,
-    common/plumbing/run.py::check_finite, runs on every one).
-
-    Every field is [N, ...] with one row per transition (one SDE step the policy took). Besides the
-    types:
-    - sigma / sigma_next are the schedule's values at step_index / step_index + 1 (so the rows are
-      in step order);
+    """Raise TransitionsError where the rollout broke what the training section relies on
+    (docs/design.md); the scripts check a run's first iteration (the rollout's code is the same
+    every iteration). One row per transition (an SDE step the policy took); besides the types:
+    - sigma / sigma_next are the schedule's values at step_index / step_index + 1 (step order);
     - prompt_index points into this rank's prompt embeddings (0 <= i < n_prompts);
-    - trajectory (optional; one id per sampled chain): a trajectory keeps its prompt, and where it
-      has steps j and j + 1, next_latents of the first is latents of the second (catches rows of two
-      fields stacked in two orders);
-    - state_index (optional; transitions that start from one shared state, G²RPO's branches): rows
-      of one state have the same latents, sigma, sigma_next, noise_level and prompt, so one forward
-      serves them all.
+    - trajectory (one id per chain) keeps its prompt, and next_latents of its step j is latents of
+      its step j + 1 (catches fields stacked in two orders);
+    - rows of one state_index (G²RPO's branches from a shared state) share latents, sigmas,
+      noise_level and prompt, so one forward serves them all.
     """
     missing = sorted(set(REQUIRED) - set(tr))
     unknown = sorted(set(tr) - set(REQUIRED) - set(OPTIONAL))
@@ -105,25 +77,18 @@ def check_transitions(tr: dict, sigmas: torch.Tensor, n_prompts: int) -> None:
         first[st.flip(0)] = torch.arange(n - 1, -1, -1)  # the first row of every state
         rep = first[st]
         for k in ("latents", "sigma", "sigma_next", "noise_level", "prompt_index"):
-            require(
-                torch.equal(tr[k], tr[k][rep.to(tr[k].device)]),
-                f"rows of one state differ in '{k}'",
-            )
+            same = torch.equal(tr[k], tr[k][rep.to(tr[k].device)])
+            require(same, f"rows of one state differ in '{k}'")
 
 
-# ------------------------------------------------------------------------------------- diagnostic
 class GradShare:
     """Diagnostic (--grad-share-every): where the iteration's update comes from, step by step.
 
-    The iteration's gradient (before clipping) is a sum over its transitions, so it splits exactly
-    by trained step: g = sum_j g_j, g_j the gradient of the loss of step j's transitions alone. Step
-    j's share is its projection on the whole, share_j = g_j . g / |g|^2: the shares sum to 1, a step
-    pulling against the others has a negative share, and a step that carries the update has a share
-    near 1. `add(row_loss, step_index)`, called with the micro-batch's per-transition loss before
-    its backward, takes one extra backward per step present in the micro-batch (autograd.grad, which
-    leaves .grad alone: the update is unchanged), so a measured iteration trains at a few times the
-    cost (the scripts make one on the iterations measured only). One process only: the per-step
-    gradients are this rank's.
+    The gradient (before clipping) is a sum over transitions, so it splits exactly by trained step:
+    g = sum_j g_j. Step j's share is g_j . g / |g|^2: the shares sum to 1, a step pulling against the
+    others has a negative share. `add` takes one extra backward per step of the micro-batch
+    (autograd.grad leaves .grad, hence the update, alone). One process only: the gradients are this
+    rank's.
     """
 
     def __init__(self, params: dict, num_slots: int):
@@ -132,20 +97,16 @@ class GradShare:
     def add(self, row_loss: torch.Tensor, step_index: torch.Tensor) -> None:
         """Each step's part of this micro-batch's gradient, added up."""
         for j in step_index.unique().tolist():
+            loss = row_loss[step_index == j].sum()
+            # materialize_grads: a parameter this step does not reach gets zeros, not None
             grads = torch.autograd.grad(
-                row_loss[step_index == j].sum(), self.params, retain_graph=True, allow_unused=True
+                loss, self.params, retain_graph=True, materialize_grads=True
             )
-            flat = torch.cat(
-                [
-                    (g if g is not None else torch.zeros_like(p)).flatten().double()
-                    for g, p in zip(grads, self.params)
-                ]
-            )
+            flat = torch.cat([g.flatten().double() for g in grads])
             self.grads[j] = flat if self.grads[j] is None else self.grads[j] + flat
 
     def shares(self) -> dict[int, float]:
-        """{step: share} of the steps that had a gradient (empty when nothing was trained
-        or g = 0)."""
+        """{step: share} of the steps with a gradient (empty when nothing was trained or g = 0)."""
         steps = [j for j, g in enumerate(self.grads) if g is not None]
         if not steps:
             return {}
@@ -158,7 +119,6 @@ class GradShare:
         return {j: float(g.norm()) for j, g in enumerate(self.grads) if g is not None}
 
 
-# --------------------------------------------------------------------------- the rollout's result
 @dataclass
 class Rollout:
     """What a rollout hands the training section (and the metrics row): nothing else crosses."""

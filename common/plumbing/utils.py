@@ -1,70 +1,59 @@
-"""Plumbing shared by the three training scripts: distributed set-up (with a collective timeout),
-run logging (pictures: common/plumbing/plots.py, checkpoints: common/plumbing/checkpoint.py).
-
-None of this is algorithm: a reader can follow flowgrpo_baseline.py / g2rpo.py / densegrpo.py
-without opening this file. It lives here because it must behave identically in all three (CleanRL
-keeps the same kind of code in cleanrl_utils).
-"""
+"""Plumbing that must behave identically in all the training scripts: distributed set-up (with a
+collective timeout), seeding, atomic writes and the metrics file. None of it is algorithm."""
 
 from __future__ import annotations
 
 import datetime
 import json
 import os
+import pathlib
 import random
 import re
 import sys
-import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-# -------------------------------------------------------------------------------------- distributed
+from common.plumbing.checks import ConfigError, kind_of, parse_json
+
 TIMEOUT_ENV = "FLOW_RL_DIST_TIMEOUT"
 # PyTorch's gloo default and PyTorch Lightning's; a long rank-0 checkpoint save must fit
 DEFAULT_TIMEOUT_S = 1800.0
+BACKEND_ENV = "FLOW_RL_DIST_BACKEND"
 
 
 def collective_timeout() -> datetime.timedelta:
-    """How long a rank waits in a collective for the others before it gives up:
-    $FLOW_RL_DIST_TIMEOUT seconds."""
+    """How long a rank waits in a collective for the others: $FLOW_RL_DIST_TIMEOUT seconds."""
     raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
     try:
         seconds = float(raw)
-        if not seconds > 0:
-            raise ValueError(raw)
     except ValueError:
-        from common.plumbing.checks import ConfigError
-
+        seconds = 0.0
+    if not seconds > 0:
         raise ConfigError(
             f"{TIMEOUT_ENV}={raw!r}: give the collective timeout in seconds, > 0 (default "
             f"{DEFAULT_TIMEOUT_S:g})"
-        ) from None
+        )
     return datetime.timedelta(seconds=seconds)
 
 
-def is_collective_failure(e: BaseException) -> bool:
-    """A collective that failed because a peer died, hung or was stopped
-    (gloo / NCCL / c10d errors)."""
-    if isinstance(e, getattr(dist, "DistError", ())):
-        return True
-    return isinstance(e, RuntimeError) and any(s in str(e) for s in ("gloo", "NCCL", "c10d"))
-
-
 def _install_collective_failure_hook(rank: int, timeout: datetime.timedelta) -> None:
-    """Turn an uncaught collective failure into one line (instead of a C++-flavoured traceback),
-    then exit at once: tearing the process group down normally would wait on the lost peer again."""
+    """An uncaught collective failure becomes one line, then the process exits at once: tearing
+    the process group down normally would wait on the lost peer again."""
     previous = sys.excepthook
 
     def hook(kind, e, tb):
-        if not is_collective_failure(e):
+        # a collective that failed because a peer died, hung or was stopped (gloo / NCCL / c10d)
+        failed = isinstance(e, dist.DistError) or (
+            isinstance(e, RuntimeError) and any(s in str(e) for s in ("gloo", "NCCL", "c10d"))
+        )
+        if not failed:
             return previous(kind, e, tb)
         # gloo: "[.../pair.cc:537] Read error [127.0.0.1]:20902: Connection reset by peer. This is
         # typically ...": keep its first sentence, without the source location
-        first = re.sub(
-            r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [kind.__name__])[-1]
-        ).split(". ")[0][:160]
+        last = (str(e).strip().splitlines() or [kind.__name__])[-1]
+        first = re.sub(r"^\[[^\]]*\]\s*", "", last).split(". ")[0][:160]
         print(
             f"error: rank {rank}: a collective operation failed ({first}): another rank died, hung "
             f"or was stopped (collective timeout {timeout.total_seconds():g} s, set by "
@@ -78,20 +67,12 @@ def _install_collective_failure_hook(rank: int, timeout: datetime.timedelta) -> 
     sys.excepthook = hook
 
 
-BACKEND_ENV = "FLOW_RL_DIST_BACKEND"
-
-
 def process_group_backend(cuda: bool) -> str:
-    """The process group's backends, by device type. On GPUs NCCL moves the CUDA tensors, and gloo
-    the CPU ones: NCCL takes no CPU tensor ("No backend type associated with device type cpu"), and
-    CPU tensors do reach collectives (a flag that all ranks must agree on; --fsdp-offload's shards,
-    whose gradient norm and fp16 overflow check reduce in host memory). torch's own advice for CPU
-    offload is this pair. $FLOW_RL_DIST_BACKEND=gloo runs gloo on GPUs too, for a machine where
-    NCCL will not start (slower; the tests run DDP and FSDP2 on gloo with CPU tensors only)."""
+    """On GPUs NCCL for CUDA tensors and gloo for CPU ones: NCCL takes no CPU tensor, and CPU
+    tensors do reach collectives (flags all ranks agree on, --fsdp-offload's shards). torch advises
+    this pair for CPU offload. $FLOW_RL_DIST_BACKEND=gloo: gloo for both (where NCCL won't start)."""
     chosen = os.environ.get(BACKEND_ENV, "")
     if chosen not in ("", "gloo"):
-        from common.plumbing.checks import ConfigError
-
         raise ConfigError(
             f"{BACKEND_ENV}={chosen!r}: the only choice is 'gloo' (unset: NCCL for CUDA tensors "
             "and gloo for CPU ones)"
@@ -100,33 +81,25 @@ def process_group_backend(cuda: bool) -> str:
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
-    """One code path for `python script.py` and `torchrun --nproc_per_node N script.py`.
-
-    torchrun sets RANK/WORLD_SIZE/LOCAL_RANK and the rendezvous variables (also across nodes); we
-    only pick the backend: NCCL between GPUs, gloo between CPU processes. Returns
-    (rank, world_size, device). Every collective gives up after $FLOW_RL_DIST_TIMEOUT seconds
-    (default 1800): a rank whose peer died or hangs exits with one line instead of waiting forever
-    (under torchrun the agent also stops the survivors of a dead rank).
-    """
+    """(rank, world_size, device), for `python script.py` and `torchrun ... script.py` alike
+    (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous). A rank whose peer died or hangs
+    exits with one line after $FLOW_RL_DIST_TIMEOUT seconds instead of waiting forever."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     timeout = collective_timeout()
-    backend = process_group_backend(torch.cuda.is_available())
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    backend = process_group_backend(cuda)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group(backend, device_id=device, timeout=timeout)
-    else:
-        dist.init_process_group(backend, timeout=timeout)
-        device = torch.device("cpu")
+    dist.init_process_group(backend, device_id=device if cuda else None, timeout=timeout)
     _install_collective_failure_hook(dist.get_rank(), timeout)
     return dist.get_rank(), dist.get_world_size(), device
 
 
 def set_tf32(device: torch.device, enabled: bool) -> None:
-    """On CUDA, fp32 matmuls (the LoRA branches, an fp32 reward model or VAE) and convolutions in
-    TF32 (10-bit mantissa, fp32 range) or in full fp32. The CPU has no TF32: nothing changes there."""
+    """On CUDA, fp32 matmuls and convolutions in TF32 or in full fp32 (the CPU has no TF32)."""
     if device.type == "cuda":
         precision = "tf32" if enabled else "ieee"
         torch.backends.cuda.matmul.fp32_precision = precision
@@ -143,10 +116,9 @@ def seed_everything(seed: int, deterministic: bool = True) -> None:
 
 
 def atomic_file(path: str, write) -> None:
-    """Write the file at `path` so that a kill or a full disk at any instant leaves either the old
-    file or the new one, whole: `write(tmp)` fills a temporary file beside it (same extension, so
-    savers that read it see the right format), which is flushed to the disk and renamed over the
-    old one (one atomic rename on POSIX). A failure removes the temporary file and raises."""
+    """Write `path` so that a kill or a full disk at any instant leaves the old file or the new one,
+    whole: `write(tmp)` fills a temporary file beside it (same extension, for savers that go by it),
+    which is fsynced and renamed over the old one. A failure removes it and raises."""
     root, ext = os.path.splitext(path)
     tmp = f"{root}.tmp{os.getpid()}{ext}"
     try:
@@ -166,21 +138,13 @@ def atomic_file(path: str, write) -> None:
 
 def atomic_write(path: str, text: str) -> None:
     """A text file, written whole or not at all (`atomic_file`)."""
-
-    def write(tmp):
-        with open(tmp, "w") as f:
-            f.write(text)
-
-    atomic_file(path, write)
+    atomic_file(path, lambda tmp: pathlib.Path(tmp).write_text(text))
 
 
 def read_metrics_lines(path: str) -> tuple[list[dict], int]:
-    """(the rows of a metrics.jsonl, how many lines could not be read): a kill or a full disk in the
-    middle of an append leaves a cut last line, which is not a row. A line that is JSON but not a
-    row (an object with an integer "iteration"), or a metrics.jsonl that is not a file, was not
+    """(the rows of a metrics.jsonl, how many lines could not be read: a line cut mid-append by a
+    kill or a full disk). A line that is JSON but not a row, or a path that is not a file, was not
     written by a run: ConfigError naming the file, the line and what to do."""
-    from common.plumbing.checks import ConfigError, kind_of, parse_json
-
     rows, bad = [], 0
     if not os.path.lexists(path):
         return rows, bad
@@ -200,19 +164,18 @@ def read_metrics_lines(path: str) -> tuple[list[dict], int]:
                 continue
             it = row.get("iteration") if isinstance(row, dict) else None
             if not isinstance(it, int) or isinstance(it, bool):
-                what = f"{kind_of(row)} without an integer 'iteration'"
                 raise ConfigError(
-                    f"{path}: line {number} is {what}, not a metrics row (a JSON object with an "
-                    "integer 'iteration'); remove that line (or restore the file), then run again"
+                    f"{path}: line {number} is {kind_of(row)} without an integer 'iteration', not "
+                    "a metrics row (a JSON object with an integer 'iteration'); remove that line "
+                    "(or restore the file), then run again"
                 )
             rows.append(row)
     return rows, bad
 
 
 def truncate_metrics(run_dir: str, iteration: int) -> None:
-    """On resume, drop metric lines of iterations >= the checkpoint's (they will be produced again),
-    and a line cut by a kill or a full disk; the file is replaced atomically, so a kill during this
-    never loses the earlier rows."""
+    """On resume, drop the metrics rows of iterations >= the checkpoint's (they will be produced
+    again) and a cut line; the file is replaced atomically, so a kill never loses earlier rows."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return
@@ -223,26 +186,3 @@ def truncate_metrics(run_dir: str, iteration: int) -> None:
             flush=True,
         )
     atomic_write(path, "".join(json.dumps(r) + "\n" for r in rows if r["iteration"] < iteration))
-
-
-class Timer:
-    """`with timer("rollout"):` accumulates seconds per phase into timer.times."""
-
-    def __init__(self):
-        self.times: dict[str, float] = {}
-
-    def __call__(self, name: str):
-        timer = self
-
-        class _Ctx:
-            def __enter__(self):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                self.t = time.perf_counter()
-
-            def __exit__(self, *exc):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                timer.times[name] = timer.times.get(name, 0.0) + time.perf_counter() - self.t
-
-        return _Ctx()
