@@ -316,13 +316,8 @@ class Run:
         start_iteration: int,
         script: str,
     ):
-        self.args, self.dir, self.rank, self.world_size, self.device = (
-            args,
-            run_dir,
-            rank,
-            world_size,
-            device,
-        )
+        self.args, self.dir, self.rank, self.world_size = args, run_dir, rank, world_size
+        self.device = device
         self.is_main, self.logger, self.script = rank == 0, logger, os.path.basename(script)
         self.counts = restored_counts(counts)
         self.start_iteration = self.iteration = start_iteration
@@ -353,8 +348,7 @@ class Run:
         return time.process_time() - self.cpu_start
 
     def is_last(self, iteration: int) -> bool:
-        """True at --num-iterations, or once the CPU budget is spent on any rank (all ranks agree:
-        one all-reduce)."""
+        """True at --num-iterations, or once the CPU budget is spent on any rank (one all-reduce)."""
         self.iteration = iteration  # where a stop by signal says the run stands
         self.iteration_start = time.perf_counter()  # the train phase: what the others leave
         over = self.args.cpu_budget_s > 0 and self.cpu_seconds() > self.args.cpu_budget_s
