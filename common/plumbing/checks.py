@@ -1,12 +1,9 @@
 """Checks of user input before any model is loaded, and their one-line error, ConfigError.
 
-Each script's check_args calls `check_ranges(args)` first (the shared flags' ranges are one table,
-RANGES, so the batch arithmetic after it never divides by 0), then its own flags with `check_flag`.
-A violation says what was given, what is allowed and why, and the script's default:
-
-    error: --noise-level -1.0: must be a finite number >= 0 (...); the default is 0.7
-
-Floats must also be finite: tyro turns "nan" and "inf" into floats.
+Each script's check_args calls `check_ranges(args)` (the shared flags' RANGES) first, so that its
+batch arithmetic never divides by 0, then `check_flag` on its own flags. A violation says what was
+given, what is allowed and why, and the script's default. Floats must be finite too: tyro reads
+"nan" and "inf".
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ class ConfigError(SystemExit):
 
     def __init__(self, message: str):
         super().__init__(f"error: {message}")
-        self.code_message = message
 
 
 @dataclass(frozen=True)
@@ -251,9 +247,8 @@ MAX_PROMPT_FILE_BYTES = 64 * 2**20
 
 
 def read_prompt_file(path: str, flag: str, digests: dict | None = None) -> list[str]:
-    """The prompts of a --prompts-file / --eval-prompts file, or one line naming the flag. The file
-    is read once (it may be a pipe): `digests` receives the sha256 of the bytes read, under the
-    flag's field name, which a checkpoint records and a resume compares."""
+    """The prompts of a --prompts-file / --eval-prompts file, or one line naming the flag. Read once
+    (it may be a pipe): `digests` gets the sha256 of the bytes read, for the checkpoint to record."""
     from common import toyworld
 
     def bad(what: str) -> ConfigError:
@@ -342,9 +337,8 @@ def parse_json(text: str, expect: type = dict):
 
 
 def read_json(path: str, expect: type = dict):
-    """A JSON file (see parse_json); a folder, an unreadable or a non-UTF-8 file raise ValueError
-    too, so that one `except ValueError` covers every bad file. A missing file stays
-    FileNotFoundError: callers say what to do about that."""
+    """A JSON file (see parse_json); every bad file raises ValueError too, but a missing one stays
+    FileNotFoundError (callers say what to do about that)."""
     if os.path.isdir(path):
         raise ValueError("a folder, not a file")
     try:

@@ -1,12 +1,7 @@
-"""The evaluation protocol of every training script, in one place so that their numbers compare.
-
-Every evaluation prompt is sampled with `seeds_per_prompt` fixed seeds (10_000 * s + prompt index)
-by the deterministic ODE, the images split over the ranks and the results gathered. Reported: the
-reward's mean, each guard reward's mean and, when every prompt is in the toy grammar, the strict
-GenEval-style accuracy per category, its mean over the categories and that mean's standard error.
-The grid shows a fixed subset (`panel_jobs`), the same at every evaluation, so that successive grids
-and a run's before/after picture show the same prompts and seeds.
-"""
+"""The evaluation protocol of every training script, in one place so that their numbers compare:
+each prompt with `seeds_per_prompt` fixed seeds by the deterministic ODE; the reward's and the guard
+rewards' means and, for toy-grammar prompts, GenEval-style accuracy per category, its mean and that
+mean's standard error. Its grid shows the same fixed subset (`panel_jobs`) at every evaluation."""
 
 from __future__ import annotations
 
@@ -19,7 +14,7 @@ import torch.distributed as dist
 
 from common import toyworld
 from common.backbones import sample_ode
-from common.plumbing.plots import accuracy_line, captioned_grid
+from common.plumbing.plots import _to_cell, accuracy_line, captioned_grid
 from common.plumbing.utils import atomic_file
 
 
@@ -44,17 +39,15 @@ class Panel:
 
     def captioned(self) -> list[tuple[object, str]]:
         """(PIL image, caption) per image, for wandb's captioned gallery."""
-        from PIL import Image
-
         out = []
         for k, p in enumerate(self.prompts):
             verdict = (
                 "" if self.verdicts is None else (", correct" if self.verdicts[k] else ", wrong")
             )
-            im = Image.fromarray(self.images[k])
-            side = im.width * max(1, 128 // im.width)  # toy images: 32 -> 128 px, pixels repeated
+            w = self.images[k].shape[1]  # toy images: 32 -> 128 px, pixels repeated
+            im = _to_cell(self.images[k], w * max(1, 128 // w))
             caption = f"{p} (seed {self.seeds[k]}): reward {self.rewards[k]:.2f}{verdict}"
-            out.append((im.resize((side, side), Image.NEAREST), caption))
+            out.append((im, caption))
         return out
 
     def save(self, path: str) -> None:
@@ -72,9 +65,8 @@ class Panel:
 
 
 def panel_jobs(prompts: list[str], per_category: int = 4, other: int = 16) -> list[int]:
-    """Indices of the prompts the grid shows (seed index 0): in the toy grammar the first
-    `per_category` of every category, in toyworld.CATEGORIES order (a grid row per category);
-    otherwise the first `other`."""
+    """Indices of the prompts the grid shows (seed index 0): the first `per_category` of every toy
+    category, in CATEGORIES order (a grid row each); outside the toy grammar the first `other`."""
     if not all(map(toyworld.in_grammar, prompts)):
         return list(range(min(other, len(prompts))))
     cats = [toyworld.category_of(p) for p in prompts]

@@ -1,18 +1,13 @@
-"""The harness every script shares: its flags and its set-up, once. A script reads (CleanRL's shape):
+"""The harness every script shares, once: its flags (`HarnessArgs`; `GRPOArgs` adds the training
+section the three GRPO scripts share) and its set-up. A script reads (CleanRL's shape):
 
-    @dataclass
-    class Args(GRPOArgs):                  # the shared flags, then the algorithm's own
-        noise_level: float = 0.7
-    args = tyro.cli(Args)
+    args = tyro.cli(Args)                  # Args(GRPOArgs): the shared flags, then its own
     h = setup(args, __file__, check_args)  # checks, distributed, run folder, rewards, model, logger
-    run = h.start(torch.optim.AdamW(h.params.values(), ...))  # the EMA, and a resume's state
-    for iteration in range(run.start_iteration, args.num_iterations + 1):
-        ...                                # evaluate, roll out, train, log, save
+    run = h.start(optimizer)               # the EMA, and a resume's weights, optimizer, RNG, counters
+    for iteration in range(run.start_iteration, args.num_iterations + 1): ...
 
-`HarnessArgs` holds every flag that is not an algorithm's; `GRPOArgs` adds the training section
-the three GRPO scripts share line for line. Paper values live in docs/ and the checked presets
-(tests/test_paper_values.py), not in the help. `derived(...)` fields are not flags: the program
-fills them in and records them in args.json.
+Paper values live in docs/ and the checked presets, not in the help. `derived(...)` fields are not
+flags: the program fills them in and records them in args.json.
 """
 
 from __future__ import annotations
@@ -229,11 +224,10 @@ class Harness:
     def start(
         self, optimizer, scaler=None, side_files=None, first_row=None, extra_state=None
     ) -> Run:
-        """The EMA, then a resume's weights, optimizer, EMA, loss scale, RNG and counters; -> the Run
-        that logs, evaluates and saves. `scaler`: a torch.amp.GradScaler, which an fp16 run must
-        enable (its gradients underflow without one); `side_files` ({name: text}) go into every
-        checkpoint, `first_row` (metrics) into iteration 0's row, `extra_state` ({name: EMA-like},
-        e.g. DiffusionNFT's old policy) is saved and restored with the weights."""
+        """The EMA and a resume's state; -> the Run that logs, evaluates and saves. `scaler`: a GradScaler
+        (fp16 must enable one: its gradients underflow); `side_files` ({name: text}) go into every
+        checkpoint, `first_row` into iteration 0's metrics, `extra_state` ({name: EMA-like}) is saved
+        and restored with the weights."""
         a = self.args
         if self.backbone.dtype == torch.float16 and not (scaler and scaler.is_enabled()):
             raise ConfigError(
@@ -307,11 +301,9 @@ def given_flags(argv: list[str]) -> set[str]:
 
 @stop_on_signals_in_setup
 def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = None) -> Harness:
-    """Everything before the optimizer, cheapest first, so that bad input costs one line, not a model
-    load: the input files and flags (the script's `check_args` too), the run folder (or the
-    checkpoint a resume verifies, whose flags it takes unless given in `argv`, default sys.argv),
-    then the rewards, the backbone, the trained weights, DDP or FSDP2, the logger. SIGINT and SIGTERM
-    stop it from its first line in one line, exit 128 + signal."""
+    """Everything before the optimizer, cheapest first so that bad input costs one line, not a model
+    load. A resume takes the run's flags but those in `argv` (default sys.argv). SIGINT and SIGTERM
+    stop it in one line from its first line, exit 128 + signal."""
     check_run_name(args)
     check_tracking(args)
     given = given_flags(sys.argv[1:] if argv is None else argv)

@@ -60,10 +60,7 @@ def line_plot(series: dict, path: str, xlabel: str, ylabel: str, title="", size=
     for name, (xs, ys) in series.items():
         x, y = _points(xs, ys)
         ax.plot(x, y, marker="o" if len(x) <= 30 else None, markersize=3, linewidth=1.5, label=name)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    if title:
-        ax.set_title(title)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
     if series:
         ax.legend(fontsize="small")
@@ -71,9 +68,8 @@ def line_plot(series: dict, path: str, xlabel: str, ylabel: str, title="", size=
 
 
 def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) -> None:
-    """The training reward (`train/reward_mean`, left axis) and the held-out accuracy
-    (`eval/accuracy` +- `eval/accuracy_se`, one line per category; else `eval/reward_mean`; right
-    axis) against the iteration. Either side may be absent."""
+    """The training reward (left axis) and the held-out accuracy +- its standard error and per
+    category, else the held-out reward (right axis), against the iteration; either may be absent."""
     from matplotlib.ticker import MaxNLocator
 
     fig = _figure(*size, layout="constrained")
@@ -151,11 +147,8 @@ def _differ(vs: list[float]) -> bool:
 def step_heatmap(
     history: list[dict], key_prefix: str, path: str, title: str, panel_px=(440, 320)
 ) -> list[str]:
-    """Heat maps of `<key_prefix><metric>/<step>`, step (rows) x iteration (columns, grey where
-    missing), one panel per metric that differs between the steps of some iteration; the others are
-    named under the panels. The ratio's and the gradient share's colours centre on 1 and 0
-    (GRPO-Guard reads over-optimisation off the per-step ratio). -> the panels' titles; no file
-    when there is none."""
+    """Heat maps of `<key_prefix><metric>/<step>`, step x iteration, one per metric that differs
+    between steps (the others named under them); -> their titles, and no file when there is none."""
     from matplotlib.colors import TwoSlopeNorm
     from matplotlib.ticker import MaxNLocator
 
@@ -195,6 +188,7 @@ def step_heatmap(
         for (j, i), v in cells[metric].items():
             grid[j, i - its[0]] = v
         finite = grid[np.isfinite(grid)]
+        # diverging colours around 1 and 0: GRPO-Guard reads over-optimisation off the ratio
         norm, centre = None, {"ratio": 1.0, "grad_share": 0.0}.get(metric)
         if centre is not None and finite.size and finite.min() < centre < finite.max():
             norm = TwoSlopeNorm(vcenter=centre, vmin=finite.min(), vmax=finite.max())
@@ -205,9 +199,8 @@ def step_heatmap(
         )
         im.cmap.set_bad("0.85")
         ax.set_title(STEP_LABELS.get(metric, metric), fontsize="medium")
-        ax.set_xlabel("iteration")
+        ax.set(xlabel="iteration", ylabel="trained step index")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel("trained step index")
         few = steps <= 12
         ax.set_yticks(range(steps) if few else np.linspace(0, steps - 1, 6).round().astype(int))
         bar = fig.colorbar(im, ax=ax)
@@ -254,9 +247,8 @@ def _color(verdict) -> tuple:
 
 
 def _draw_cells(cells, head, ncol, side, margin=PAD, gap=0, wrap_head=True) -> Image.Image:
-    """The grid both pictures share. cells: ([(image, frame colour)], prompt, (last caption line,
-    its colour) or None); each prompt is wrapped under its images. The header lines are wrapped to
-    the grid (wrap_head) or widen it."""
+    """The grid of both pictures. cells: ([(image, frame colour)], prompt, (last caption line, its
+    colour) or None). The header lines are wrapped to the grid (wrap_head) or widen it."""
     fnt, head_font = font(max(12, side // 10)), font(max(13, side // 9))
     frame, line_h, head_step = max(3, side // 32), int(fnt.size * 1.25), int(head_font.size * 1.35)
     k = len(cells[0][0]) if cells else 1
@@ -327,8 +319,7 @@ def accuracy_line(metrics: dict) -> str:
 
 def before_after(before, after, path: str, title: str = "", ncol: int = 2) -> Image.Image:
     """The same prompts and seeds from the starting model (left of each pair) and the final one,
-    with both evaluations' accuracy in the title; before / after: evaluation `Panel`s. Saved to
-    `path`."""
+    from two evaluation `Panel`s, with both accuracies in the title; saved to `path`."""
     if list(before.prompts) != list(after.prompts) or list(before.seeds) != list(after.seeds):
         raise ValueError(
             "before_after: the two panels hold different prompts or seeds (were they made from the "

@@ -10,9 +10,8 @@ from common.plumbing.plots import before_after, learning_curve, step_heatmap
 
 
 def run_pictures(run_dir: str, history: list[dict], title: str) -> list[str]:
-    """learning_curve.png, steps_heatmap.png (when a `steps/...` metric differs between the steps)
-    and before_after.png (the first and the last samples/eval_*.npz, so a resumed run still compares
-    with its starting model). -> the paths written."""
+    """learning_curve.png, steps_heatmap.png (when drawn) and before_after.png (the first and last
+    samples/eval_*.npz: a resumed run still compares with its start); -> the paths written."""
     written = [os.path.join(run_dir, "learning_curve.png")]
     learning_curve(history, written[0], title)
     heatmap = os.path.join(run_dir, "steps_heatmap.png")

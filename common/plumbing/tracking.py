@@ -23,9 +23,8 @@ def _one_line(e: BaseException, n: int) -> str:
 
 
 def check_tracking(args) -> None:
-    """--track, before any model loads: wandb installed, a project name wandb takes and, online, an
-    API key wandb will find and a server this machine reaches. The rest (a key wandb refuses, a
-    server that never answers) is bounded by start_wandb's timeout."""
+    """--track, before any model loads: wandb, a project name it takes and, online, an API key and a
+    server this machine reaches (the rest is bounded by start_wandb's timeout)."""
     if not args.track:
         return
     project = args.wandb_project_name
