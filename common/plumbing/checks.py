@@ -196,8 +196,8 @@ def check_decode_batch_size(args) -> None:
 
 
 def check_sde_type(args, trains_last_step: bool, which: str) -> None:
-    """--sde-type cps (common/sampler.py, E6) and its limits; `which` names the flags that decide the
-    trained steps."""
+    """--sde-type cps (common/sampler.py, E6) and its limits; `which` names the flags that decide
+    the trained steps."""
     if getattr(args, "ratio_norm", "off") != "off" and args.sde_type != "sde":
         raise ConfigError(
             f"--ratio-norm {args.ratio_norm} with --sde-type {args.sde_type}: GRPO-Guard's "
@@ -248,7 +248,7 @@ MAX_PROMPT_FILE_BYTES = 64 * 2**20
 
 def read_prompt_file(path: str, flag: str, digests: dict | None = None) -> list[str]:
     """The prompts of a --prompts-file / --eval-prompts file, or one line naming the flag. Read once
-    (it may be a pipe): `digests` gets the sha256 of the bytes read, for the checkpoint to record."""
+    (it may be a pipe): `digests` gets the sha256 of the bytes read, which checkpoints record."""
     from common import toyworld
 
     def bad(what: str) -> ConfigError:

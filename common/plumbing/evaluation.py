@@ -99,8 +99,8 @@ def evaluate(
     return_panel: bool = False,
     iteration: int | None = None,
 ):
-    """-> (metrics, PIL grid of `panel_jobs`), and the `Panel` with return_panel=True. Under DDP every
-    rank must call it (it gathers) and gets the same metrics, grid and panel."""
+    """-> (metrics, PIL grid of `panel_jobs`), and the `Panel` with return_panel=True. Under DDP
+    every rank must call it (it gathers) and gets the same metrics, grid and panel."""
     jobs = [(p, 10_000 * s + i) for i, p in enumerate(prompts) for s in range(seeds_per_prompt)]
     shown = {i * seeds_per_prompt: k for k, i in enumerate(panel_jobs(prompts))}  # job -> slot
     mine = list(range(len(jobs)))[rank::world_size]

@@ -3,7 +3,7 @@ section the three GRPO scripts share) and its set-up. A script reads (CleanRL's 
 
     args = tyro.cli(Args)                  # Args(GRPOArgs): the shared flags, then its own
     h = setup(args, __file__, check_args)  # checks, distributed, run folder, rewards, model, logger
-    run = h.start(optimizer)               # the EMA, and a resume's weights, optimizer, RNG, counters
+    run = h.start(optimizer)               # the EMA, and a resume's weights, optimizer, RNG...
     for iteration in range(run.start_iteration, args.num_iterations + 1): ...
 
 Paper values live in docs/ and the checked presets, not in the help. `derived(...)` fields are not
@@ -224,10 +224,10 @@ class Harness:
     def start(
         self, optimizer, scaler=None, side_files=None, first_row=None, extra_state=None
     ) -> Run:
-        """The EMA and a resume's state; -> the Run that logs, evaluates and saves. `scaler`: a GradScaler
-        (fp16 must enable one: its gradients underflow); `side_files` ({name: text}) go into every
-        checkpoint, `first_row` into iteration 0's metrics, `extra_state` ({name: EMA-like}) is saved
-        and restored with the weights."""
+        """The EMA and a resume's state; -> the Run that logs, evaluates and saves. `scaler`: a
+        GradScaler, which fp16 must enable (its gradients underflow); `side_files` ({name: text})
+        go into every checkpoint, `first_row` into iteration 0's metrics, `extra_state` ({name:
+        EMA-like}) is saved and restored with the weights."""
         a = self.args
         if self.backbone.dtype == torch.float16 and not (scaler and scaler.is_enabled()):
             raise ConfigError(
@@ -289,7 +289,7 @@ class Harness:
 
 
 def given_flags(argv: list[str]) -> set[str]:
-    """The fields named on the command line: --learning-rate 1e-3 -> learning_rate, --no-track ->
+    """Fields named on the command line: --learning-rate 1e-3 -> learning_rate, --no-track ->
     track."""
     names = set()
     for token in argv:
@@ -356,13 +356,12 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
         shard=args.parallel == "fsdp",
         decode_batch_size=args.decode_batch_size,
     )
-    targets = LORA_TARGETS[args.lora_target]
     trainable = Trainable(
         backbone,
         args.full_finetune,
         args.lora_rank,
         args.lora_alpha,
-        targets,
+        LORA_TARGETS[args.lora_target],
         need_reference=args.wants_reference(),
     )
     policy = parallelize(trainable, args.parallel, world_size, args.fsdp_offload)

@@ -1,5 +1,5 @@
-"""Every picture a run saves: charts (matplotlib through `Figure` only: no global pyplot state, no GUI
-backend) and captioned image grids (PIL, so that every image pixel is the sampled pixel)."""
+"""Every picture a run saves: charts (matplotlib through `Figure` only: no global pyplot state, no
+GUI backend) and captioned image grids (PIL, so that every image pixel is the sampled pixel)."""
 
 from __future__ import annotations
 
@@ -219,8 +219,8 @@ def font(size: int) -> ImageFont.FreeTypeFont:
 
 
 def _cell_size(res: int) -> int:
-    """Displayed image side: small images repeat pixels up to >= 128 px (what the scorer sees), large
-    ones shrink to 256 px so that a 16-image grid stays a few MB."""
+    """Displayed image side: small images repeat pixels up to >= 128 px (what the scorer sees),
+    large ones shrink to 256 px so that a 16-image grid stays a few MB."""
     return res * max(1, 128 // res) if res < 128 else min(res, 256)
 
 
@@ -305,7 +305,7 @@ def captioned_grid(
 
 
 def accuracy_line(metrics: dict) -> str:
-    """'single 0.75, counting 0.23, ... | overall 0.47' from evaluation metrics (else the reward)."""
+    """'single 0.75, counting 0.23, ... | overall 0.47' from evaluation metrics, else the reward."""
     if "eval/accuracy" not in metrics:
         return f"reward {metrics.get('eval/reward_mean', float('nan')):.3f}"
     cats = [k for k in metrics if k.startswith("eval/accuracy_") and k != "eval/accuracy_se"]

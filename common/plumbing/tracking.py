@@ -101,14 +101,14 @@ def start_wandb(run_dir: str, config: dict, project: str, entity, name: str, new
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         raise ConfigError(
             f"--track: wandb did not start in {time.monotonic() - start:.0f} s "
-            f"({e.__class__.__name__}: {_one_line(e, 200) or e.__class__.__name__}; the run's start "
-            f"may take WANDB_INIT_TIMEOUT={timeout:g} s): check the network and the API key, or "
-            f"{OR_OFFLINE}"
+            f"({e.__class__.__name__}: {_one_line(e, 200) or e.__class__.__name__}; the run's "
+            f"start may take WANDB_INIT_TIMEOUT={timeout:g} s): check the network and the API "
+            f"key, or {OR_OFFLINE}"
         ) from None
 
 
 def to_wandb(run, metrics: dict, images: dict) -> None:
-    """A metrics row with its pictures: an image, or (image, caption) pairs (a captioned gallery)."""
+    """A metrics row with its pictures: an image, or (image, caption) pairs (a gallery)."""
     import wandb
 
     extra = {
