@@ -98,7 +98,7 @@ RANGES: dict[str, Rule] = {
         hi=MAX_BATCH,
     ),
     "eval_batch_size": _int(1, "images per transformer call at evaluation", hi=MAX_BATCH),
-    "decode_batch_size": _int(1, "images per VAE decode call"),  # and check_decode_batch_size
+    "decode_batch_size": _int(1, "images per VAE decode call"),  # and at most a batch
     "eval_seeds_per_prompt": _int(1, "images per evaluation prompt"),
     "optimizer_steps_per_iteration": _int(1, "optimizer steps per iteration"),
     "num_inner_epochs": _int(1, "passes over an iteration's transitions"),
@@ -171,18 +171,14 @@ def check_flag(args, name: str, rule: Rule) -> None:
 
 
 def check_ranges(args, table: dict[str, Rule] | None = None) -> None:
-    """Every flag of `table` (default RANGES) that `args` has; with RANGES, --decode-batch-size
-    also against what the run decodes."""
+    """Every flag of `table` (default RANGES) that `args` has; with RANGES, --decode-batch-size is
+    also at most the larger of the batches a VAE decode call gets (rollout, evaluation), or its
+    default: a larger value decodes the same."""
     for name, rule in (table or RANGES).items():
         if hasattr(args, name):
             check_flag(args, name, rule)
-    if table is None and hasattr(args, "decode_batch_size"):
-        check_decode_batch_size(args)
-
-
-def check_decode_batch_size(args) -> None:
-    """A VAE decode call gets a rollout or an evaluation batch: --decode-batch-size is at most the
-    larger of the two (a larger value decodes the same), or its default."""
+    if table is not None or not hasattr(args, "decode_batch_size"):
+        return
     batches = {n: getattr(args, n, 1) for n in ("rollout_batch_size", "eval_batch_size")}
     default = _default(args, "decode_batch_size", 1)
     most = max(*batches.values(), default)
