@@ -139,17 +139,14 @@ def evaluate(
         dist.all_gather_object(parts, panel_part)
     keys = next(r for rr in rows for r in rr)  # a rank may have had no job
     merged = {k: sum((r[k] for rr in rows for r in rr), []) for k in keys}
-    metrics = {"eval/reward_mean": float(np.mean(merged["reward"]))}
-    for k in merged:
-        if k.startswith("guard/"):
-            metrics[f"eval/{k}"] = float(np.mean(merged[k]))
+    guards = {f"eval/{k}": float(np.mean(v)) for k, v in merged.items() if k.startswith("guard/")}
+    metrics = {"eval/reward_mean": float(np.mean(merged["reward"])), **guards}
     if toy:
         per_cat = {}
         for c, ok in zip(merged["category"], merged["correct"]):
             per_cat.setdefault(c, []).append(ok)
         for c, v in per_cat.items():
             metrics[f"eval/accuracy_{c}"] = float(np.mean(v))
-        # mean of categories
         metrics["eval/accuracy"] = float(np.mean([np.mean(v) for v in per_cat.values()]))
         metrics["eval/accuracy_se"] = accuracy_se(per_cat)
     shown_rows = sorted((p for pp in parts for p in pp), key=lambda t: t[0])
