@@ -1,17 +1,9 @@
 """Checks of user input before any model is loaded, and their one-line error, ConfigError.
 
-The numeric flags the three scripts share have their ranges in one table (RANGES).
-
-Each script's check_args calls `check_ranges(args)` first (so the batch arithmetic after it never
-divides by 0), then checks its own flags with `check_flag`. A violation is one line, raised as
-ConfigError:
-
-    error: --noise-level -1.0: must be >= 0 (a scales the SDE's standard deviation; 0 = the
-    deterministic ODE); the default is 0.7
-
-i.e. what was given, what is allowed and why, and the usual value (the script's own default, read
-from its Args, so the message is right in every script). Floats must also be finite: tyro turns
-"nan" and "inf" into floats.
+Each script's check_args calls `check_ranges(args)` (the shared flags' RANGES) first, so that its
+batch arithmetic never divides by 0, then `check_flag` on its own flags. A violation says what was
+given, what is allowed and why, and the script's default. Floats must be finite too: tyro reads
+"nan" and "inf".
 """
 
 from __future__ import annotations
@@ -21,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 
 
@@ -29,13 +22,11 @@ class ConfigError(SystemExit):
 
     def __init__(self, message: str):
         super().__init__(f"error: {message}")
-        self.code_message = message
 
 
 @dataclass(frozen=True)
 class Rule:
-    """lo <= value (lo < value when lo_open), value <= hi (< hi when hi_open); None allowed when
-    optional."""
+    """lo <= value <= hi (strict where lo_open / hi_open); None is allowed when optional."""
 
     lo: float | None = None
     hi: float | None = None
@@ -48,10 +39,8 @@ class Rule:
 
     def allowed(self) -> str:
         if self.lo is not None and self.hi is not None:
-            return (
-                f"in {'(' if self.lo_open else '['}{self.lo:g}, "
-                f"{self.hi:g}{')' if self.hi_open else ']'}"
-            )
+            left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
+            return f"in {left}{self.lo:g}, {self.hi:g}{right}"
         if self.lo is not None:
             return f"{'>' if self.lo_open else '>='} {self.lo:g}"
         return f"{'<' if self.hi_open else '<='} {self.hi:g}"
@@ -59,11 +48,7 @@ class Rule:
     def ok(self, v) -> bool:
         if v is None:
             return self.optional
-        if (
-            isinstance(v, bool)
-            or not isinstance(v, (int, float))
-            or (self.integer and not isinstance(v, int))
-        ):
+        if isinstance(v, bool) or not isinstance(v, int if self.integer else (int, float)):
             return False
         if math.isnan(v) or (math.isinf(v) and not self.allow_inf):
             return False
@@ -76,13 +61,10 @@ def _int(lo: int, why: str = "", optional: bool = False, hi: int | None = None) 
     return Rule(lo, hi, integer=True, optional=optional, why=why)
 
 
-# Rows one call may hold (a transformer forward, a VAE decode, a training batch): more than the
-# largest evaluation the scripts accept (MAX_EVAL_IMAGES) is a typo, and past 2**63 torch cannot
-# even split a tensor by it (a traceback after the model loaded).
+# Rows one call may hold: more than the largest evaluation accepted (MAX_EVAL_IMAGES) is a typo,
+# and past 2**63 torch cannot even split a tensor by it (a traceback after the model loaded).
 MAX_BATCH = 1_000_000
-# The schedulers of SD3, FLUX and the toy model are trained on 1000 timesteps: more steps than that
-# is a typo (a schedule of 10**20 steps cannot be allocated).
-MAX_STEPS = 1000
+MAX_STEPS = 1000  # the schedulers are trained on 1000 timesteps; 10**20 cannot be allocated
 
 
 # The shared table: flag (Args field) -> rule. A field a script does not have is skipped.
@@ -116,7 +98,7 @@ RANGES: dict[str, Rule] = {
         hi=MAX_BATCH,
     ),
     "eval_batch_size": _int(1, "images per transformer call at evaluation", hi=MAX_BATCH),
-    "decode_batch_size": _int(1, "images per VAE decode call"),  # and check_decode_batch_size
+    "decode_batch_size": _int(1, "images per VAE decode call"),  # and at most a batch
     "eval_seeds_per_prompt": _int(1, "images per evaluation prompt"),
     "optimizer_steps_per_iteration": _int(1, "optimizer steps per iteration"),
     "num_inner_epochs": _int(1, "passes over an iteration's transitions"),
@@ -165,15 +147,20 @@ def _show(v) -> str:
     return " ".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
 
 
+def _default(args, name: str, missing=dataclasses.MISSING):
+    """The default of `args`' field `name` (a dataclass; argparse's namespace has none)."""
+    fields = dataclasses.fields(args) if dataclasses.is_dataclass(args) else ()
+    return next((f.default for f in fields if f.name == name), missing)
+
+
 def check_flag(args, name: str, rule: Rule) -> None:
-    """One flag against one rule (a tuple flag: each element); ConfigError with the given, allowed
-    and usual value."""
+    """One flag against one rule (a tuple flag: each element), or ConfigError naming the given, the
+    allowed and the default value."""
     value = getattr(args, name)
     values = value if isinstance(value, (tuple, list)) else (value,)
     if all(rule.ok(v) for v in values) and (value is not None or rule.optional):
         return
-    fields = dataclasses.fields(args) if dataclasses.is_dataclass(args) else ()  # or argparse's
-    default = next((f.default for f in fields if f.name == name), dataclasses.MISSING)
+    default = _default(args, name)
     usual = "" if default is dataclasses.MISSING else f"; the default is {_show(default)}"
     kind = "an integer " if rule.integer else "a finite number " if not rule.allow_inf else ""
     why = f" ({rule.why})" if rule.why else ""
@@ -184,21 +171,16 @@ def check_flag(args, name: str, rule: Rule) -> None:
 
 
 def check_ranges(args, table: dict[str, Rule] | None = None) -> None:
-    """Every flag of `table` (default RANGES) that `args` has; with RANGES, --decode-batch-size
-    also against what the run decodes (check_decode_batch_size)."""
+    """Every flag of `table` (default RANGES) that `args` has; with RANGES, --decode-batch-size is
+    also at most the larger of the batches a VAE decode call gets (rollout, evaluation), or its
+    default: a larger value decodes the same."""
     for name, rule in (table or RANGES).items():
         if hasattr(args, name):
             check_flag(args, name, rule)
-    if table is None and hasattr(args, "decode_batch_size"):
-        check_decode_batch_size(args)
-
-
-def check_decode_batch_size(args) -> None:
-    """A VAE decode call gets a rollout batch or an evaluation batch, so --decode-batch-size is at
-    most the larger of the two (any value above decodes the same), or its default."""
+    if table is not None or not hasattr(args, "decode_batch_size"):
+        return
     batches = {n: getattr(args, n, 1) for n in ("rollout_batch_size", "eval_batch_size")}
-    fields = dataclasses.fields(args) if dataclasses.is_dataclass(args) else ()
-    default = next((f.default for f in fields if f.name == "decode_batch_size"), 1)
+    default = _default(args, "decode_batch_size", 1)
     most = max(*batches.values(), default)
     if args.decode_batch_size > most:
         given = ", ".join(f"{_flag(n)} {v}" for n, v in batches.items())
@@ -210,23 +192,21 @@ def check_decode_batch_size(args) -> None:
 
 
 def check_sde_type(args, trains_last_step: bool, which: str) -> None:
-    """--sde-type cps (common/sampler.py, E6) and its two limits, for the three scripts' check_args.
-    `which` names the flags that decide the trained steps, for the message."""
+    """--sde-type cps (common/sampler.py, E6) and its limits; `which` names the flags that decide
+    the trained steps."""
     if getattr(args, "ratio_norm", "off") != "off" and args.sde_type != "sde":
         raise ConfigError(
             f"--ratio-norm {args.ratio_norm} with --sde-type {args.sde_type}: GRPO-Guard's "
             "RatioNorm (E7) is defined for the SDE step, whose log-prob has the 1 / (2 s^2) and "
             "the sqrt|dt| it undoes; use --sde-type sde, or --ratio-norm off"
         )
-    if args.sde_type != "cps":
-        return
-    if args.noise_level > 1:
+    if args.sde_type == "cps" and args.noise_level > 1:
         raise ConfigError(
             f"--noise-level {args.noise_level} with --sde-type cps: must be in [0, 1] (the CPS std "
             "sigma_next sin(a pi / 2) is largest at a = 1 and falls again above it); the released "
             "CPS configs use 0.8"
         )
-    if trains_last_step:
+    if args.sde_type == "cps" and trains_last_step:
         raise ConfigError(
             f"--sde-type cps with {which}: the last step is trained, but it lands on sigma = 0, "
             "where the CPS std sigma_next sin(a pi / 2) is 0 (no action to learn, and the KL "
@@ -234,13 +214,12 @@ def check_sde_type(args, trains_last_step: bool, which: str) -> None:
         )
 
 
-# A run folder's name is one entry of a directory: most file systems take 255 bytes.
-MAX_NAME_BYTES = 255
+MAX_NAME_BYTES = 255  # a run folder's name is one directory entry: most file systems take 255
 
 
 def check_run_name(args) -> None:
-    """--run-name is one plain folder name inside --output-dir (not '.', '..', a path, empty, a
-    control character such as a newline, or longer than a file system takes)."""
+    """--run-name is one plain folder name: not '.', '..', a path, empty, a control character, or
+    longer than a file system takes."""
     name = args.run_name
     if name is None:
         return
@@ -258,42 +237,30 @@ def check_run_name(args) -> None:
 
 
 # A prompt longer than this is not a prompt: the text encoders read at most 512 T5 tokens (about
-# 2,500 characters; CLIP 77 tokens) and cut the rest, and an evaluation grid captions every prompt.
+# 2,500 characters) and cut the rest, and an evaluation grid captions every prompt.
 MAX_PROMPT_CHARS = 4096
 MAX_PROMPT_FILE_BYTES = 64 * 2**20
 
 
 def read_prompt_file(path: str, flag: str, digests: dict | None = None) -> list[str]:
-    """The prompts of a --prompts-file / --eval-prompts file; a missing, unreadable, empty or
-    oversized one names its flag. The file is read once (it may be a pipe, `<(...)`): `digests`,
-    when given, receives the sha256 of the bytes read (under the flag's field name,
-    e.g. eval_prompts), which a checkpoint records and a resume compares."""
+    """The prompts of a --prompts-file / --eval-prompts file, or one line naming the flag. Read once
+    (it may be a pipe): `digests` gets the sha256 of the bytes read, which checkpoints record."""
     from common import toyworld
+
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"{flag} '{path}' {what}: give a text file with one prompt per line")
 
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_PROMPT_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(
-            f"{flag} '{path}' does not exist: give a text file with one prompt per line"
-        ) from None
-    except OSError as e:
-        raise ConfigError(
-            f"{flag} '{path}' cannot be read ({e.__class__.__name__}: {e.strerror or e}): give a "
-            "text file with one prompt per line"
-        ) from None
-    if len(raw) > MAX_PROMPT_FILE_BYTES:
-        raise ConfigError(
-            f"{flag} '{path}' is larger than {MAX_PROMPT_FILE_BYTES // 2**20} MiB: give a text "
-            "file with one prompt per line"
-        )
-    try:
+        if len(raw) > MAX_PROMPT_FILE_BYTES:
+            raise bad(f"is larger than {MAX_PROMPT_FILE_BYTES // 2**20} MiB")
         prompts = toyworld.prompts_from_text(raw.decode("utf-8-sig"), path)
-    except UnicodeDecodeError as e:
-        raise ConfigError(
-            f"{flag} '{path}' cannot be read ({e.__class__.__name__}: {e}): give a text file with "
-            "one prompt per line"
-        ) from None
+    except FileNotFoundError:
+        raise bad("does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        reason = getattr(e, "strerror", None) or e
+        raise bad(f"cannot be read ({e.__class__.__name__}: {reason})") from None
     except ValueError as e:
         raise ConfigError(f"{flag}: {e}") from None
     for k, p in enumerate(prompts):
@@ -326,9 +293,8 @@ def check_eval_size(args, eval_prompts: list[str]) -> None:
 
 
 # ------------------------------------------------------------------------------- files read back
-# JSON the project reads back (args.json, COMPLETE.json, metrics rows, psi.json, the benchmarks'
-# files) is at most a few levels deep; anything deeper is not one of them, and Python's parser
-# would run out of stack on it (RecursionError) long before it ran out of memory.
+# The JSON the project reads back is a few levels deep; deeper is not one of its files, and Python's
+# parser would run out of stack on it (RecursionError) long before it ran out of memory.
 MAX_JSON_DEPTH = 32
 
 
@@ -347,21 +313,18 @@ def _depth(value) -> int:
     while stack:
         v, d = stack.pop()
         deepest = max(deepest, d)
-        if isinstance(v, dict):
-            stack.extend((x, d + 1) for x in v.values())
-        elif isinstance(v, list):
-            stack.extend((x, d + 1) for x in v)
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+        stack.extend((x, d + 1) for x in children)
     return deepest
 
 
 def parse_json(text: str, expect: type = dict):
-    """A JSON text, parsed and checked at its top: `expect` (dict: an object; list: a list), at
-    most MAX_JSON_DEPTH deep. Raises ValueError saying what it is instead (one line)."""
+    """A JSON text that is an `expect` (dict or list) at most MAX_JSON_DEPTH deep, or ValueError
+    saying what it is instead (json.JSONDecodeError, a ValueError, says where the text breaks)."""
     try:
         value = json.loads(text)
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
-    # (json.JSONDecodeError, a ValueError, goes up as it is: its message says where the text breaks)
     if not isinstance(value, expect):
         raise ValueError(f"{kind_of(value)}, not {kind_of(expect())}")
     if _depth(value) > MAX_JSON_DEPTH:
@@ -370,9 +333,8 @@ def parse_json(text: str, expect: type = dict):
 
 
 def read_json(path: str, expect: type = dict):
-    """A JSON file (see parse_json); a folder, an unreadable file or one that is not UTF-8 raise
-    ValueError too, so that a caller's one `except ValueError` names every way it can be wrong.
-    (A missing file stays FileNotFoundError: callers say what to do about that.)"""
+    """A JSON file (see parse_json); every bad file raises ValueError too, but a missing one stays
+    FileNotFoundError (callers say what to do about that)."""
     if os.path.isdir(path):
         raise ValueError("a folder, not a file")
     try:
@@ -381,17 +343,13 @@ def read_json(path: str, expect: type = dict):
     except FileNotFoundError:
         raise
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(
-            f"unreadable ({e.__class__.__name__}: {getattr(e, 'strerror', e)})"
-        ) from None
+        reason = getattr(e, "strerror", e)
+        raise ValueError(f"unreadable ({e.__class__.__name__}: {reason})") from None
     return parse_json(text, expect)
 
 
 def pickled_global(e: BaseException) -> str | None:
-    """The Python object a torch.load(weights_only=True) refused to rebuild
-    ('numpy...._reconstruct'), or None when the error is of another kind (a file that is not a
-    checkpoint at all)."""
-    import re
-
+    """The Python object a torch.load(weights_only=True) refused to rebuild, or None when the error
+    is of another kind (a file that is not a checkpoint at all)."""
     found = re.search(r"GLOBAL (\S+)", str(e))
     return found.group(1) if found else None

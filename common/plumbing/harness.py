@@ -1,27 +1,13 @@
-"""The harness every script shares: its flags and its set-up, once.
+"""The harness every script shares, once: its flags (`HarnessArgs`; `GRPOArgs` adds the training
+section the three GRPO scripts share) and its set-up. A script reads (CleanRL's shape):
 
-A script reads, top to bottom (CleanRL's shape, with the set-up in one call):
-
-    @dataclass
-    class Args(GRPOArgs):                 # the shared flags, then the algorithm's own
-        noise_level: float = 0.7
-        ...
-    args = tyro.cli(Args)
+    args = tyro.cli(Args)                  # Args(GRPOArgs): the shared flags, then its own
     h = setup(args, __file__, check_args)  # checks, distributed, run folder, rewards, model, logger
-    optimizer = torch.optim.AdamW(h.params.values(), lr=args.learning_rate, ...)
-    run = h.start(optimizer)               # the EMA, and a resume's weights, optimizer, RNG, counters
-    for iteration in range(run.start_iteration, args.num_iterations + 1):
-        ...evaluate, roll out, train, log, save: the script's main loop...
+    run = h.start(optimizer)               # the EMA, and a resume's weights, optimizer, RNG...
+    for iteration in range(run.start_iteration, args.num_iterations + 1): ...
 
-`HarnessArgs` holds the flags of everything that is not an algorithm (the experiment and its run
-folder, the model and what of it is trained, the prompts and the reward, the held-out evaluation,
-the EMA). `GRPOArgs` adds the flags of the training section the three GRPO scripts share line for
-line (docs/design.md, the transitions interface). Each script's `Args` extends one of them with its
-own rollout, advantage and optimizer flags. Paper values and results live in docs/ and in the
-checked presets (tests/test_paper_values.py), not in the help.
-
-Fields made with `derived(...)` are not flags: the program fills them in (the batch arithmetic, the
-world size, the checkpoint a run resumed from) and records them in args.json.
+Paper values live in docs/ and the checked presets, not in the help. `derived(...)` fields are not
+flags: the program fills them in and records them in args.json.
 """
 
 from __future__ import annotations
@@ -50,15 +36,15 @@ from common.plumbing.run import Run, RunLogger
 from common.plumbing.run_folder import adopt_run_flags, resolve_run_dir, resume_source
 from common.plumbing.signals import setup_reached, stop_on_signals_in_setup
 from common.plumbing.tracking import check_tracking
-from common.plumbing.utils import (
-    seed_everything,
-    set_tf32,
-    setup_distributed,
-    truncate_metrics,
-)
+from common.plumbing.utils import seed_everything, set_tf32, setup_distributed, truncate_metrics
 from common.policy import EMA, Trainable, ema_weights
 
 TOY_MODEL = os.path.join(os.path.dirname(toyworld.__file__), "model")  # the shipped toy model
+# The batch's shape, printed at the start (the fields a script has).
+BATCH_FIELDS = (
+    "world_size groups_per_iteration group_size images_per_iteration images_per_rank "
+    "rollout_batch_size train_batch_size trained_steps optimizer_steps_per_iteration"
+).split()
 
 
 def derived(default=0):
@@ -172,10 +158,8 @@ class HarnessArgs:
     """optimizer steps per iteration (each after the first is off-policy)"""
 
     # ---- filled in by the program (not flags)
-    world_size: int = derived()
-    """number of processes (torchrun ranks)"""
-    resumed_from: str | None = derived(None)
-    """the checkpoint folder this run was resumed from"""
+    world_size: int = derived()  # number of processes (torchrun ranks)
+    resumed_from: str | None = derived(None)  # the checkpoint folder this run was resumed from
 
     def wants_reference(self) -> bool:
         """Whether the loss needs the reference model (the backbone without its LoRA)."""
@@ -238,19 +222,12 @@ class Harness:
         return self.rank == 0
 
     def start(
-        self,
-        optimizer,
-        scaler: torch.amp.GradScaler | None = None,
-        side_files: dict[str, str] | None = None,
-        first_row: dict | None = None,
-        extra_state: dict | None = None,
+        self, optimizer, scaler=None, side_files=None, first_row=None, extra_state=None
     ) -> Run:
-        """The EMA, then a resume's weights, optimizer, EMA, loss scale, RNG and counters as saved;
-        the Run that logs, evaluates and saves. `scaler`: the script's torch.amp.GradScaler, which
-        an fp16 run must have (its gradients underflow without one); `side_files` ({name: text})
-        go into every checkpoint; `first_row` (metrics) into iteration 0's row (a resumed run has
-        it already); `extra_state` ({name: EMA-like}, e.g. DiffusionNFT's old policy) is saved and
-        restored with the weights."""
+        """The EMA and a resume's state; -> the Run that logs, evaluates and saves. `scaler`: a
+        GradScaler, which fp16 must enable (its gradients underflow); `side_files` ({name: text})
+        go into every checkpoint, `first_row` into iteration 0's metrics, `extra_state` ({name:
+        EMA-like}) is saved and restored with the weights."""
         a = self.args
         if self.backbone.dtype == torch.float16 and not (scaler and scaler.is_enabled()):
             raise ConfigError(
@@ -258,11 +235,9 @@ class Harness:
                 "build torch.amp.GradScaler(device, enabled=True) and pass it to h.start"
             )
         scaler = scaler or torch.amp.GradScaler(self.device.type, enabled=False)
-        ema = (
-            EMA(self.params, a.ema_decay, a.ema_update_interval, a.ema_warmup)
-            if a.ema_decay > 0
-            else None
-        )
+        ema = None
+        if a.ema_decay > 0:
+            ema = EMA(self.params, a.ema_decay, a.ema_update_interval, a.ema_warmup)
         start_iteration, counts = 0, None
         if self.resume_dir:
             start_iteration, counts = restore_checkpoint(
@@ -314,7 +289,7 @@ class Harness:
 
 
 def given_flags(argv: list[str]) -> set[str]:
-    """The fields named on the command line: --learning-rate 1e-3 -> learning_rate, --no-track ->
+    """Fields named on the command line: --learning-rate 1e-3 -> learning_rate, --no-track ->
     track."""
     names = set()
     for token in argv:
@@ -326,12 +301,9 @@ def given_flags(argv: list[str]) -> set[str]:
 
 @stop_on_signals_in_setup
 def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = None) -> Harness:
-    """Everything before the optimizer, cheapest first, so bad input costs one line, not a model
-    load: prompt files, reward names, the model folder, the flags (the script's own `check_args`),
-    the run folder (or the checkpoint a resume verifies); then the rewards, the backbone, the
-    trained weights (LoRA or full, the KL reference), DDP or FSDP2, the logger. A resume first takes
-    the run's own value of every flag not on the command line (`argv`, default sys.argv). SIGINT and
-    SIGTERM stop it from its first line in one line, exit 128 + signal."""
+    """Everything before the optimizer, cheapest first so that bad input costs one line, not a model
+    load. A resume takes the run's flags but those in `argv` (default sys.argv). SIGINT and SIGTERM
+    stop it in one line from its first line, exit 128 + signal."""
     check_run_name(args)
     check_tracking(args)
     given = given_flags(sys.argv[1:] if argv is None else argv)
@@ -339,7 +311,10 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
     if args.resume:  # the checkpoint (or a run folder without one) and the run's flags
         log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *_: None)
         source = resume_source(args.resume, log)
-        legacy_precision(source[1])
+        # args.json before 2026-12-05 (no decode_batch_size) computed in fp32 on a CPU whatever the
+        # flag said: resumed on a CPU, such a run continues in fp32, not in the bf16 it names
+        if "decode_batch_size" not in source[1] and not torch.cuda.is_available():
+            source[1]["mixed_precision"] = "fp32"
         adopt_run_flags(args, source[1], source[2], given)
     digests = {}  # the prompt files as read: a checkpoint records them, a resume compares them
     train_prompts = read_prompt_file(args.prompts_file, "--prompts-file", digests)
@@ -367,7 +342,8 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
     )
     setup_reached(run_dir)
     if rank == 0:
-        print("batch arithmetic: " + batch_arithmetic(args))
+        shape = (f"{k}={getattr(args, k)}" for k in BATCH_FIELDS if hasattr(args, k))
+        print("batch arithmetic: " + ", ".join(shape))
     reward_model, guard_model = load_rewards(
         args.reward, args.guard_rewards, args.reward_model_paths, device
     )
@@ -389,15 +365,11 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
         need_reference=args.wants_reference(),
     )
     policy = parallelize(trainable, args.parallel, world_size, args.fsdp_offload)
+    config = {"script": os.path.basename(script), **asdict(args)}  # a resume names the script
+    name = os.path.basename(run_dir)
     with writing(run_dir):  # args.json, atomic; a full disk: one line
         logger = RunLogger(
-            run_dir,
-            rank == 0,
-            args.track,
-            {"script": os.path.basename(script), **asdict(args)},  # a resume names the script
-            args.wandb_project_name,
-            args.wandb_entity,
-            os.path.basename(run_dir),
+            run_dir, rank == 0, args.track, config, args.wandb_project_name, args.wandb_entity, name
         )
     h = Harness(
         args,
@@ -421,18 +393,9 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
     return h
 
 
-def legacy_precision(saved: dict) -> None:
-    """A run recorded before --mixed-precision had fp32 and auto (2026-12-05: args.json has no
-    decode_batch_size) computed in fp32 on a CPU whatever the flag said: resumed on a CPU, it
-    continues in fp32, not in the bf16 its args.json names."""
-    if "decode_batch_size" not in saved and not torch.cuda.is_available():
-        saved["mixed_precision"] = "fp32"
-
-
 def split_batch(args, world_size: int) -> None:
-    """The batch arithmetic of a script whose groups spread over the ranks, in one place: the images
-    per iteration (prompts x G) and per rank; one line when they do not split over the ranks or the
-    rollout batches."""
+    """The images per iteration (prompts x G) and per rank of a script whose groups spread over the
+    ranks; one line when they do not split over the ranks or the rollout batches."""
     args.images_per_iteration = args.groups_per_iteration * args.group_size
     if args.images_per_iteration % world_size:
         raise ConfigError(
@@ -446,21 +409,3 @@ def split_batch(args, world_size: int) -> None:
             f"--rollout-batch-size {args.rollout_batch_size}; pick a divisor of "
             f"{args.images_per_rank}"
         )
-
-
-BATCH_FIELDS = (
-    "world_size",
-    "groups_per_iteration",
-    "group_size",
-    "images_per_iteration",
-    "images_per_rank",
-    "rollout_batch_size",
-    "train_batch_size",
-    "trained_steps",
-    "optimizer_steps_per_iteration",
-)
-
-
-def batch_arithmetic(args) -> str:
-    """'world_size=1, groups_per_iteration=32, ...': the batch's shape, printed at the start."""
-    return ", ".join(f"{k}={getattr(args, k)}" for k in BATCH_FIELDS if hasattr(args, k))

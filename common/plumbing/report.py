@@ -1,5 +1,4 @@
-"""The end of a run, from what it wrote: its pictures (learning_curve.png, steps_heatmap.png,
-before_after.png) and the one-line summary of its held-out metric."""
+"""The end of a run, from what it wrote: its pictures and the one line of its held-out metric."""
 
 from __future__ import annotations
 
@@ -11,35 +10,31 @@ from common.plumbing.plots import before_after, learning_curve, step_heatmap
 
 
 def run_pictures(run_dir: str, history: list[dict], title: str) -> list[str]:
-    """The end-of-run pictures, from what the run wrote: learning_curve.png (metrics),
-    steps_heatmap.png (when a `steps/...` metric differs between steps) and before_after.png (the
-    first and the last evaluation's panel, samples/eval_*.npz, so a resumed run still compares with
-    its starting model). -> the paths written."""
+    """learning_curve.png, steps_heatmap.png (when drawn) and before_after.png (the first and last
+    samples/eval_*.npz: a resumed run still compares with its start); -> the paths written."""
     written = [os.path.join(run_dir, "learning_curve.png")]
     learning_curve(history, written[0], title)
     heatmap = os.path.join(run_dir, "steps_heatmap.png")
-    # drawn only when some steps/* metric differs between the steps (on-policy with one advantage
-    # per trajectory and no KL, none does: the default Flow-GRPO and G²RPO runs write none)
     if step_heatmap(history, "steps/", heatmap, f"{title}: per-step diagnostics"):
         written.append(heatmap)
     panels = sorted(glob.glob(os.path.join(run_dir, "samples", "eval_*.npz")))
-    if len(panels) >= 2:
-        try:
-            first, last = Panel.load(panels[0]), Panel.load(panels[-1])
-        except (OSError, ValueError, TypeError, KeyError) as e:  # not a panel this code wrote
-            print(
-                f"warning: before_after.png not drawn: {panels[0]} or {panels[-1]} is not an "
-                f"evaluation panel ({e.__class__.__name__}: {str(e)[:160]})"
-            )
-            return written
-        written.append(os.path.join(run_dir, "before_after.png"))
-        before_after(first, last, written[-1], title)
+    if len(panels) < 2:
+        return written
+    try:
+        first, last = Panel.load(panels[0]), Panel.load(panels[-1])
+    except (OSError, ValueError, TypeError, KeyError) as e:  # not a panel this code wrote
+        print(
+            f"warning: before_after.png not drawn: {panels[0]} or {panels[-1]} is not an "
+            f"evaluation panel ({e.__class__.__name__}: {str(e)[:160]})"
+        )
+        return written
+    written.append(os.path.join(run_dir, "before_after.png"))
+    before_after(first, last, written[-1], title)
     return written
 
 
 def summary_line(history: list[dict]) -> str:
-    """'held-out eval/accuracy: 0.471 ± 0.018 at iteration 0 -> 0.590 ± 0.017 at iteration 30'
-    (reward without a toy-world accuracy)."""
+    """'held-out eval/accuracy: 0.471 ± 0.018 at iteration 0 -> 0.590 ± 0.017 at iteration 30'."""
     key = "eval/accuracy" if any("eval/accuracy" in h for h in history) else "eval/reward_mean"
     evals = [h for h in history if key in h]
     if not evals:

@@ -1,6 +1,5 @@
-"""Tracking a run with Weights & Biases (--track): what can be checked before the model loads, the
-start of the wandb run within a timeout, and the metrics rows and pictures sent to it. wandb is
-imported only here, and only when --track asks for it."""
+"""Weights & Biases (--track): the checks before the model loads, the run's bounded start, and the
+rows and pictures sent to it. wandb is imported only here, and only when --track asks for it."""
 
 from __future__ import annotations
 
@@ -10,18 +9,22 @@ import time
 
 from common.plumbing.checks import ConfigError
 
-# How long wandb.init may take to start the run before the run stops in one line (wandb's own
-# default is 90 s, and with a key but no network it hung past that); WANDB_INIT_TIMEOUT overrides
-# it. wandb's identity lookups come on top (5 s each when the server does not answer them); a
-# server nothing answers at is refused before the model loads (check_reachable).
+# How long wandb.init may take to start the run (WANDB_INIT_TIMEOUT overrides it; wandb's own 90 s
+# default hung past that with a key and no network), and how long check_reachable waits for a TCP
+# connection: without one, wandb spent 5 s on each of two identity lookups, then the init timeout.
 WANDB_INIT_TIMEOUT_S = 30.0
+REACH_TIMEOUT_S = 5.0
+OFFLINE = "log offline with WANDB_MODE=offline"
+OR_OFFLINE = f"{OFFLINE} (then `wandb sync`), or drop --track"  # how most --track lines end
+
+
+def _one_line(e: BaseException, n: int) -> str:
+    return " ".join(str(e).split())[:n]
 
 
 def check_tracking(args) -> None:
-    """--track: what can be known before any model loads, in one line: wandb installed, a project
-    name wandb takes, and (online) an API key wandb will find and a server this machine can reach.
-    What cannot be known here (the key's validity, a server that accepts and never answers) is
-    bounded by RunLogger's timeout."""
+    """--track, before any model loads: wandb, a project name it takes and, online, an API key and a
+    server this machine reaches (the rest is bounded by start_wandb's timeout)."""
     if not args.track:
         return
     project = args.wandb_project_name
@@ -49,31 +52,21 @@ def check_tracking(args) -> None:
         return  # another wandb release: its own login is checked by wandb.init (bounded)
     except Exception as e:  # noqa: BLE001 - wandb's AuthenticationError: a malformed key
         raise ConfigError(
-            f"--track: wandb's credentials are unusable ({' '.join(str(e).split())[:160]}): fix "
-            "WANDB_API_KEY (or `wandb login`), or log offline with WANDB_MODE=offline"
+            f"--track: wandb's credentials are unusable ({_one_line(e, 160)}): fix "
+            f"WANDB_API_KEY (or `wandb login`), or {OFFLINE}"
         ) from None
     if auth is None:
         raise ConfigError(
             f"--track logs online to {settings.base_url}, and no wandb API key is set: export "
-            "WANDB_API_KEY (or run `wandb login`), or log offline with WANDB_MODE=offline (then "
-            "`wandb sync`), or drop --track"
+            f"WANDB_API_KEY (or run `wandb login`), or {OR_OFFLINE}"
         )
-    check_reachable(
-        settings.base_url,
-        getattr(settings, "https_proxy", None) or getattr(settings, "http_proxy", None),
-    )
-
-
-# How long the --track check waits for a TCP connection to the wandb server. Without one, wandb
-# spends 5 s on each of its two identity lookups and then WANDB_INIT_TIMEOUT on the run, after
-# the model has loaded (measured 2026-12-05, wandb 0.31: 12.5 s with WANDB_INIT_TIMEOUT=2).
-REACH_TIMEOUT_S = 5.0
+    proxy = getattr(settings, "https_proxy", None) or getattr(settings, "http_proxy", None)
+    check_reachable(settings.base_url, proxy)
 
 
 def check_reachable(url: str, proxy: str | None) -> None:
-    """One line before the model loads when nothing answers at the wandb server's address (no
-    network, no DNS, a wrong WANDB_BASE_URL). Behind a proxy wandb connects through it, and the
-    proxy is what would have to be probed: the check is left to wandb.init then."""
+    """One line when nothing answers at the wandb server's address (no network, no DNS, a wrong
+    WANDB_BASE_URL). Behind a proxy, the proxy would have to be probed: left to wandb.init."""
     import socket
     from urllib.parse import urlsplit
 
@@ -87,42 +80,35 @@ def check_reachable(url: str, proxy: str | None) -> None:
     except OSError as e:
         raise ConfigError(
             f"--track logs online to {url}, and this machine cannot reach it ({e.__class__.__name__}: "
-            f"{' '.join(str(e).split())[:120]}): check the network (or WANDB_BASE_URL), or log "
-            "offline with WANDB_MODE=offline (then `wandb sync`), or drop --track"
+            f"{_one_line(e, 120)}): check the network (or WANDB_BASE_URL), or {OR_OFFLINE}"
         ) from None
 
 
 def start_wandb(run_dir: str, config: dict, project: str, entity, name: str, new: list[str]):
     """The wandb run, started within WANDB_INIT_TIMEOUT seconds, or one line (ConfigError) after
     removing `new` (the files this run wrote so far: a run that failed here leaves nothing)."""
-    import wandb  # lazy: only runs that ask for wandb pay for it (WANDB_MODE=offline works)
+    import wandb
 
     timeout = float(os.environ.get("WANDB_INIT_TIMEOUT", WANDB_INIT_TIMEOUT_S))
     start = time.monotonic()
     try:
+        settings = wandb.Settings(init_timeout=timeout)
         return wandb.init(
-            project=project,
-            entity=entity,
-            name=name,
-            config=config,
-            dir=run_dir,
-            settings=wandb.Settings(init_timeout=timeout),
+            project=project, entity=entity, name=name, config=config, dir=run_dir, settings=settings
         )
     except Exception as e:  # noqa: BLE001 - no network, a refused key, a timeout: one line
         for path in new:
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        first = " ".join(str(e).split())[:200] or e.__class__.__name__
         raise ConfigError(
             f"--track: wandb did not start in {time.monotonic() - start:.0f} s "
-            f"({e.__class__.__name__}: {first}; the run's start may take WANDB_INIT_TIMEOUT="
-            f"{timeout:g} s): check the network and the API key, or "
-            "log offline with WANDB_MODE=offline (then `wandb sync`), or drop --track"
+            f"({e.__class__.__name__}: {_one_line(e, 200) or e.__class__.__name__}; the run's "
+            f"start may take WANDB_INIT_TIMEOUT={timeout:g} s): check the network and the API "
+            f"key, or {OR_OFFLINE}"
         ) from None
 
 
 def to_wandb(run, metrics: dict, images: dict) -> None:
-    """A metrics row to the wandb run, with its pictures: an image, or a list of (image, caption)
-    pairs (wandb shows them as one captioned gallery)."""
+    """A metrics row with its pictures: an image, or (image, caption) pairs (a gallery)."""
     import wandb
 
     extra = {
