@@ -389,9 +389,11 @@ class Run:
             scale = f"loss scale {self.scaler.get_scale():.3g}"
             what = f"gradient in {self.skips_in_a_row} fp16 steps in a row ({scale})"
             raise stop_nonfinite(what, self.iteration)
-        zeros, entries = gradient_zeros(self.params.values()) if finite else (0, 0)
-        stats.count(grad_norm=grad_norm if finite else 0, optimizer_steps=int(finite))
-        stats.count(skipped_steps=int(not finite), grad_zeros=zeros, grad_entries=entries)
+        if not finite:
+            stats.count(skipped_steps=1)
+            return
+        zeros, entries = gradient_zeros(self.params.values())
+        stats.count(grad_norm=grad_norm, optimizer_steps=1, grad_zeros=zeros, grad_entries=entries)
 
     def after_step(self, grad_norm: torch.Tensor) -> None:
         """After `scaler.step`: a step taken must leave every weight finite (a huge learning rate
