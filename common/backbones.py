@@ -300,13 +300,7 @@ class Backbone:
 
     # ---- the policy network ----------------------------------------------------------------------
     def velocity(
-        self,
-        latents,
-        sigma,
-        emb: PromptEmbeds,
-        guidance_scale: float = 1.0,
-        model=None,
-        detach_uncond: bool = False,
+        self, latents, sigma, emb: PromptEmbeds, guidance_scale=1.0, model=None, detach_uncond=False
     ) -> torch.Tensor:
         """v_θ(x_σ, σ, c) in float32; `sigma` a float or [B]. SD3: classifier-free guidance
         v = v_u + w (v_c - v_u) with the "" prompt, both branches in one batch as the pipeline does
@@ -314,14 +308,11 @@ class Backbone:
         FLUX.1-dev: the guidance scale is an input. `model`: e.g. the DDP-wrapped transformer."""
         model = self.transformer if model is None else model
         sigma = torch.as_tensor(sigma, device=self.device, dtype=torch.float32).expand(len(latents))
+        x = latents.to(self.dtype)
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
             if self.kind == "flux":
-                return self._flux_velocity(
-                    model, latents.to(self.dtype), sigma, emb, guidance_scale
-                )
-            return self._sd3_velocity(
-                model, latents.to(self.dtype), sigma, emb, guidance_scale, detach_uncond
-            )
+                return self._flux_velocity(model, x, sigma, emb, guidance_scale)
+            return self._sd3_velocity(model, x, sigma, emb, guidance_scale, detach_uncond)
 
     def _sd3_velocity(self, model, x, sigma, emb: PromptEmbeds, guidance_scale, detach_uncond):
         if guidance_scale <= 1.0:
