@@ -1,37 +1,10 @@
 """The main loop's bookkeeping: every block of an iteration that is not the algorithm, as one named
-call.
-
-Every script's loop reads, top to bottom (nanoGPT's shape: evaluate, step, log, save); the Run comes
-from `Harness.start` (common/plumbing/harness.py), which binds it to the model, the optimizer and
-the EMA:
-
-    run = h.start(optimizer)
-    for iteration in range(run.start_iteration, args.num_iterations + 1):
-        metrics = {"iteration": iteration}
-        last = run.is_last(iteration)               # the iteration count or the CPU budget is spent
-        if iteration % args.eval_every == 0 or last:
-            metrics.update(run.evaluate(iteration, last))   # held-out accuracy, the grid saved
-        if last:
-            run.log_final(metrics)
-            break
-        ro = rollout(...)                           # the algorithm, in the script
-        ...training section: the algorithm, in the script; run.check_gradient, run.after_step...
-        run.log(metrics, stats, ro)                 # one metrics.jsonl row (and wandb), the bar
-        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations:
-            run.checkpoint(iteration + 1)           # every rank's RNG gathered, rank 0 writes
-    run.finish()                                    # weights digest, pictures, the summary
-
-Nothing here changes what a run samples or learns; it is the same in every script and tested on its
-own (tests/test_run.py). Every file it writes is written atomically, and a write that fails (a full
-disk) is one line (`common/plumbing/checkpoint.py::writing`); SIGINT and SIGTERM stop a run with one
-line. Counters, cumulative over all ranks (metrics.jsonl and the checkpoint):
-- `trajectories`: images the policy sampled to the end (prompts x G per iteration, in every script);
-- `scored_images`: every image a reward model scored for training, completions included (Flow-GRPO:
-  one per trajectory; G²RPO: every branch at every granularity; DenseGRPO: one per scored latent of
-  every trajectory);
-- `nfe/<phase>`: transformer forwards per phase, a CFG pair counted once (`training_nfe` sums the
-  training ones).
-"""
+call (`Harness.start` makes the Run; docs/design.md shows the loop it serves). Nothing here changes
+what a run samples or learns (tests/test_run.py). Every file it writes is written atomically, a
+failed write is one line, and SIGINT and SIGTERM stop a run with one line. Counters, cumulative over
+all ranks (metrics.jsonl and the checkpoint): `trajectories` (images the policy sampled to the end),
+`scored_images` (every image a reward scored for training, completions included), `nfe/<phase>`
+(transformer forwards, a CFG pair counted once; `training_nfe` sums the training ones)."""
 
 from __future__ import annotations
 
