@@ -260,3 +260,18 @@ def test_run_logger_sends_captioned_panels_to_wandb(tmp_path, monkeypatch):
         "a photo of two blue squares (seed 1): reward 0.50, correct",
     ]
     assert logged["eval/panel"][0][1] == (128, 128)
+
+
+def test_a_one_iteration_heatmap_has_whole_iterations_on_its_axis(tmp_path, monkeypatch):
+    """A first iteration's heat map spans -0.5..0.5: its axis says "0", not -0.5, -0.4, ... run together."""
+    import common.plumbing.plots as plots
+
+    figures = []
+    real = plots._figure
+    monkeypatch.setattr(
+        plots, "_figure", lambda *a, **k: figures.append(real(*a, **k)) or figures[-1]
+    )
+    rows = [{"iteration": 0, **{f"steps/ratio/{j}": 1.0 + 0.01 * j for j in range(4)}}]
+    assert step_heatmap(rows, "steps/", str(tmp_path / "h.png"), "one iteration")
+    ticks = [t for t in figures[0].axes[0].get_xticks() if -0.5 <= t <= 0.5]
+    assert ticks == [0.0]

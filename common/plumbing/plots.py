@@ -75,7 +75,7 @@ def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) 
     fig = _figure(*size, layout="constrained")
     ax = fig.add_subplot()
     ax.set_xlabel("iteration")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # 1 run: "0"
     ax.grid(alpha=0.3)
     handles = []
     its = [h.get("iteration") for h in history]
@@ -200,7 +200,7 @@ def step_heatmap(
         im.cmap.set_bad("0.85")
         ax.set_title(STEP_LABELS.get(metric, metric), fontsize="medium")
         ax.set(xlabel="iteration", ylabel="trained step index")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # 1 run: "0"
         few = steps <= 12
         ax.set_yticks(range(steps) if few else np.linspace(0, steps - 1, 6).round().astype(int))
         bar = fig.colorbar(im, ax=ax)
