@@ -25,11 +25,9 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Callable, Literal
 
-import numpy as np
 import torch
 import tyro
 
-from common.plumbing.checkpoint import writing
 from common.plumbing.checks import (
     MAX_BATCH,
     ConfigError,
@@ -37,15 +35,12 @@ from common.plumbing.checks import (
     check_flag,
     check_ranges,
     check_sde_type,
-    kind_of,
-    read_json,
 )
 from common.plumbing.harness import GRPOArgs, Harness, derived, setup, split_batch
 from common.plumbing.parallel import check_parallel
-from common.plumbing.plots import line_plot
+from common.plumbing.psi_file import load_psi, save_psi
 from common.plumbing.run import Stats, check_finite, max_over_ranks, sum_over_ranks
 from common.plumbing.transitions import GradShare, Rollout, check_transitions
-from common.plumbing.utils import atomic_write
 from common.rewards import advantage_mix, all_gather_cat, group_advantages, group_reward_metrics
 from common.sampler import gaussian_kl, ode_along_paths, ratio_norm, sde_step_with_logprob
 
@@ -413,37 +408,6 @@ def calibrate_psi(
     return psi, history
 
 
-def load_psi(path: str, num_steps: int, psi_scale: str, sde_type: str = "sde") -> dict:
-    """A psi.json written by save_psi, checked against this run's schedule and step type (psi means
-    another noise)."""
-    try:
-        info = read_json(path)  # an object, not nested deeper than a psi.json is
-        psi = info["psi"]
-        if not isinstance(psi, list) or not psi:
-            raise ValueError(f"its 'psi' is {kind_of(psi)}, not a list of numbers")
-        psi = [float(p) for p in psi]
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ConfigError(
-            f"--psi-file '{path}' is not a psi.json ({e.__class__.__name__}: {e}): expected JSON "
-            "with a list 'psi' of one noise level per step, as a DenseGRPO run writes it; pass "
-            "that file, or calibrate"
-        ) from None
-    if not all(math.isfinite(p) and p >= 0 for p in psi) or (sde_type == "cps" and max(psi) > 1):
-        raise ConfigError(
-            f"--psi-file '{path}': psi {psi} must be finite and >= 0 (at most 1 for --sde-type "
-            "cps, where it is a in sin(a pi / 2)); pass a psi.json written by a DenseGRPO run, or "
-            "calibrate"
-        )
-    have = len(psi), info.get("psi_scale"), info.get("sde_type", "sde")  # files before CPS: the SDE
-    if have != (num_steps, psi_scale, sde_type):
-        raise ConfigError(
-            f"--psi-file '{path}' holds {have[0]} steps on the {have[1]} scale for --sde-type "
-            f"{have[2]}; this run has --num-steps {num_steps}, --psi-scale {psi_scale} and "
-            f"--sde-type {sde_type}: recalibrate or match"
-        )
-    return info
-
-
 def psi_unit(sigmas: torch.Tensor, scale: str) -> torch.Tensor:
     """psi's own scale per step: 1 (multiplier: psi is a) or sqrt(sigma / (1 - sigma)) (raw: psi is
     std_dev_t)."""
@@ -537,30 +501,6 @@ def calibrate_or_load_psi(
             flush=True,
         )
     return info, metrics
-
-
-def save_psi(run_dir: str, info: dict, psi0: torch.Tensor, average: int) -> None:
-    """psi.json (reused with --psi-file) and psi.png: psi(t) and the fraction of positive DeltaR_t
-    in calibration."""
-    atomic_write(os.path.join(run_dir, "psi.json"), json.dumps(info, indent=1))  # never half a file
-    T, last = len(info["psi"]), info["history"][-average:]
-    ts = list(range(T, 0, -1))  # paper timestep of code step j
-    series = {"psi(t) calibrated": (ts, info["psi"]), "psi(t) initial": (ts, psi0.tolist())}
-    if last:
-        # positive share of the nonzero DeltaR_t over the averaged iterations (None: none was
-        # nonzero)
-        counts = [
-            np.sum([[h["pos"][j], h["pos"][j] + h["neg"][j]] for h in last], 0) for j in range(T)
-        ]
-        frac = [float(p / n) if n else None for p, n in counts]
-        series["positive fraction of nonzero dR"] = (ts, frac)
-    line_plot(
-        series,
-        os.path.join(run_dir, "psi.png"),
-        "paper timestep t (T = first step)",
-        "psi / fraction",
-        f"calibration, rule {info.get('balance_test')}",
-    )
 
 
 # ALGO LOGIC: the rollout. DenseGRPO spreads each group over the ranks, as Flow-GRPO.
@@ -752,8 +692,7 @@ if __name__ == "__main__":
     noise_levels = step_noise_levels(psi, sigmas, args.psi_scale)  # the sampler's a of each step
     if h.is_main:
         psi0 = args.noise_level * psi_unit(sigmas, args.psi_scale)
-        with writing(h.run_dir):  # psi.json and psi.png, atomic; a full disk: one line
-            save_psi(h.run_dir, psi_info, psi0, args.calibration_average)
+        save_psi(h.run_dir, psi_info, psi0, args.calibration_average)  # psi.json and psi.png
     # fp16: dynamic loss scaling (torch.amp), as the released code's GradScaler; otherwise a no-op
     scaler = torch.amp.GradScaler(h.device.type, enabled=h.backbone.dtype == torch.float16)
     # the EMA; with --resume, the saved weights, optimizer, scale, RNG, counters; psi(t) in every
