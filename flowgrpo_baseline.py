@@ -136,7 +136,8 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
         group = group[torch.randperm(len(group), generator=g)]  # group of every image, global order
         # `trained`: the first trained steps, or Flow-GRPO-Fast's window, drawn from g after the
         # prompts (every rank draws the same one)
-        (lo, hi), w0 = args.sde_window_range or (0, 0), 0
+        lo, hi = args.sde_window_range or (0, 0)
+        w0 = 0
         if args.sde_window_size:
             w0 = int(torch.randint(lo, hi - args.sde_window_size + 1, (1,), generator=g))
         trained = range(w0, w0 + args.trained_steps)

@@ -467,8 +467,10 @@ class RewardModel:
         fns, b, chunks = [self.fns[k] for k in self.local], self.batch_size, []
         with torch.inference_mode():
             for i in range(0, len(images), b):
-                x, p = images[i : i + b].to(self.device, torch.float32), prompts[i : i + b]
-                chunks.append(torch.stack([fn(x, p).float().cpu() for fn in fns], 1))
+                x = images[i : i + b].to(self.device, torch.float32)
+                chunks.append(
+                    torch.stack([fn(x, prompts[i : i + b]).float().cpu() for fn in fns], 1)
+                )
         return torch.cat(chunks).clone()  # cloned outside inference mode: usable in autograd
 
     def gather(self, pending: list) -> torch.Tensor:

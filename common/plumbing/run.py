@@ -187,7 +187,8 @@ def gradient_zeros(params) -> tuple[int, int]:
     for p in params:
         grad = torch.zeros_like(p) if p.grad is None else p.grad
         grad = grad.to_local() if hasattr(grad, "to_local") else grad
-        zeros, entries = zeros + int((grad == 0).sum()), entries + grad.numel()
+        zeros += int((grad == 0).sum())
+        entries += grad.numel()
     return zeros, entries
 
 
@@ -449,7 +450,8 @@ class Run:
         red = stats.reduce(self.world_size, self.device)
         self.counts.update({k: v + int(red.get(k, 0)) for k, v in self.counts.items()})
         metrics.update(rollout.metrics, **self.counts, nfe=training_nfe(self.counts))
-        metrics.update(self.first_row if metrics["iteration"] == 0 else {})
+        if metrics["iteration"] == 0:
+            metrics.update(self.first_row)
         for k, default in stats.defaults.items():  # the means; those named in PER_STEP per step too
             metrics[LOGGED_AS.get(k, k)] = red.get(k, default)
         for k in PER_STEP:
