@@ -52,7 +52,7 @@ from common.plumbing.run import Stats, check_finite
 from common.plumbing.transitions import Rollout
 from common.policy import EMA
 from common.rewards import all_gather_cat, group_advantages, group_reward_metrics
-from common.sampler import sde_step
+from common.sampler import sde_step_with_logprob
 
 
 @dataclass
@@ -269,7 +269,7 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
                         x, sigmas[j], emb[b : b + args.rollout_batch_size], args.guidance_scale
                     )
                     # noise 0 outside the window: the exact Euler step of the ODE (sampler E1)
-                    x, *_ = sde_step(
+                    x, *_ = sde_step_with_logprob(
                         v, x, sigmas[j], sigmas[j + 1], noise[j], generator=gen, sigma_max=sigmas[1]
                     )
                 latents.append(x)

@@ -27,6 +27,12 @@ GRPO-Guard's RatioNorm (Wang et al. 2025, arXiv 2510.22319, Eq. 8; the released 
 scripts/train_sd3_GRPO_Guard.py), for the SDE step (E3) with step std s = std_dev_t sqrt|dt|:
   (E7) log r_hat = s (log r + |mu - mu_old|^2 / (2 s^2)),
        log r = log pi(x_next) - log pi_old(x_next)
+DPM-Solver++(2M) on the predicted clean sample (Lu et al. 2022, arXiv 2211.01095; the released
+DiffusionNFT code's rollout sampler, `solver="dpm2"`, "modified from MixGRPO"): with alpha = 1 - sigma,
+the half log-SNR lambda(sigma) = log((1 - sigma) / sigma), sigma = sigmas[j], sigma' = sigmas[j + 1],
+h = lambda(sigma') - lambda(sigma), h0 = lambda(sigma) - lambda(sigmas[j - 1]):
+  (E8) x' = (sigma' / sigma) x - alpha' (e^-h - 1) (D0 + D1 / 2),
+       D0 = x0_hat_j,  D1 = (h / h0) (x0_hat_j - x0_hat_{j-1}),  x0_hat from (E4)
 All math runs in float32 whatever the model dtype: bf16 loses too much precision in the
 mean and in the log-density (Flow-GRPO casts to fp32 for the same reason).
 """
@@ -120,18 +126,12 @@ def x0_prediction(velocity, sample, sigma) -> torch.Tensor:
 
 
 def dpm2_step(velocity, sample, sigmas, j: int, prev_x0=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step j of DPM-Solver++(2M) on the predicted clean sample, the released DiffusionNFT code's
-    rollout sampler (`solver="dpm2"`, "modified from MixGRPO"; Lu et al. 2022, arXiv 2211.01095).
-    With alpha = 1 - sigma, the half log-SNR lambda(sigma) = log((1 - sigma) / sigma), sigma =
-    sigmas[j], sigma' = sigmas[j + 1], h = lambda(sigma') - lambda(sigma), h0 = lambda(sigma) -
-    lambda(sigmas[j - 1]):
-      (E8) x' = (sigma' / sigma) x - alpha' (e^-h - 1) (D0 + D1 / 2),
-           D0 = x0_hat_j,  D1 = (h / h0) (x0_hat_j - x0_hat_{j-1}),  x0_hat from (E4)
-    The first-order step (D1 = 0) is the Euler step (E1) in exact arithmetic, taken as `ode_step`
-    at the first step, the last (sigma' = 0) and after sigma = 1 (lambda = -inf: D1 = 0, as the
-    released code gets from log 0); on SD3/FLUX schedules steps 0, 1 and T - 1 are Euler steps.
-    Coefficients in float64, as released; x in float32. prev_x0: step j - 1's x0_hat (None at
-    j = 0). Returns (x_next, this step's x0_hat), the second passed back at step j + 1."""
+    """Step j of DPM-Solver++(2M) (E8), the released DiffusionNFT code's rollout sampler. The
+    first-order step (D1 = 0) is the Euler step (E1) in exact arithmetic, taken as `ode_step` at the
+    first step, the last (sigma' = 0) and after sigma = 1 (lambda = -inf: D1 = 0, as the released
+    code gets from log 0); on SD3/FLUX schedules steps 0, 1 and T - 1 are Euler steps. Coefficients
+    in float64, as released; x in float32. prev_x0: step j - 1's x0_hat (None at j = 0). Returns
+    (x_next, this step's x0_hat), the second passed back at step j + 1."""
     x = sample.float()
     x0_hat = x0_prediction(velocity, x, float(sigmas[j]))
     s, s_next = float(sigmas[j]), float(sigmas[j + 1])
@@ -145,7 +145,7 @@ def dpm2_step(velocity, sample, sigmas, j: int, prev_x0=None) -> tuple[torch.Ten
     return (s_next / s) * x - coef * (x0_hat + 0.5 * d1), x0_hat
 
 
-def sde_step(
+def sde_step_with_logprob(
     velocity,
     sample,
     sigma,
@@ -154,18 +154,28 @@ def sde_step(
     prev_sample=None,
     generator=None,
     sigma_max=None,
+    sde_type: str = "sde",
 ):
     """Flow-GRPO's stochastic step (E2-E3) and the log-density of where it lands -> (prev_sample,
-    log_prob [B], mean, std_dev_t), float32. sigma, sigma_next, noise_level: floats or [B] tensors.
-    A given prev_sample is only scored (training re-scores a stored step); else it is drawn with
-    `generator` (None, one, or one per sample, as in diffusers). log_prob: the Gaussian log-density
-    averaged over the non-batch dims, as Flow-GRPO's code; 0 at noise_level 0 (the Euler step
-    E1)."""
+    log_prob [B], mean, std_dev_t), float32; sde_type "cps" takes `cps_step` (E6) instead. sigma,
+    sigma_next, noise_level: floats or [B] tensors. A given prev_sample is only scored (training
+    re-scores a stored step); else it is drawn with `generator` (None, one, or one per sample, as in
+    diffusers). log_prob: the Gaussian log-density averaged over the non-batch dims, as Flow-GRPO's
+    code; 0 at noise_level 0 (the Euler step E1)."""
+    if sde_type == "cps":  # one Gaussian draw per step too: the type never shifts the noise stream
+        return cps_step(velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator)
+    if sde_type != "sde":
+        raise ValueError(f"sde_type '{sde_type}': expected 'sde' (Flow-GRPO) or 'cps'")
     x, v, sigma, sigma_next, a = _step_inputs(velocity, sample, sigma, sigma_next, noise_level)
     dt = sigma_next - sigma
     # (E2): the diffusion coefficient, infinite at sigma = 1; there Flow-GRPO's code puts sigma_max
     # (the schedule's second sigma) in the denominator, and so do we.
-    std_dev_t = a * torch.sqrt(sigma / (1 - _sigma_one_as_max(sigma, sigma_max, a)))
+    if sigma_max is None and bool(((sigma == 1) & (a > 0)).any()):
+        raise ValueError(
+            "sigma == 1 with noise_level > 0 needs sigma_max (the schedule's second sigma)"
+        )
+    sigma_max = _per_sample(0.0 if sigma_max is None else sigma_max, x)
+    std_dev_t = a * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma)))
     # (E3): the ODE's velocity plus the score term that keeps the noisy chain's marginals the ODE's
     mean = x + (v + std_dev_t**2 / (2 * _nonzero(sigma)) * (x + (1 - sigma) * v)) * dt
     step_std = std_dev_t * torch.sqrt((-dt).clamp_min(0))  # the std of x_next given x
@@ -184,7 +194,7 @@ def sde_step(
 def cps_step(velocity, sample, sigma, sigma_next, noise_level, prev_sample=None, generator=None):
     """Coefficients-preserving sampling (E6) and the released code's log-prob of where it lands.
 
-    Arguments and returns as `sde_step`; here std_dev_t IS the step's std s (no |dt| factor, and no
+    Arguments and returns as `sde_step_with_logprob`; here std_dev_t IS the step's std s (no |dt| factor, and no
     singularity at sigma = 1). a = noise_level in [0, 1]; a = 1 puts all of sigma_next into fresh
     noise (mean = (1 - sigma_next) x0_hat).
 
@@ -207,7 +217,7 @@ def cps_step(velocity, sample, sigma, sigma_next, noise_level, prev_sample=None,
     # clamp: a = 1 makes sigma_next^2 - s^2 zero up to rounding, which must not become sqrt(-1e-9)
     kept_noise = torch.sqrt((sigma_next**2 - std_dev_t**2).clamp_min(0))
     mean = (1 - sigma_next) * x0_hat + kept_noise * x1_hat
-    # a = 0: (E6) is the Euler step in exact arithmetic; take it bit for bit, as sde_step does
+    # a = 0: (E6) is the Euler step in exact arithmetic; take it bit for bit, as the SDE step does
     mean = torch.where(a > 0, mean, x + (sigma_next - sigma) * v)
 
     prev_sample = _sample_if_missing(prev_sample, mean, std_dev_t, generator)
@@ -215,43 +225,11 @@ def cps_step(velocity, sample, sigma, sigma_next, noise_level, prev_sample=None,
     return prev_sample, _zero_where_deterministic(log_prob, std_dev_t), mean, std_dev_t
 
 
-def sde_step_with_logprob(
-    velocity,
-    sample,
-    sigma,
-    sigma_next,
-    noise_level,
-    prev_sample=None,
-    generator=None,
-    sigma_max=None,
-    sde_type: str = "sde",
-):
-    """The step --sde-type names: `sde_step` (Flow-GRPO) or `cps_step` (CPS). Both draw one Gaussian
-    tensor per step from `generator`, so switching the type never shifts the noise stream."""
-    if sde_type == "cps":
-        return cps_step(velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator)
-    if sde_type != "sde":
-        raise ValueError(f"sde_type '{sde_type}': expected 'sde' (Flow-GRPO) or 'cps'")
-    return sde_step(
-        velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator, sigma_max
-    )
-
-
 # ------------------------------------------------------------------- the steps' guards and plumbing
 def _step_inputs(velocity, sample, sigma, sigma_next, noise_level):
     """float32 x and v, and the three scalars as per-sample [B (or 1), 1, ...] tensors."""
     x, v = sample.float(), velocity.float()
     return x, v, *(_per_sample(s, x) for s in (sigma, sigma_next, noise_level))
-
-
-def _sigma_one_as_max(sigma, sigma_max, a):
-    """sigma, with sigma_max where sigma == 1 (0 there when no step there is noisy)."""
-    at_one = sigma == 1
-    if sigma_max is None and bool((at_one & (a > 0)).any()):
-        raise ValueError(
-            "sigma == 1 with noise_level > 0 needs sigma_max (the schedule's second sigma)"
-        )
-    return torch.where(at_one, _per_sample(0.0 if sigma_max is None else sigma_max, sigma), sigma)
 
 
 def _nonzero(t):

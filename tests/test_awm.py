@@ -22,7 +22,7 @@ from helpers import (
 
 import awm
 from common.rewards import group_advantages
-from common.sampler import sde_step, sigma_schedule
+from common.sampler import sde_step_with_logprob, sigma_schedule
 
 SCRIPT = "awm.py"
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
@@ -294,7 +294,7 @@ def test_the_fast_emas_decay_is_the_released_schedule():
 # ---- the rollout's noise: the released SA-Solver's tau as common/sampler.py's noise level
 def test_the_noise_window_and_the_sa_solver_noise_scale():
     """step_noise gives a = sqrt(2) tau where a step lands in [0.3, 0.9] (8 of SD3.5's 14 steps, landing on 0.872
-    ... 0.357) and 0 elsewhere; with that a, sde_step's per-step std matches the released SA-Solver's
+    ... 0.357) and 0 elsewhere; with that a, sde_step_with_logprob's per-step std matches the released SA-Solver's
     sigma_t sqrt(1 - exp(-2 tau^2 h)) as the step shrinks (same SDE, other discretisation)."""
     grid = sigma_schedule(14, 3.0)
     a = awm.step_noise(grid, 0.4, (0.3, 0.9))
@@ -304,7 +304,7 @@ def test_the_noise_window_and_the_sa_solver_noise_scale():
     x = torch.zeros(1, 4)
     for s in (0.35, 0.6, 0.85):
         for ds in (1e-3, 1e-5):
-            _, _, _, std_dev_t = sde_step(x, x, s, s - ds, math.sqrt(2) * 0.4)
+            _, _, _, std_dev_t = sde_step_with_logprob(x, x, s, s - ds, math.sqrt(2) * 0.4)
             ours = float(std_dev_t.flatten()[0]) * math.sqrt(ds)
             ratio = ours / released_sa_noise_std(s, s - ds, 0.4)
             assert abs(ratio - 1) < 2 * ds / (1 - s) + 1e-6, (s, ds, ratio)
@@ -312,7 +312,7 @@ def test_the_noise_window_and_the_sa_solver_noise_scale():
     ratios = []
     for j in noisy:
         s, s_next = float(grid[j]), float(grid[j + 1])
-        _, _, _, std_dev_t = sde_step(x, x, s, s_next, a[j])
+        _, _, _, std_dev_t = sde_step_with_logprob(x, x, s, s_next, a[j])
         ratios.append(
             float(std_dev_t.flatten()[0])
             * math.sqrt(s - s_next)
