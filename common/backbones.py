@@ -290,12 +290,8 @@ class Backbone:
         if self.kind == "flux":
             latents = self.pipe._unpack_latents(latents, height, width, self.vae_scale_factor)
         latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-        images = torch.cat(
-            [
-                vae.decode(chunk.to(vae.dtype), return_dict=False)[0]
-                for chunk in latents.split(self.decode_batch_size)
-            ]
-        )
+        chunks = latents.split(self.decode_batch_size)
+        images = torch.cat([vae.decode(c.to(vae.dtype), return_dict=False)[0] for c in chunks])
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
     # ---- the policy network ----------------------------------------------------------------------
@@ -315,22 +311,20 @@ class Backbone:
             return self._sd3_velocity(model, x, sigma, emb, guidance_scale, detach_uncond)
 
     def _sd3_velocity(self, model, x, sigma, emb: PromptEmbeds, guidance_scale, detach_uncond):
-        if guidance_scale <= 1.0:
-            return model(
-                hidden_states=x,
-                timestep=sigma * 1000,
-                encoder_hidden_states=emb.embeds,
-                pooled_projections=emb.pooled,
-                return_dict=False,
-            )[0].float()
-        b = len(x)
+        embeds, pooled, b = emb.embeds, emb.pooled, len(x)
+        if guidance_scale > 1.0:  # CFG: the "" prompt's branch and the prompt's in one batch
+            x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
+            embeds = torch.cat([emb.neg_embeds.expand(b, -1, -1), embeds])
+            pooled = torch.cat([emb.neg_pooled.expand(b, -1), pooled])
         v = model(
-            hidden_states=torch.cat([x, x]),
-            timestep=torch.cat([sigma, sigma]) * 1000,
-            encoder_hidden_states=torch.cat([emb.neg_embeds.expand(b, -1, -1), emb.embeds]),
-            pooled_projections=torch.cat([emb.neg_pooled.expand(b, -1), emb.pooled]),
+            hidden_states=x,
+            timestep=sigma * 1000,
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
             return_dict=False,
         )[0].float()
+        if guidance_scale <= 1.0:
+            return v
         v_u, v_c = v.chunk(2)
         if detach_uncond:
             v_u = v_u.detach()
