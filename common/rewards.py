@@ -544,12 +544,9 @@ def group_advantages(
     r, n = rewards.double(), int(group.max()) + 1
     size = torch.bincount(group, minlength=n).double()
     mean = torch.zeros(n, dtype=torch.float64).index_add_(0, group, r) / size
-    if global_std:
-        std = r.std(unbiased=False).expand(n)  # population std, as np.std in Flow-GRPO
-    else:
-        std = (
-            torch.zeros(n, dtype=torch.float64).index_add_(0, group, (r - mean[group]) ** 2) / size
-        ).sqrt()
+    sq_dev = torch.zeros(n, dtype=torch.float64).index_add_(0, group, (r - mean[group]) ** 2)
+    # population std, as np.std in Flow-GRPO
+    std = r.std(unbiased=False).expand(n) if global_std else (sq_dev / size).sqrt()
     lo = torch.full((n,), float("inf"), dtype=torch.float64).scatter_reduce(0, group, r, "amin")
     hi = torch.full((n,), -float("inf"), dtype=torch.float64).scatter_reduce(0, group, r, "amax")
     adv = torch.where((hi == lo)[group], 0.0, (r - mean[group]) / (std[group] + eps))
