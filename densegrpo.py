@@ -22,6 +22,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from itertools import product
 from typing import Callable, Literal
 
@@ -303,14 +304,10 @@ def dense_rollout(backbone, reward_model, prompts, emb, sigmas, noise_levels, ar
     # last: the SDE image (index T)
     clean = torch.cat([clean.view(len(completed), *latents.shape[1:]), latents[T:]])
     bs, job_prompts = args.rollout_batch_size, list(prompts) * (len(completed) + 1)  # k-major
-    # chunk by chunk: a remote reward scores one while the next decodes
-    decoded = (
-        backbone.decode(c, args.resolution, args.resolution) for c in clean.flatten(0, 1).split(bs)
-    )
-    pending = [
-        reward_model.submit(d, job_prompts[i : i + bs])
-        for i, d in zip(range(0, len(job_prompts), bs), decoded)
-    ]
+    pending = []  # chunk by chunk: a remote reward scores one while the next decodes
+    for i, chunk in zip(range(0, len(job_prompts), bs), clean.flatten(0, 1).split(bs)):
+        image = backbone.decode(chunk, args.resolution, args.resolution)
+        pending.append(reward_model.submit(image, job_prompts[i : i + bs]))
     scores = reward_model.gather(pending).view(len(completed) + 1, n, -1)
     row = {T: len(completed)}  # row of scores holding R_k
     for k in reversed(need[:-1]):
@@ -542,17 +539,14 @@ def rollout(
         mixed = h.reward_model.mix(all_scores)  # column 0: the ODE image, last: the SDE image
         L = args.trained_steps
         dR = dense_step_rewards(mixed[:, : L + 1])  # [N, L], Eq. 7: the trained steps
+        adv = partial(
+            per_step_advantages, group=group, global_std=args.global_std, eps=args.std_eps
+        )
         if args.reward_mix == "score":
-            advantages = per_step_advantages(dR, group, args.global_std, args.std_eps)  # Eq. 10
+            advantages = adv(dR)  # Eq. 10
         else:  # normalise each reward's DeltaR per timestep within its groups, then mix
             dR_k = dense_step_rewards(all_scores[:, : L + 1])  # [N, L, R]
-            per_reward = torch.stack(
-                [
-                    per_step_advantages(dR_k[..., k], group, args.global_std, args.std_eps)
-                    for k in range(all_scores.shape[2])
-                ],
-                2,
-            )
+            per_reward = torch.stack([adv(dR_k[..., k]) for k in range(dR_k.shape[2])], 2)
             advantages = advantage_mix(per_reward.flatten(0, 1), h.reward_model.weights)
             advantages = advantages.view(dR.shape)
         advantages = advantages.clamp(-args.adv_clip_max, args.adv_clip_max)
@@ -725,9 +719,8 @@ if __name__ == "__main__":
         if iteration == run.start_iteration:  # the rollout's code is the same every iteration
             check_transitions(tr, sigmas, len(ro.prompts))
         check_finite("rollout", iteration, tr)
-        keep = tr["advantage"] != 0  # a zero advantage has no policy gradient
-        if not args.drop_zero_advantage:
-            keep = torch.ones_like(keep)
+        # --drop-zero-advantage: a zero advantage has no policy gradient, so its row is left out
+        keep = (tr["advantage"] != 0) | (not args.drop_zero_advantage)
         # G²RPO: its G branches of a state share one forward, and each branch step its own update
         state = tr.get("state_index", torch.arange(len(keep), device=h.device))
         block = tr.get("update_block", torch.zeros_like(state))

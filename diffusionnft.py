@@ -293,10 +293,8 @@ if __name__ == "__main__":
         stats = Stats(args.num_steps, kl=0, policy_loss=0, old_deviation=0)
         # the rows in a random order, cut into the optimizer steps (CleanRL's minibatches): every
         # rank has n * L rows, so each runs as many micro-batches and the ranks' means weigh alike
-        rows_of_steps = (
-            torch.randperm(n * L).to(h.device).tensor_split(args.optimizer_steps_per_iteration)
-        )
-        for step_rows in rows_of_steps:
+        shuffled = torch.randperm(n * L).to(h.device)
+        for step_rows in shuffled.tensor_split(args.optimizer_steps_per_iteration):
             micro = step_rows.split(args.train_batch_size)
             for k, rows in enumerate(micro):
                 i, j = image[rows], step_index[rows]

@@ -314,9 +314,8 @@ if __name__ == "__main__":
         if iteration == run.start_iteration:  # the rollout's code is the same every iteration
             check_transitions(tr, sigmas, len(ro.prompts))
         check_finite("rollout", iteration, tr)
-        keep = tr["advantage"] != 0  # a zero advantage has no policy gradient
-        if not args.drop_zero_advantage:
-            keep = torch.ones_like(keep)
+        # --drop-zero-advantage: a zero advantage has no policy gradient, so its row is left out
+        keep = (tr["advantage"] != 0) | (not args.drop_zero_advantage)
         # G²RPO: its G branches of a state share one forward, and each branch step its own update
         state = tr.get("state_index", torch.arange(len(keep), device=h.device))
         block = tr.get("update_block", torch.zeros_like(state))

@@ -151,12 +151,8 @@ def anchor_trajectory(velocity, x, sigmas, last: int, batch: int):
     a branch state's velocity is computed once per prompt, not once per member."""
     states, vels, rows = [], [], torch.arange(len(x))
     for j in range(last + 1):
-        v = torch.cat(
-            [
-                velocity(x[b : b + batch], sigmas[j], rows[b : b + batch])
-                for b in range(0, len(x), batch)
-            ]
-        )
+        chunks = range(0, len(x), batch)
+        v = torch.cat([velocity(x[b : b + batch], sigmas[j], rows[b : b + batch]) for b in chunks])
         states.append(x)
         vels.append(v)
         x = ode_step(v, x, sigmas[j], sigmas[j + 1])
@@ -285,14 +281,10 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
         clean = branches["final"].flatten(0, 3)  # one clean latent per (prompt, k, λ, member)
         job_prompts = [p for p in prompts for _ in range(len(M) * len(Lam) * G)]
         bs = args.rollout_batch_size
-        # chunk by chunk: a remote reward scores one while the next decodes
-        pending = [
-            h.reward_model.submit(
-                h.backbone.decode(clean[b : b + bs], args.resolution, args.resolution),
-                job_prompts[b : b + bs],
-            )
-            for b in range(0, len(clean), bs)
-        ]
+        pending = []  # chunk by chunk: a remote reward scores one while the next decodes
+        for b in range(0, len(clean), bs):
+            image = h.backbone.decode(clean[b : b + bs], args.resolution, args.resolution)
+            pending.append(h.reward_model.submit(image, job_prompts[b : b + bs]))
         scores = h.reward_model.gather(pending)  # [n, R]: one column per reward
         all_scores = all_gather_cat(scores.to(h.device), h.world_size).cpu()  # global prompt order
         check_finite("reward", iteration, all_scores)
@@ -444,9 +436,8 @@ if __name__ == "__main__":
         if iteration == run.start_iteration:  # the rollout's code is the same every iteration
             check_transitions(tr, sigmas, len(ro.prompts))
         check_finite("rollout", iteration, tr)
-        keep = tr["advantage"] != 0  # a zero advantage has no policy gradient
-        if not args.drop_zero_advantage:
-            keep = torch.ones_like(keep)
+        # --drop-zero-advantage: a zero advantage has no policy gradient, so its row is left out
+        keep = (tr["advantage"] != 0) | (not args.drop_zero_advantage)
         # G²RPO: its G branches of a state share one forward, and each branch step its own update
         state = tr.get("state_index", torch.arange(len(keep), device=h.device))
         block = tr.get("update_block", torch.zeros_like(state))
