@@ -94,11 +94,15 @@ def test_bad_input_is_one_line_before_the_model_loads(
     monkeypatch, tmp_path, tiny_sd3, script, flags, expect
 ):
     import common.backbones
+    import common.plumbing.harness
 
     def no_load(*a, **k):
         raise AssertionError("the backbone was loaded before the bad input was found")
 
+    # where the set-up looks it up: harness.py's own name, bound when it was first imported (patching
+    # common.backbones alone missed it once harness was imported, and leaked the stub into it otherwise)
     monkeypatch.setattr(common.backbones, "load_backbone", no_load)
+    monkeypatch.setattr(common.plumbing.harness, "load_backbone", no_load)
     (tmp_path / "files").mkdir()
     files = _files(tmp_path / "files", tiny_sd3)
     flags = [files[f[1:-1]] if f.startswith("{") else f for f in flags]
