@@ -1,12 +1,10 @@
 """A reward scored by a server over HTTP: the client behind `--reward remote:NAME@URL`, e.g.
 "remote:geneval@http://127.0.0.1:8000" (this project's reward_server.py: JSON, PNG in base64) or
 "remote:geneval@flowgrpo+http://127.0.0.1:18085:2.0" (flow_grpo's reward-server at 7131478,
-github.com/yifan123/reward-server: pickles both ways). Spelling, options, budget and retries:
-docs/usage.md, "Rewards from a server". A reply is decoded only as plain data (safe_decode.py): it
-can give wrong scores, never run code here. A watchdog ends each try at its deadline however slowly
-the reply comes; a redirect is not followed; anything unusable stops with one line naming the
-server. `submit` sends requests on one background thread per server, in order, so the next rollout
-batch samples while this one is scored (`overlap = False`: in the caller's thread).
+github.com/yifan123/reward-server: pickles both ways); docs/usage.md, "Rewards from a server". A
+reply is decoded only as plain data (safe_decode.py): it can give wrong scores, never run code here;
+each try ends at its deadline however slowly the reply comes. `submit` scores on one background
+thread per server, so the next rollout batch samples while this one is scored.
 """
 
 from __future__ import annotations
@@ -30,16 +28,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from common.plumbing.safe_decode import (
-    PROTOCOL,
-    Watchdog,
-    _excerpt,
-    _json,
-    _printable,
-    _scores_of,
-    decode_reply,
-    show,
-)
+from common.plumbing.safe_decode import PROTOCOL, Watchdog, _excerpt, _json, decode_reply
 
 MAX_REQUEST_IMAGES = 64  # flow_grpo's geneval_score sends batches of 64
 # flow_grpo's GenEval reply for 64 images is a few KB; the cap bounds what decoding one can cost
@@ -202,14 +191,12 @@ def load_metadata(path: str) -> dict[str, dict]:
 
 
 class _Retry(Exception):
-    """A failure worth trying again (busy, restarting, slow, not yet up): (message, reason), the
-    reason being what the connection said."""
+    """A failure worth trying again (busy, restarting, slow, not yet up): (message, reason)."""
 
 
 class _Scores(Future):
-    """The Future `submit` returns. result() waits no longer than the request under way may take
-    (its budget and GRACE_S): wherever its thread is stuck (a name lookup, which no socket timeout
-    bounds), the caller gets one line, not a hang."""
+    """The Future `submit` returns: result() waits no longer than the request's budget and GRACE_S,
+    wherever its thread is stuck (a name lookup, which no socket timeout bounds)."""
 
     def __init__(self, reward: RemoteReward):
         super().__init__()
@@ -481,3 +468,49 @@ def _error_text(body: bytes) -> str:
     # a Python traceback ends with the exception's own line: the one worth showing
     line = lines[-1] if lines and lines[0].startswith("Traceback") else (lines or ["(no body)"])[0]
     return _printable(line, 300)
+
+
+def show(x) -> str:
+    """A decoded value in a few words, whatever it is (a repr of a list that shares itself down 60
+    levels would never end, str of a 5000-digit int raises)."""
+    if isinstance(x, (dict, list)):
+        return f"a {type(x).__name__} of {len(x)}"
+    if isinstance(x, int) and not isinstance(x, bool) and x.bit_length() > 64:
+        return f"an integer of {x.bit_length()} bits"
+    text = repr(x)
+    return text[:80] + ("..." if len(text) > 80 else "")
+
+
+def _scores_of(reply, n: int, wire: str) -> list[float]:
+    """The reply's list of n finite scores, or ValueError saying what it holds instead."""
+    expected = '{"scores": [one float per image]}' if wire == "json" else 'a dict with "scores"'
+    if not isinstance(reply, dict):
+        raise ValueError(f"the reply is {show(reply)}, not a dict: expected {expected}")
+    key = "scores" if wire == "json" or "scores" in reply else "outputs"
+    if not isinstance(reply.get(key), list):
+        keys = ", ".join(show(k) for k in list(reply)[:10]) + (", ..." if len(reply) > 10 else "")
+        raise ValueError(f'the reply has no "{key}" list (it holds {keys}): expected {expected}')
+    scores = reply[key]
+    if len(scores) != n:
+        raise ValueError(
+            f"the reply has {len(scores)} scores for {n} images: the server must return one "
+            "score per image, in order"
+        )
+    out = []
+    for i, s in enumerate(scores):
+        if isinstance(s, bool) or not isinstance(s, (int, float)):
+            raise ValueError(f"score {i} of {n} is {show(s)}: a reward must be a number")
+        try:
+            value = float(s)
+        except OverflowError:  # an int past 1.8e308
+            value = math.inf
+        if not math.isfinite(value):
+            raise ValueError(f"score {i} of {n} is {show(s)}: a reward must be a finite number")
+        out.append(value)
+    return out
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """A server's text on one line: control characters (a newline in a bad status line) as spaces."""
+    text = " ".join("".join(c if c.isprintable() else " " for c in text[: limit * 2]).split())
+    return text[:limit] + ("..." if len(text) > limit else "")

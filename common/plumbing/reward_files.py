@@ -137,12 +137,9 @@ def _imagereward_state_dicts(state: dict) -> dict[str, dict]:
             for pattern, repl in _BLIP_VIT_RENAMES:
                 rest = re.sub(pattern, repl, rest)
             out["vision"][rest] = value
-        elif (
-            part == "blip"
-            and rest.startswith("text_encoder.")
-            and not rest.endswith("position_ids")
-        ):
-            out["text"][rest.removeprefix("text_encoder.")] = value
+        elif part == "blip" and rest.startswith("text_encoder."):
+            if not rest.endswith("position_ids"):
+                out["text"][rest.removeprefix("text_encoder.")] = value
     return out
 
 

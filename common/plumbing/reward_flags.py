@@ -26,6 +26,7 @@ import re
 import numpy as np
 import torch
 
+from common.plumbing.checks import ConfigError
 from common.plumbing.remote_reward import RemoteReward, is_remote, load_metadata, parse_remote
 from common.plumbing.reward_files import OPTIONAL, _require
 from common.rewards import DEFAULT_PATHS, LOADERS, RewardModel
@@ -108,12 +109,9 @@ def parse_model_paths(s: str) -> dict[str, str]:
 def check_rewards(
     spec: str, guard_spec: str, model_paths: str, prompt_files: dict[str, list[str]]
 ) -> None:
-    """All that can be checked about the rewards before any model loads, as one line (ConfigError):
-    the specs, the path keys, the optional packages, that each reward server answers (with every
-    prompt's metadata, if given some), and that a toy-world reward can parse every prompt of
-    prompt_files ({flag: its prompts})."""
-    from common.plumbing.checks import ConfigError
-
+    """All that can be checked before any model loads, as one line (ConfigError): the specs, path
+    keys and optional packages, that each reward server answers (and has every prompt's metadata, if
+    given some), and that a toy-world reward parses every prompt of prompt_files ({flag: prompts})."""
     try:
         # --reward is required (an empty one trains on nothing); --guard-rewards may be empty
         specs = [spec, guard_spec] if guard_spec else [spec]
@@ -152,8 +150,6 @@ def load_rewards(
 ) -> tuple[RewardModel, RewardModel | None]:
     """The target and guard rewards (None without --guard-rewards); a weight file that is missing or
     unreadable is one line (ConfigError), costing seconds, not a backbone load."""
-    from common.plumbing.checks import ConfigError
-
     try:
         paths = parse_model_paths(model_paths)
         target = build_reward(spec, device, paths)

@@ -1,19 +1,15 @@
 """Serve rewards over HTTP for `--reward remote:NAME@http://HOST:PORT` (remote_reward.py;
-docs/usage.md, "Serving a scorer").
+docs/usage.md, "Serving a scorer" and "What the server accepts").
 
     python -m common.plumbing.reward_server --reward toyworld --port 8000         the toy scorer (default)
     python -m common.plumbing.reward_server --reward "pickscore,aesthetic" --device cuda --port 8000
     python -m common.plumbing.reward_server --scorer ocr=my_scorers:ocr --port 8001   any scorer, wrapped
 
-A scorer is `fn(images, prompts, metadata) -> one float per image` (RGB PIL images, strings, and
-what the client sent per prompt: a dict or None); FACTORY of --scorer is called once at start. The
-protocol, "flow-rl-reward/1": GET /health -> {"protocol", "scorers"}; POST /score {"scorer",
-"images" (base64 PNG or JPEG), "prompts", "metadata"} -> {"scores"}, or a 4xx/5xx {"error"}.
-
-A request is bounded before it is decoded (its bytes, its arrival time, its JSON values and depth,
-its images' count and pixels, read from their headers), and one is scored at a time, the others
-waiting unread. Only the standard library and Pillow are imported at start (torch only for
---reward), so the server runs in a scorer's own environment.
+A scorer is fn(images: RGB PIL images, prompts, metadata: a dict or None each) -> one float per
+image. The protocol, "flow-rl-reward/1": GET /health -> {"protocol", "scorers"}; POST /score
+{"scorer", "images" (base64 PNG or JPEG), "prompts", "metadata"} -> {"scores"}, or a 4xx/5xx
+{"error"}. A request is bounded before it is decoded, and one is scored at a time. It imports only
+the standard library and Pillow at start (torch for --reward): it runs in a scorer's environment.
 """
 
 from __future__ import annotations
@@ -337,25 +333,6 @@ def make_server(
     return server
 
 
-def serve(scorers: dict, host: str = "127.0.0.1", port: int = 8000, **limits) -> None:
-    """Serve `scorers` ({name: fn(images, prompts, metadata) -> scores}) until interrupted, the URL
-    first on stdout. `limits`: make_server's max_request_mb, read_timeout, max_request_pixels."""
-    _serve_forever(make_server(scorers, host, port, **limits), scorers, host)
-
-
-def _serve_forever(server: ThreadingHTTPServer, scorers: dict, host: str) -> None:
-    print(
-        f"serving {', '.join(scorers)} on http://{host}:{server.server_port} ({PROTOCOL})",
-        flush=True,
-    )
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-
-
 class _OneLineParser(argparse.ArgumentParser):
     """argparse's mistakes (an unknown flag, a value that does not parse) in one line."""
 
@@ -454,7 +431,16 @@ def main(argv: list[str] | None = None) -> None:
         server.server_close()
         text = str(e) if isinstance(e, ValueError) else _first(e)
         raise SystemExit(f"error: {text}") from None
-    _serve_forever(server, scorers, a.host)
+    print(
+        f"serving {', '.join(scorers)} on http://{a.host}:{server.server_port} ({PROTOCOL})",
+        flush=True,
+    )
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
 
 
 if __name__ == "__main__":

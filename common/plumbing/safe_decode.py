@@ -1,12 +1,11 @@
-"""What the reward client (remote_reward.py) and server (reward_server.py) share: the protocol's
-name, the socket watchdog, and decoding replies in time and memory bounded by their bytes. Each
-refusal is a ValueError naming what was sent. Standard library only: the server runs without torch."""
+"""What the reward client (remote_reward.py) and server (reward_server.py) share, standard library
+only (the server runs without torch): the protocol's name, the socket watchdog, and the client's
+decoding of replies in time and memory bounded by their bytes (a refusal: ValueError saying why)."""
 
 from __future__ import annotations
 
 import io
 import json
-import math
 import pickle
 import pickletools
 import threading
@@ -75,12 +74,11 @@ def _scan_pickle(data: bytes) -> None:
         if name in ("GLOBAL", "STACK_GLOBAL", "INST"):
             what = arg.replace(" ", ".") if isinstance(arg, str) else ".".join(texts[-2:])
             raise pickle.UnpicklingError(f"it needs the global '{what}'")
+        if name in _BUILDS:
+            raise pickle.UnpicklingError(f"it holds a {_BUILDS[name]}")
         if name not in PLAIN_OPCODES:
-            kind = _BUILDS.get(name)
             raise pickle.UnpicklingError(
-                f"it holds a {kind}"
-                if kind
-                else f"its opcode {name} at byte {pos} builds or calls an object"
+                f"its opcode {name} at byte {pos} builds or calls an object"
             )
         if name in ("PUT", "BINPUT", "LONG_BINPUT") and arg >= len(data):
             raise pickle.UnpicklingError(
@@ -145,58 +143,12 @@ def decode_reply(reply: bytes, wire: str):
     return value
 
 
-def show(x) -> str:
-    """A decoded value in a few words, whatever it is (a repr of a list that shares itself down 60
-    levels would never end, str of a 5000-digit int raises)."""
-    if isinstance(x, (dict, list)):
-        return f"a {type(x).__name__} of {len(x)}"
-    if isinstance(x, int) and not isinstance(x, bool) and x.bit_length() > 64:
-        return f"an integer of {x.bit_length()} bits"
-    text = repr(x)
-    return text[:80] + ("..." if len(text) > 80 else "")
-
-
-def _scores_of(reply, n: int, wire: str) -> list[float]:
-    """The reply's list of n finite scores, or ValueError saying what it holds instead."""
-    expected = '{"scores": [one float per image]}' if wire == "json" else 'a dict with "scores"'
-    if not isinstance(reply, dict):
-        raise ValueError(f"the reply is {show(reply)}, not a dict: expected {expected}")
-    key = "scores" if wire == "json" or "scores" in reply else "outputs"
-    if not isinstance(reply.get(key), list):
-        keys = ", ".join(show(k) for k in list(reply)[:10]) + (", ..." if len(reply) > 10 else "")
-        raise ValueError(f'the reply has no "{key}" list (it holds {keys}): expected {expected}')
-    scores = reply[key]
-    if len(scores) != n:
-        raise ValueError(
-            f"the reply has {len(scores)} scores for {n} images: the server must return one "
-            "score per image, in order"
-        )
-    out = []
-    for i, s in enumerate(scores):
-        if isinstance(s, bool) or not isinstance(s, (int, float)):
-            raise ValueError(f"score {i} of {n} is {show(s)}: a reward must be a number")
-        try:
-            value = float(s)
-        except OverflowError:  # an int past 1.8e308
-            value = math.inf
-        if not math.isfinite(value):
-            raise ValueError(f"score {i} of {n} is {show(s)}: a reward must be a finite number")
-        out.append(value)
-    return out
-
-
 def _json(body: bytes):
     """A JSON reply, or ValueError (nesting deep enough to exhaust the parser's stack included)."""
     try:
         return json.loads(body)
     except RecursionError:
         raise ValueError(f"nested deeper than Python's parser goes ({_excerpt(body)})") from None
-
-
-def _printable(text: str, limit: int = 200) -> str:
-    """A server's text on one line: control characters (a newline in a bad status line) as spaces."""
-    text = " ".join("".join(c if c.isprintable() else " " for c in text[: limit * 2]).split())
-    return text[:limit] + ("..." if len(text) > limit else "")
 
 
 def _excerpt(body: bytes) -> str:
