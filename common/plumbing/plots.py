@@ -29,15 +29,7 @@ STEP_LABELS = {
     "kl": "KL to the reference",
 }
 STEP_METRICS = tuple(STEP_LABELS)
-PALETTE = (
-    "tab:orange",
-    "tab:green",
-    "tab:purple",
-    "tab:brown",
-    "tab:pink",
-    "tab:olive",
-    "tab:cyan",
-)
+PALETTE = "tab:orange tab:green tab:purple tab:brown tab:pink tab:olive tab:cyan".split()
 
 
 def _figure(width_px: int, height_px: int, **kwargs):
@@ -311,10 +303,8 @@ def accuracy_line(metrics: dict) -> str:
     cats = [k for k in metrics if k.startswith("eval/accuracy_") and k != "eval/accuracy_se"]
     parts = [f"{k[len('eval/accuracy_') :].replace('_', ' ')} {metrics[k]:.2f}" for k in cats]
     se = metrics.get("eval/accuracy_se")
-    overall = f"overall {metrics['eval/accuracy']:.3f}" + (
-        f" +- {se:.3f}" if se is not None else ""
-    )
-    return ", ".join(parts) + " | " + overall
+    se_text = "" if se is None else f" +- {se:.3f}"
+    return ", ".join(parts) + f" | overall {metrics['eval/accuracy']:.3f}{se_text}"
 
 
 def before_after(before, after, path: str, title: str = "", ncol: int = 2) -> Image.Image:
