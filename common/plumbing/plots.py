@@ -95,10 +95,8 @@ def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) 
         se = [h.get("eval/accuracy_se") for h in evals] if acc else []
         if se and all(s is not None for s in se):
             lo, hi = np.array(y) - np.array(se, float), np.array(y) + np.array(se, float)
-            label = "+-1 standard error"
-            handles.append(
-                ev.fill_between(x, lo, hi, color="tab:red", alpha=0.15, lw=0, label=label)
-            )
+            style = dict(color="tab:red", alpha=0.15, lw=0, label="+-1 standard error")
+            handles.append(ev.fill_between(x, lo, hi, **style))
         cats = {k for h in evals for k in h if k.startswith("eval/accuracy_")}
         for i, key in enumerate(sorted(cats - {"eval/accuracy_se"})):
             cx, cy = _points(ev_its, [h.get(key) for h in evals])
