@@ -1,7 +1,7 @@
 """Checks of user input before any model is loaded, and their one-line error, ConfigError.
 
-Each script's check_args calls `check_ranges(args)` first (so that its batch arithmetic never divides
-by 0), then `check_flag` on its own flags. Floats must be finite too: tyro reads "nan" and "inf".
+Each script's check_args calls `check_ranges(args)` first (so that its batch arithmetic never
+divides by 0), then `check_flag` on its own flags. Floats must be finite: tyro reads "nan", "inf".
 """
 
 from __future__ import annotations
