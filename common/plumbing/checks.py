@@ -1,9 +1,7 @@
 """Checks of user input before any model is loaded, and their one-line error, ConfigError.
 
-Each script's check_args calls `check_ranges(args)` (the shared flags' RANGES) first, so that its
-batch arithmetic never divides by 0, then `check_flag` on its own flags. A violation says what was
-given, what is allowed and why, and the script's default. Floats must be finite too: tyro reads
-"nan" and "inf".
+Each script's check_args calls `check_ranges(args)` first (so that its batch arithmetic never
+divides by 0), then `check_flag` on its own flags. Floats must be finite: tyro reads "nan", "inf".
 """
 
 from __future__ import annotations
@@ -158,7 +156,7 @@ def check_flag(args, name: str, rule: Rule) -> None:
     allowed and the default value."""
     value = getattr(args, name)
     values = value if isinstance(value, (tuple, list)) else (value,)
-    if all(rule.ok(v) for v in values) and (value is not None or rule.optional):
+    if all(rule.ok(v) for v in values):  # None: Rule.ok says whether it is optional
         return
     default = _default(args, name)
     usual = "" if default is dataclasses.MISSING else f"; the default is {_show(default)}"

@@ -109,8 +109,7 @@ def evaluate(
     # Under FSDP every transformer call is a collective: every rank runs as many batches as the rank
     # with the most jobs, a rank short of jobs sampling a throwaway image in its last one.
     per_rank = -(-len(jobs) // world_size)  # ceil division
-    rounds = -(-per_rank // batch_size)
-    for b in range(0, rounds * batch_size, batch_size):
+    for b in range(0, per_rank, batch_size):
         ids = mine[b : b + batch_size]
         ps, seeds = map(list, zip(*(jobs[j] for j in ids or [0])))
         imgs = sample_ode(

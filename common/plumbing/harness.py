@@ -6,8 +6,7 @@ section the three GRPO scripts share) and its set-up. A script reads (CleanRL's 
     run = h.start(optimizer)               # the EMA, and a resume's weights, optimizer, RNG...
     for iteration in range(run.start_iteration, args.num_iterations + 1): ...
 
-Paper values live in docs/ and the checked presets, not in the help. `derived(...)` fields are not
-flags: the program fills them in and records them in args.json.
+Paper values live in docs/ and the checked presets, not in the help.
 """
 
 from __future__ import annotations
@@ -225,9 +224,8 @@ class Harness:
         self, optimizer, scaler=None, side_files=None, first_row=None, extra_state=None
     ) -> Run:
         """The EMA and a resume's state; -> the Run that logs, evaluates and saves. `scaler`: a
-        GradScaler, which fp16 must enable (its gradients underflow); `side_files` ({name: text})
-        go into every checkpoint, `first_row` into iteration 0's metrics, `extra_state` ({name:
-        EMA-like}) is saved and restored with the weights."""
+        GradScaler (fp16 needs it enabled); `side_files` ({name: text}) go into every checkpoint,
+        `first_row` into iteration 0's metrics, `extra_state` ({name: EMA-like}) with the weights."""
         a = self.args
         if self.backbone.dtype == torch.float16 and not (scaler and scaler.is_enabled()):
             raise ConfigError(
@@ -289,8 +287,7 @@ class Harness:
 
 
 def given_flags(argv: list[str]) -> set[str]:
-    """Fields named on the command line: --learning-rate 1e-3 -> learning_rate, --no-track ->
-    track."""
+    """Fields given in argv: --learning-rate 1e-3 -> learning_rate, --no-track -> track."""
     names = set()
     for token in argv:
         if token.startswith("--") and len(token) > 2:
@@ -371,7 +368,8 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
         logger = RunLogger(
             run_dir, rank == 0, args.track, config, args.wandb_project_name, args.wandb_entity, name
         )
-    h = Harness(
+    setup_reached(run_dir)  # a stop whose exit a library swallowed ends here
+    return Harness(
         args,
         script,
         rank,
@@ -389,8 +387,6 @@ def setup(args: HarnessArgs, script: str, check_args, argv: list[str] | None = N
         logger,
         digests,
     )
-    setup_reached(run_dir)  # a stop whose exit a library swallowed ends here
-    return h
 
 
 def split_batch(args, world_size: int) -> None:

@@ -95,11 +95,10 @@ def save_pretrained_gathered(model: torch.nn.Module, state: dict, folder: str) -
 
 
 def shard(module, world_size: int, device, param_dtype, offload: bool) -> torch.nn.Module:
-    """fully_shard every block (diffusers' `_no_split_modules`), then the module, over all ranks.
-    Weights are gathered in `param_dtype` (None: their own), gradients reduced in fp32; inputs are
-    not cast (SD3's timestep, 1000 sigma, must stay fp32). The root reshards after its forward too:
-    the scripts run many forwards without a backward, and a gathered root would show unsharded
-    tensors to named_parameters() and the state dict. offload: the shards live in host memory."""
+    """fully_shard every block (diffusers' `_no_split_modules`), then the module, over all ranks:
+    weights gathered in `param_dtype` (None: their own), gradients reduced in fp32, inputs not cast
+    (SD3's timestep, 1000 sigma, stays fp32). The root reshards after its forward too: the scripts
+    run forwards without a backward, and a gathered root shows the state dict unsharded tensors."""
     from torch.distributed import fsdp
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -118,11 +117,9 @@ def shard(module, world_size: int, device, param_dtype, offload: bool) -> torch.
 
 
 def parallelize(trainable, kind: str, world_size: int, offload: bool = False) -> torch.nn.Module:
-    """The module the training forward calls. ddp: the transformer in DistributedDataParallel (on
-    one process, itself). fsdp: the transformer and the frozen KL reference (full fine-tuning)
-    sharded in place; a LoRA's frozen base is sharded with its block. fully_shard replaces the
-    parameters by DTensors, so trainable.params is rebuilt: build the optimizer and EMA after this.
-    """
+    """The module the training forward calls. ddp: the transformer (in DistributedDataParallel over
+    ranks). fsdp: it and the frozen KL reference (full fine-tuning) sharded in place, a LoRA's base
+    with its block; trainable.params is rebuilt (DTensors): build the optimizer and EMA after it."""
     backbone = trainable.backbone
     transformer = backbone.transformer
     if kind == "ddp":

@@ -29,15 +29,7 @@ STEP_LABELS = {
     "kl": "KL to the reference",
 }
 STEP_METRICS = tuple(STEP_LABELS)
-PALETTE = (
-    "tab:orange",
-    "tab:green",
-    "tab:purple",
-    "tab:brown",
-    "tab:pink",
-    "tab:olive",
-    "tab:cyan",
-)
+PALETTE = "tab:orange tab:green tab:purple tab:brown tab:pink tab:olive tab:cyan".split()
 
 
 def _figure(width_px: int, height_px: int, **kwargs):
@@ -103,10 +95,8 @@ def learning_curve(history: list[dict], path: str, title: str, size=(900, 520)) 
         se = [h.get("eval/accuracy_se") for h in evals] if acc else []
         if se and all(s is not None for s in se):
             lo, hi = np.array(y) - np.array(se, float), np.array(y) + np.array(se, float)
-            label = "+-1 standard error"
-            handles.append(
-                ev.fill_between(x, lo, hi, color="tab:red", alpha=0.15, lw=0, label=label)
-            )
+            style = dict(color="tab:red", alpha=0.15, lw=0, label="+-1 standard error")
+            handles.append(ev.fill_between(x, lo, hi, **style))
         cats = {k for h in evals for k in h if k.startswith("eval/accuracy_")}
         for i, key in enumerate(sorted(cats - {"eval/accuracy_se"})):
             cx, cy = _points(ev_its, [h.get(key) for h in evals])
@@ -311,10 +301,8 @@ def accuracy_line(metrics: dict) -> str:
     cats = [k for k in metrics if k.startswith("eval/accuracy_") and k != "eval/accuracy_se"]
     parts = [f"{k[len('eval/accuracy_') :].replace('_', ' ')} {metrics[k]:.2f}" for k in cats]
     se = metrics.get("eval/accuracy_se")
-    overall = f"overall {metrics['eval/accuracy']:.3f}" + (
-        f" +- {se:.3f}" if se is not None else ""
-    )
-    return ", ".join(parts) + " | " + overall
+    se_text = "" if se is None else f" +- {se:.3f}"
+    return ", ".join(parts) + f" | overall {metrics['eval/accuracy']:.3f}{se_text}"
 
 
 def before_after(before, after, path: str, title: str = "", ncol: int = 2) -> Image.Image:

@@ -1,7 +1,5 @@
-"""Random-weight SD3 / SD3.5 / FLUX.1 pipelines written to disk in diffusers layout, fully offline.
-
-Loaded through `common.backbones.load_backbone(path)`, the `from_pretrained` path real weights
-take. Both tokenizers are built in memory from a word list.
+"""Random-weight SD3 / SD3.5 / FLUX.1 pipelines in diffusers layout, built offline (tokenizers from
+a word list) and loaded by `common.backbones.load_backbone(path)` as real weights are.
 
 Shape rules (see ../shared/reference/offline.md §2):
 - SD3: the two CLIP hidden states are concatenated and padded to the T5 width, so
@@ -14,6 +12,7 @@ Shape rules (see ../shared/reference/offline.md §2):
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -48,23 +47,16 @@ def make_clip_tokenizer(words=WORDS, model_max_length: int = 16) -> CLIPTokenize
     symbols = [list(w[:-1]) + [w[-1] + "</w>"] for w in dict.fromkeys(words)]
     merges = []
     while any(len(s) > 1 for s in symbols):
-        counts: dict[tuple[str, str], int] = {}
-        for s in symbols:
-            for pair in zip(s, s[1:]):
-                counts[pair] = counts.get(pair, 0) + 1
+        counts = Counter(pair for s in symbols for pair in zip(s, s[1:]))
         best = max(counts, key=lambda p: (counts[p], p))
         merges.append(best)
         vocab.setdefault(best[0] + best[1], len(vocab))
-        for k, s in enumerate(symbols):
-            out, i = [], 0
-            while i < len(s):
-                if i + 1 < len(s) and (s[i], s[i + 1]) == best:
-                    out.append(s[i] + s[i + 1])
-                    i += 2
-                else:
-                    out.append(s[i])
-                    i += 1
-            symbols[k] = out
+        for s in symbols:  # merge every occurrence, left to right, in place
+            i = 0
+            while i < len(s) - 1:
+                if (s[i], s[i + 1]) == best:
+                    s[i : i + 2] = [s[i] + s[i + 1]]
+                i += 1
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
 
 
@@ -236,18 +228,16 @@ def build_flux(
 
     encoders = _text_encoders(seed, WORDS, max_len, CLIPTextModel, 1, 32, 2, 32)
     transformer = diffusers.FluxTransformer2DModel(
-        **{
-            "patch_size": 1,
-            "in_channels": 4 * latent_channels,
-            "num_layers": num_layers,
-            "num_single_layers": num_single_layers,
-            "attention_head_dim": 16,
-            "num_attention_heads": 2,
-            "joint_attention_dim": 32,  # the T5 width
-            "pooled_projection_dim": 32,  # the CLIP width
-            "guidance_embeds": guidance_embeds,
-            "axes_dims_rope": (4, 4, 8),  # they must sum to the head dim
-        }
+        patch_size=1,
+        in_channels=4 * latent_channels,
+        num_layers=num_layers,
+        num_single_layers=num_single_layers,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,  # the T5 width
+        pooled_projection_dim=32,  # the CLIP width
+        guidance_embeds=guidance_embeds,
+        axes_dims_rope=(4, 4, 8),  # they must sum to the head dim
     )
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
         shift=3.0,
