@@ -506,10 +506,9 @@ def rollout(
 ) -> Rollout:
     """SDE trajectories with psi(t), an ODE completion from every latent, a reward per step
     (DeltaR_t, Eq. 7-9), per-timestep advantages (Eq. 10): every trained step of every trajectory is
-    a transition with its own step's advantage. All ranks draw the same prompts and shuffle (a
-    generator seeded by the iteration) and rank r keeps slice r, so a resumed run samples exactly
-    what the uninterrupted run would have; each rank scores its own trajectories at every step, and
-    the per-step rewards are gathered for the groups."""
+    a transition with its own step's advantage. Prompts and shuffle as the baseline's (seeded by the
+    iteration; rank r keeps slice r); each rank scores its own trajectories at every step, and the
+    per-step rewards are gathered for the groups."""
     with timer("rollout"):
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration)
         prompt_ids = torch.randint(len(h.train_prompts), (args.groups_per_iteration,), generator=g)
@@ -570,9 +569,8 @@ def rollout(
             "trajectory": trajectory,
         }
     sde_reward = mixed[:, -1]  # R of the SDE image, the trajectory's own
-    metrics = group_reward_metrics(
-        torch.stack([sde_reward[group == k] for k in range(args.groups_per_iteration)])
-    )
+    groups = torch.stack([sde_reward[group == k] for k in range(args.groups_per_iteration)])
+    metrics = group_reward_metrics(groups)  # [groups, G] rewards
     metrics.update(
         {
             "train/reward_ode_mean": mixed[:, 0].mean().item(),  # R_T: the ODE image, same noise
@@ -628,10 +626,9 @@ def step_policy(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args):
 
 def optimizer_steps(state: torch.Tensor, keep: torch.Tensor, block: torch.Tensor, args, world_size):
     """(states, kept transitions on all ranks) of each optimizer step: per pass and update block
-    (G²RPO: one per branch step), the block's states shuffled, those with a kept transition first,
-    cut into --optimizer-steps-per-iteration parts. A state is a row, or G²RPO's G branches from one
-    latent. A forward is a collective under DDP and FSDP, so every rank trains as many states as the
-    rank that keeps the most, filling up with states whose rows weigh 0."""
+    (G²RPO: one per branch step), the block's states (a row, or G²RPO's G branches of one latent)
+    shuffled, kept first, cut into --optimizer-steps-per-iteration parts. A forward is a collective
+    under DDP and FSDP: each rank trains as many states as the one keeping most (weight-0 fill)."""
     for _, b in product(range(args.num_inner_epochs), range(int(block.max()) + 1)):
         states = state[block == b].unique()
         has_kept = torch.zeros(int(state.max()) + 1, dtype=torch.bool, device=state.device)

@@ -134,8 +134,7 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
         prompt_ids = torch.randint(len(h.train_prompts), (args.groups_per_iteration,), generator=g)
         group = torch.arange(args.groups_per_iteration).repeat_interleave(args.group_size)
         group = group[torch.randperm(len(group), generator=g)]  # group of every image, global order
-        # `trained`: the first trained steps, or Flow-GRPO-Fast's window, drawn from g after the
-        # prompts (every rank draws the same one)
+        # trained: the first steps, or Flow-GRPO-Fast's window (from g: the same on every rank)
         lo, hi = args.sde_window_range or (0, 0)
         w0 = 0
         if args.sde_window_size:
@@ -188,8 +187,7 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
             per_reward = torch.stack([adv(column) for column in all_scores.T], 1)
             advantages = advantage_mix(per_reward, h.reward_model.weights)
         advantages = advantages.clamp(-args.adv_clip_max, args.adv_clip_max)
-        # Transitions, step-major: row j * n + i is step j of trajectory i (check_transitions
-        # verifies the order)
+        # Transitions, step-major: row j * n + i is step j of trajectory i (check_transitions)
         L, n = args.trained_steps, args.images_per_rank
         step_index = torch.arange(w0, w0 + L).repeat_interleave(n)  # the step of each row
         trajectory = torch.arange(n).repeat(L)  # the trajectory of each row
@@ -248,10 +246,9 @@ def step_policy(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args):
 
 def optimizer_steps(state: torch.Tensor, keep: torch.Tensor, block: torch.Tensor, args, world_size):
     """(states, kept transitions on all ranks) of each optimizer step: per pass and update block
-    (G²RPO: one per branch step), the block's states shuffled, those with a kept transition first,
-    cut into --optimizer-steps-per-iteration parts. A state is a row, or G²RPO's G branches from one
-    latent. A forward is a collective under DDP and FSDP, so every rank trains as many states as the
-    rank that keeps the most, filling up with states whose rows weigh 0."""
+    (G²RPO: one per branch step), the block's states (a row, or G²RPO's G branches of one latent)
+    shuffled, kept first, cut into --optimizer-steps-per-iteration parts. A forward is a collective
+    under DDP and FSDP: each rank trains as many states as the one keeping most (weight-0 fill)."""
     for _, b in product(range(args.num_inner_epochs), range(int(block.max()) + 1)):
         states = state[block == b].unique()
         has_kept = torch.zeros(int(state.max()) + 1, dtype=torch.bool, device=state.device)

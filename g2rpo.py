@@ -207,11 +207,8 @@ def singular_stochastic_rollout(
     # One completion job per (prompt, k, λ, member), in that order (prompt outermost, so a
     # rank-major gather of the rewards lists prompts in global order).
     start = next_latents.transpose(0, 1).unsqueeze(2).expand(P, K, J, n, *next_latents.shape[3:])
-    paths = [
-        sigmas[completion_schedule(k, lam, T, official)]
-        for k in branch_steps
-        for lam in granularities
-    ]
+    schedules = product(branch_steps, granularities)  # (k, λ), λ fastest
+    paths = [sigmas[completion_schedule(k, lam, T, official)] for k, lam in schedules]
     paths = [p for _ in range(P) for p in paths for _ in range(n)]
     prompt_index = torch.arange(P).repeat_interleave(K * J * n)
     # Euler ODE (E1) of every row along its own path, staircase-batched (common/sampler.py)
@@ -322,12 +319,10 @@ def rollout(h: Harness, args: Args, sigmas: torch.Tensor, iteration: int, timer)
     fine = mixed[:, :, 0]  # [prompt, k, member]
     metrics = group_reward_metrics(fine.flatten(0, 1))
     group_std = fine.double().std(-1, unbiased=False)  # [prompt, k]
-    metrics.update(
-        {f"train/group_std_k{k}": group_std[:, j].mean().item() for j, k in enumerate(M)}
-    )
-    metrics.update(
-        {f"train/reward_mean_lam{lam}": mixed[:, :, j].mean().item() for j, lam in enumerate(Lam)}
-    )
+    for j, k in enumerate(M):
+        metrics[f"train/group_std_k{k}"] = group_std[:, j].mean().item()
+    for j, lam in enumerate(Lam):
+        metrics[f"train/reward_mean_lam{lam}"] = mixed[:, :, j].mean().item()
     anchor_nfe = len(prompts) * (max(M) + 1)  # the anchor's calls; the rest are completions
     counts = {
         "trajectories": len(prompts) * G,  # a group: G branches at each k, scored at each λ
@@ -368,10 +363,9 @@ def step_policy(backbone, model, tr: dict, mb, emb, sigmas: torch.Tensor, args):
 
 def optimizer_steps(state: torch.Tensor, keep: torch.Tensor, block: torch.Tensor, args, world_size):
     """(states, kept transitions on all ranks) of each optimizer step: per pass and update block
-    (G²RPO: one per branch step), the block's states shuffled, those with a kept transition first,
-    cut into --optimizer-steps-per-iteration parts. A state is a row, or G²RPO's G branches from one
-    latent. A forward is a collective under DDP and FSDP, so every rank trains as many states as the
-    rank that keeps the most, filling up with states whose rows weigh 0."""
+    (G²RPO: one per branch step), the block's states (a row, or G²RPO's G branches of one latent)
+    shuffled, kept first, cut into --optimizer-steps-per-iteration parts. A forward is a collective
+    under DDP and FSDP: each rank trains as many states as the one keeping most (weight-0 fill)."""
     for _, b in product(range(args.num_inner_epochs), range(int(block.max()) + 1)):
         states = state[block == b].unique()
         has_kept = torch.zeros(int(state.max()) + 1, dtype=torch.bool, device=state.device)

@@ -298,10 +298,9 @@ class Backbone:
     def velocity(
         self, latents, sigma, emb: PromptEmbeds, guidance_scale=1.0, model=None, detach_uncond=False
     ) -> torch.Tensor:
-        """v_θ(x_σ, σ, c) in float32; `sigma` a float or [B]. SD3: classifier-free guidance
-        v = v_u + w (v_c - v_u) with the "" prompt, both branches in one batch as the pipeline does
-        (`detach_uncond`: the gradient flows through v_c only, as Flow-GRPO's training forward).
-        FLUX.1-dev: the guidance scale is an input. `model`: e.g. the DDP-wrapped transformer."""
+        """v_θ(x_σ, σ, c), float32; `sigma` a float or [B]. SD3: CFG v = v_u + w (v_c - v_u) with
+        the "" prompt, in one batch as the pipeline (`detach_uncond`: the gradient through v_c only,
+        as Flow-GRPO's training forward); FLUX.1-dev: w is an input. `model`: e.g. DDP's wrapper."""
         model = self.transformer if model is None else model
         sigma = torch.as_tensor(sigma, device=self.device, dtype=torch.float32).expand(len(latents))
         x = latents.to(self.dtype)

@@ -462,15 +462,13 @@ class RewardModel:
         return self.local_scores(images, prompts)
 
     def local_scores(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        """The in-process rewards' scores [B, K_local], float32 on the CPU, in chunks of
-        batch_size."""
+        """The in-process rewards' scores [B, K_local], float32 on the CPU, batch_size at a time."""
         fns, b, chunks = [self.fns[k] for k in self.local], self.batch_size, []
         with torch.inference_mode():
             for i in range(0, len(images), b):
                 x = images[i : i + b].to(self.device, torch.float32)
-                chunks.append(
-                    torch.stack([fn(x, prompts[i : i + b]).float().cpu() for fn in fns], 1)
-                )
+                scores = [fn(x, prompts[i : i + b]).float().cpu() for fn in fns]
+                chunks.append(torch.stack(scores, 1))
         return torch.cat(chunks).clone()  # cloned outside inference mode: usable in autograd
 
     def gather(self, pending: list) -> torch.Tensor:
@@ -521,10 +519,9 @@ def group_reward_metrics(rewards: torch.Tensor) -> dict:
 
 
 def all_gather_cat(t: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Concatenate a tensor from every rank along dim 0, rank-major (rank 0's rows first): the
-    rollouts gather every rank's rewards, as the group advantages compare images of all ranks (a
-    group is spread over them). With one process, `t` itself; under torchrun, `t` on the run's
-    device (NCCL takes no CPU tensor)."""
+    """Every rank's `t` along dim 0, rank-major (rank 0's rows first): the group advantages compare
+    images of all ranks (a group is spread over them). One process: `t` itself; under torchrun, `t`
+    is on the run's device (NCCL takes no CPU tensor)."""
     if world_size == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(world_size)]
@@ -535,12 +532,11 @@ def all_gather_cat(t: torch.Tensor, world_size: int) -> torch.Tensor:
 def group_advantages(
     rewards: torch.Tensor, group: torch.Tensor, global_std: bool, eps: float
 ) -> torch.Tensor:
-    """A_i = (r_i - mean of i's group) / std, std over all rewards (global_std) or over i's group.
-
-    In float64, as the official stat tracker (numpy): in float32 the mean of a group tied at 0.3 or
-    2/3 is rounded, and its members get advantages of 1e-7 to 3e-4 instead of 0. A tied group
-    (max == min) gets exactly 0 (GRPO: --drop-zero-advantage drops it; NFT: r = 1/2). Flow-GRPO's
-    PerPromptStatTracker in a few lines, shared by every script. Returns float32."""
+    """A_i = (r_i - mean of i's group) / std, std over all rewards (global_std) or over i's group:
+    Flow-GRPO's PerPromptStatTracker, shared by every script. In float64, as its numpy: in float32
+    the mean of a group tied at 0.3 or 2/3 is rounded, and its members get advantages of 1e-7 to
+    3e-4, not 0. A tied group (max == min) gets exactly 0 (GRPO: --drop-zero-advantage drops it;
+    NFT: r = 1/2). Returns float32."""
     r, n = rewards.double(), int(group.max()) + 1
     size = torch.bincount(group, minlength=n).double()
     mean = torch.zeros(n, dtype=torch.float64).index_add_(0, group, r) / size

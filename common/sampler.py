@@ -156,12 +156,11 @@ def sde_step_with_logprob(
     sigma_max=None,
     sde_type: str = "sde",
 ):
-    """Flow-GRPO's stochastic step (E2-E3) and the log-density of where it lands -> (prev_sample,
-    log_prob [B], mean, std_dev_t), float32; sde_type "cps" takes `cps_step` (E6) instead. sigma,
-    sigma_next, noise_level: floats or [B] tensors. A given prev_sample is only scored (training
-    re-scores a stored step); else it is drawn with `generator` (None, one, or one per sample, as in
-    diffusers). log_prob: the Gaussian log-density averaged over the non-batch dims, as Flow-GRPO's
-    code; 0 at noise_level 0 (the Euler step E1)."""
+    """Flow-GRPO's SDE step (E2-E3) -> (prev_sample, log_prob [B], mean, std_dev_t), float32;
+    sde_type "cps": `cps_step` (E6). sigma, sigma_next, noise_level: floats or [B] tensors. A given
+    prev_sample is only scored (training re-scores a stored step), else drawn with `generator`
+    (None, one, or one per sample, as in diffusers). log_prob: the Gaussian log-density averaged
+    over the non-batch dims, as Flow-GRPO's code; 0 at noise_level 0 (the Euler step E1)."""
     if sde_type == "cps":  # one Gaussian draw per step too: the type never shifts the noise stream
         return cps_step(velocity, sample, sigma, sigma_next, noise_level, prev_sample, generator)
     if sde_type != "sde":
@@ -171,9 +170,7 @@ def sde_step_with_logprob(
     # (E2): the diffusion coefficient, infinite at sigma = 1; there Flow-GRPO's code puts sigma_max
     # (the schedule's second sigma) in the denominator, and so do we.
     if sigma_max is None and bool(((sigma == 1) & (a > 0)).any()):
-        raise ValueError(
-            "sigma == 1 with noise_level > 0 needs sigma_max (the schedule's second sigma)"
-        )
+        raise ValueError("noise at sigma == 1 needs sigma_max (the schedule's second sigma)")
     sigma_max = _per_sample(0.0 if sigma_max is None else sigma_max, x)
     std_dev_t = a * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma)))
     # (E3): the ODE's velocity plus the score term that keeps the noisy chain's marginals the ODE's

@@ -109,8 +109,7 @@ class Stats:
         self.firsts.update({k: float(v) for k, v in values.items() if k not in self.firsts})
 
     def reduce(self, world_size: int, device) -> dict:
-        """{name: mean, name/per_step: {step: mean}, name/weight, name/max, name/min, total}, over
-        all ranks (two all-reduces: the sums, the extremes)."""
+        """{name, name/per_step, name/weight, name/max, name/min, total}, over all ranks."""
         names, counted = sorted(self.sums), sorted(self.totals)
         totals = torch.tensor([self.totals[k] for k in counted], dtype=torch.float64)
         flat = torch.cat([self.sums[k].flatten() for k in names] + [totals]).to(device)
@@ -350,9 +349,8 @@ class Run:
         self.side_files, self.extras = dict(side_files or {}), dict(extras or {})
 
     def check_gradient(self, grad_norm: torch.Tensor, stats: Stats) -> None:
-        """Before `scaler.step`: a non-finite norm under fp16 is an overflow the scaler skips (the
-        20th in a row stops the run: the scale has fallen a million-fold); without loss scaling it
-        stops the run before the update (on every rank: DDP's gradients are all-reduced)."""
+        """Before scaler.step: a non-finite norm is an fp16 overflow the scaler skips (the 20th in a
+        row stops the run), or, without loss scaling, a stop on every rank before the update."""
         finite = bool(torch.isfinite(grad_norm))
         self.skips_in_a_row = 0 if finite else self.skips_in_a_row + 1
         if not finite and not self.scaler.is_enabled():
