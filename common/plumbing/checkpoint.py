@@ -77,11 +77,8 @@ def checkpoint_dir(run_dir: str, iteration: int) -> str:
 
 
 def _sha256(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _fsync(path: str) -> None:
@@ -103,18 +100,21 @@ def list_checkpoints(run_dir: str, interrupted: bool = False) -> list[tuple[int,
     between its last renames)."""
     names = _listdir(run_dir)
     found = {int(m.group(1)): os.path.join(run_dir, n) for n in names if (m := _CKPT_RE.match(n))}
-    hidden = sorted(names, key=lambda n: n.endswith(".old")) if interrupted else []
-    for n in hidden:  # the new copy (.tmp) before the old one
-        m = _HIDDEN_RE.match(n)
-        if (
-            m
-            and m.group(2)
-            and not m.group(3)
-            and int(m.group(1)) not in found
-            and os.path.isfile(os.path.join(run_dir, n, MARKER))
-        ):
-            found[int(m.group(1))] = os.path.join(run_dir, n)
+    for i, n in _leftovers(run_dir) if interrupted else []:
+        path = os.path.join(run_dir, n)
+        if i not in found and not n.endswith(".del") and os.path.isfile(os.path.join(path, MARKER)):
+            found[i] = path
     return sorted(found.items())
+
+
+def _leftovers(run_dir: str) -> list[tuple[int, str]]:
+    """(N, name) of what killed saves left in run_dir, for one N the new copy (.tmp) first."""
+    found = [
+        (int(m.group(1)), m.group(2) != ".tmp", n)
+        for n in _listdir(run_dir)
+        if (m := _HIDDEN_RE.match(n)) and (m.group(2) or m.group(3))
+    ]
+    return [(i, n) for i, _, n in sorted(found)]
 
 
 def _complete(run_dir: str, quick: bool = False) -> list[tuple[int, str]]:
@@ -132,12 +132,7 @@ def _remove(path: str) -> None:
 def _tidy(run_dir: str) -> None:
     """A complete .checkpoint-N.tmp (or .old) whose checkpoint-N is missing is renamed into place;
     every other leftover of a killed save is deleted."""
-    left = [
-        (int(m.group(1)), m.group(2) != ".tmp", n)
-        for n in _listdir(run_dir)
-        if (m := _HIDDEN_RE.match(n)) and (m.group(2) or m.group(3))
-    ]
-    for i, _, name in sorted(left):  # for one N, the new copy (.tmp) before the old one
+    for i, name in _leftovers(run_dir):
         path, final = os.path.join(run_dir, name), checkpoint_dir(run_dir, i)
         if (
             not name.endswith(".del")
