@@ -134,11 +134,8 @@ def _tidy(run_dir: str) -> None:
     every other leftover of a killed save is deleted."""
     for i, name in _leftovers(run_dir):
         path, final = os.path.join(run_dir, name), checkpoint_dir(run_dir, i)
-        if (
-            not name.endswith(".del")
-            and not os.path.exists(final)
-            and verify_checkpoint(path, quick=True) is None
-        ):
+        orphan = not name.endswith(".del") and not os.path.exists(final)
+        if orphan and verify_checkpoint(path, quick=True) is None:
             os.replace(path, final)
         else:
             _remove(path)
@@ -270,11 +267,9 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
     if failed:
         gc.collect()  # raised outside the except: the error's frames (an open file) go with it
         done = _complete(run_dir)
-        last = (
-            f"the last complete checkpoint, {done[-1][1]}, is intact"
-            if done
-            else "no complete checkpoint exists yet"
-        )
+        last = "no complete checkpoint exists yet"
+        if done:
+            last = f"the last complete checkpoint, {done[-1][1]}, is intact"
         raise SystemExit(
             f"error: could not write {final} ({failed}); {last}: free space or fix the folder's "
             f"permissions, then --resume {run_dir}"
@@ -346,11 +341,8 @@ def read_marker(folder: str) -> dict:
         # a relative path inside the folder: a marker names nothing outside its checkpoint
         if os.path.isabs(rel) or ".." in rel.split("/") or not rel.strip("/"):
             raise ValueError(f"it lists {rel!r}, not a file inside the checkpoint")
-        if not (
-            isinstance(info, dict)
-            and _is_count(info.get("size"))
-            and isinstance(info.get("sha256"), str)
-        ):
+        sized = isinstance(info, dict) and _is_count(info.get("size"))
+        if not (sized and isinstance(info.get("sha256"), str)):
             raise ValueError(f"its entry for {rel!r} is {kind_of(info)}, not {{size, sha256}}")
     for field, kind in (("args", dict), ("path_fingerprints", dict), ("script", str)):
         if marker.get(field) is not None and not isinstance(marker[field], kind):

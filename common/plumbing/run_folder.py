@@ -142,8 +142,8 @@ def resume_source(path: str, log=print) -> tuple[str | None, dict, dict]:
     """(verified checkpoint, or None for a run that died before its first one; the run's flags; their
     path fingerprints) of --resume PATH."""
     p = os.path.abspath(path.rstrip("/") or "/")
-    args_file = os.path.join(p, "args.json")
-    run = p if not re.match(rf"^\.?{PREFIX}", os.path.basename(p)) else os.path.dirname(p)
+    name = os.path.basename(p)
+    run = p if not re.match(rf"^\.?{PREFIX}", name) else os.path.dirname(p)
     odd = sorted(n for n in _listdir(run) if re.match(rf"^\.?{PREFIX}0\d+", n))
     if odd:
         raise ConfigError(
@@ -151,12 +151,9 @@ def resume_source(path: str, log=print) -> tuple[str | None, dict, dict]:
             "writes (checkpoint-N has no leading zeros), so which iteration it holds is ambiguous: "
             "rename it to checkpoint-N, or move it out of the run folder"
         )
-    if (
-        os.path.isdir(p)
-        and not _CKPT_RE.match(os.path.basename(p))
-        and not list_checkpoints(p, interrupted=True)
-        and os.path.lexists(args_file)
-    ):
+    args_file = os.path.join(p, "args.json")
+    no_checkpoint = not _CKPT_RE.match(name) and not list_checkpoints(p, interrupted=True)
+    if no_checkpoint and os.path.lexists(args_file):  # (args.json exists: p is a folder)
         try:
             return None, read_json(args_file), {}
         except (OSError, ValueError) as e:
@@ -258,11 +255,9 @@ def hold_run_folder(run_dir: str) -> None:
     try:  # O_NOFOLLOW: a .lock link planted after the check above is refused, never truncated
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        fix = (
-            _LINK_FIX
-            if e.errno == errno.ELOOP
-            else "remove it, or fix its permissions (a run creates its lock as a plain file)"
-        )
+        fix = "remove it, or fix its permissions (a run creates its lock as a plain file)"
+        if e.errno == errno.ELOOP:
+            fix = _LINK_FIX
         raise ConfigError(
             f"cannot open the run folder's lock {path} ({e.__class__.__name__}: "
             f"{e.strerror or e}): {fix}"
@@ -341,11 +336,8 @@ def resolve_run_dir(
         args.resume, print if is_main else (lambda *_: None)
     )
     source_folder = os.path.dirname(ckpt) if ckpt else os.path.abspath(args.resume.rstrip("/"))
-    if (
-        "run_name" in given
-        and not args.resume_override
-        and args.run_name != os.path.basename(source_folder)
-    ):
+    renamed = "run_name" in given and args.run_name != os.path.basename(source_folder)
+    if renamed and not args.resume_override:
         raise ConfigError(
             f"--run-name {args.run_name} names a new run folder, which only --resume-override "
             f"starts: drop --run-name to continue {source_folder} in place"
