@@ -77,11 +77,8 @@ def checkpoint_dir(run_dir: str, iteration: int) -> str:
 
 
 def _sha256(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _fsync(path: str) -> None:
@@ -103,18 +100,21 @@ def list_checkpoints(run_dir: str, interrupted: bool = False) -> list[tuple[int,
     between its last renames)."""
     names = _listdir(run_dir)
     found = {int(m.group(1)): os.path.join(run_dir, n) for n in names if (m := _CKPT_RE.match(n))}
-    hidden = sorted(names, key=lambda n: n.endswith(".old")) if interrupted else []
-    for n in hidden:  # the new copy (.tmp) before the old one
-        m = _HIDDEN_RE.match(n)
-        if (
-            m
-            and m.group(2)
-            and not m.group(3)
-            and int(m.group(1)) not in found
-            and os.path.isfile(os.path.join(run_dir, n, MARKER))
-        ):
-            found[int(m.group(1))] = os.path.join(run_dir, n)
+    for i, n in _leftovers(run_dir) if interrupted else []:
+        path = os.path.join(run_dir, n)
+        if i not in found and not n.endswith(".del") and os.path.isfile(os.path.join(path, MARKER)):
+            found[i] = path
     return sorted(found.items())
+
+
+def _leftovers(run_dir: str) -> list[tuple[int, str]]:
+    """(N, name) of what killed saves left in run_dir, for one N the new copy (.tmp) first."""
+    found = [
+        (int(m.group(1)), m.group(2) != ".tmp", n)
+        for n in _listdir(run_dir)
+        if (m := _HIDDEN_RE.match(n)) and (m.group(2) or m.group(3))
+    ]
+    return [(i, n) for i, _, n in sorted(found)]
 
 
 def _complete(run_dir: str, quick: bool = False) -> list[tuple[int, str]]:
@@ -132,18 +132,10 @@ def _remove(path: str) -> None:
 def _tidy(run_dir: str) -> None:
     """A complete .checkpoint-N.tmp (or .old) whose checkpoint-N is missing is renamed into place;
     every other leftover of a killed save is deleted."""
-    left = [
-        (int(m.group(1)), m.group(2) != ".tmp", n)
-        for n in _listdir(run_dir)
-        if (m := _HIDDEN_RE.match(n)) and (m.group(2) or m.group(3))
-    ]
-    for i, _, name in sorted(left):  # for one N, the new copy (.tmp) before the old one
+    for i, name in _leftovers(run_dir):
         path, final = os.path.join(run_dir, name), checkpoint_dir(run_dir, i)
-        if (
-            not name.endswith(".del")
-            and not os.path.exists(final)
-            and verify_checkpoint(path, quick=True) is None
-        ):
+        orphan = not name.endswith(".del") and not os.path.exists(final)
+        if orphan and verify_checkpoint(path, quick=True) is None:
             os.replace(path, final)
         else:
             _remove(path)
@@ -275,11 +267,9 @@ def save_checkpoint(run_dir: str, state: dict, save_weights, keep: int = 2) -> s
     if failed:
         gc.collect()  # raised outside the except: the error's frames (an open file) go with it
         done = _complete(run_dir)
-        last = (
-            f"the last complete checkpoint, {done[-1][1]}, is intact"
-            if done
-            else "no complete checkpoint exists yet"
-        )
+        last = "no complete checkpoint exists yet"
+        if done:
+            last = f"the last complete checkpoint, {done[-1][1]}, is intact"
         raise SystemExit(
             f"error: could not write {final} ({failed}); {last}: free space or fix the folder's "
             f"permissions, then --resume {run_dir}"
@@ -351,11 +341,8 @@ def read_marker(folder: str) -> dict:
         # a relative path inside the folder: a marker names nothing outside its checkpoint
         if os.path.isabs(rel) or ".." in rel.split("/") or not rel.strip("/"):
             raise ValueError(f"it lists {rel!r}, not a file inside the checkpoint")
-        if not (
-            isinstance(info, dict)
-            and _is_count(info.get("size"))
-            and isinstance(info.get("sha256"), str)
-        ):
+        sized = isinstance(info, dict) and _is_count(info.get("size"))
+        if not (sized and isinstance(info.get("sha256"), str)):
             raise ValueError(f"its entry for {rel!r} is {kind_of(info)}, not {{size, sha256}}")
     for field, kind in (("args", dict), ("path_fingerprints", dict), ("script", str)):
         if marker.get(field) is not None and not isinstance(marker[field], kind):

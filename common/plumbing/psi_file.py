@@ -53,8 +53,7 @@ def save_psi(run_dir: str, info: dict, psi0: torch.Tensor, average: int) -> None
     ts = list(range(T, 0, -1))  # paper timestep of code step j
     series = {"psi(t) calibrated": (ts, info["psi"]), "psi(t) initial": (ts, psi0.tolist())}
     if last:
-        # positive share of the nonzero DeltaR_t over the averaged iterations (None: none was
-        # nonzero)
+        # positive share of the nonzero DeltaR_t over the averaged iterations (None: none was nonzero)
         counts = [
             np.sum([[h["pos"][j], h["pos"][j] + h["neg"][j]] for h in last], 0) for j in range(T)
         ]

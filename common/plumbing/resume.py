@@ -83,11 +83,8 @@ def _refuse_disagreement(folder: str, state: dict) -> None:
     wrong = [f"{where} says {n}" for where, n in says.items() if n != state["iteration"]]
     for field in ("script", "args"):
         ours = json.dumps(state.get(field), default=str, sort_keys=True)
-        if (
-            field in state
-            and marker.get(field) is not None
-            and ours != json.dumps(marker[field], sort_keys=True)
-        ):
+        theirs = json.dumps(marker.get(field), sort_keys=True)
+        if field in state and marker.get(field) is not None and ours != theirs:
             wrong.append(f"its '{field}' differs from its COMPLETE.json's")
     numbers = [*state.get("counts", {}).items(), *state.get("clocks", {}).items()]
     wrong += [
@@ -158,8 +155,8 @@ def _tensor_dict(d) -> bool:
 
 def _rng_ok(r) -> bool:
     """One rank's RNG state as rng_state writes it (random.setstate and numpy check the values)."""
-    n = r.get("numpy") if isinstance(r, dict) else None
-    py = r.get("python") if isinstance(r, dict) else None
+    r = r if isinstance(r, dict) else {}
+    py, n = r.get("python"), r.get("numpy")
     return (
         isinstance(py, tuple)
         and len(py) == 3
@@ -190,7 +187,7 @@ def _check_optimizer(folder: str, saved: dict, optimizer) -> None:
     parameter's shape (load_state_dict checks only the counts, with a traceback)."""
     now = optimizer.param_groups
     sizes = [len(g["params"]) for g in now]
-    got = [len(g.get("params", [])) if isinstance(g, dict) else -1 for g in saved["param_groups"]]
+    got = [len(g["params"]) for g in saved["param_groups"]]  # (trainer_state_problem checked them)
     if got != sizes:
         raise ConfigError(
             f"--resume {folder}: its optimizer state has parameter groups of {got} parameters, "
@@ -314,7 +311,7 @@ def loss_scaling_state(folder: str, state: dict) -> dict:
         isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
         for v in scaler.values()
     )
-    if not numbers or not isinstance(skips, int) or isinstance(skips, bool) or skips < 0:
+    if not numbers or not _is_count(skips):
         raise ConfigError(
             f"--resume {folder}: its loss_scaling state is not one this code wrote (expected "
             "plain numbers: the scaler's scale and growth tracker, the skips in a row); resume "

@@ -35,25 +35,14 @@ from common.plumbing.utils import read_metrics_lines
 
 # Flags that may differ between a run and its resume: none changes the samples or the updates of
 # the iterations still to come. Anything else is experiment-defining (a new flag is, by default).
-MAY_CHANGE_ON_RESUME = {
-    "num_iterations",
-    "save_every",
-    "keep_checkpoints",
-    "eval_every",  # the evaluation protocol itself (prompts, steps, seeds, guidance) is compared
-    "eval_batch_size",  # the same images
-    "decode_batch_size",  # the same images to float rounding
-    "guard_rewards",  # logged at evaluation only, never trained on
-    "gradient_checkpointing",  # memory, not results
-    "output_dir",
-    "run_name",
-    "exp_name",
-    "resume",
-    "resume_override",
-    "resumed_from",
-    "track",
-    "wandb_project_name",
-    "wandb_entity",
-}
+MAY_CHANGE_ON_RESUME = {"num_iterations", "save_every", "keep_checkpoints", "output_dir"}
+MAY_CHANGE_ON_RESUME |= {"run_name", "exp_name", "resume", "resume_override", "resumed_from"}
+MAY_CHANGE_ON_RESUME |= {"track", "wandb_project_name", "wandb_entity"}
+MAY_CHANGE_ON_RESUME |= {"gradient_checkpointing"}  # memory, not results
+# eval_every: the evaluation protocol itself (prompts, steps, seeds, guidance) is compared; the batch
+# sizes: the same images (decode_batch_size: to float rounding); guard_rewards: logged at evaluation
+# only, never trained on
+MAY_CHANGE_ON_RESUME |= {"eval_every", "eval_batch_size", "decode_batch_size", "guard_rewards"}
 # Derived by check_args from compared flags: comparing them would repeat a difference already named.
 DERIVED = {"images_per_iteration", "images_per_rank", "prompts_per_rank", "trained_steps"}
 # They change the trained weights' shape: no checkpoint loads into another shape, override or not.
@@ -63,17 +52,8 @@ NOT_ADOPTED = {"resume", "resume_override", "run_name", "output_dir"}
 LOCK_FILE = ".lock"  # {run_dir}/.lock: flock-ed by the one process that writes the run folder
 # What a run writes into its folder: a folder holding any of these holds a run (a launcher's own
 # files beside them, such as harness.json and stdout.log, are not a run).
-RUN_OUTPUTS = (
-    "args.json",
-    "metrics.jsonl",
-    "samples",
-    "wandb",
-    "checkpoint-*",
-    ".checkpoint-*",
-    "learning_curve.png",
-    "steps_heatmap.png",
-    "before_after.png",
-)
+RUN_OUTPUTS = ("args.json", "metrics.jsonl", "samples", "wandb", "checkpoint-*", ".checkpoint-*")
+RUN_OUTPUTS += ("learning_curve.png", "steps_heatmap.png", "before_after.png")  # report.py's
 _LINK_FIX = (
     "a run writes and deletes only its own files, never through a link: replace the link with a "
     "copy of what it points to (or remove it), then run again; nothing was written"
@@ -142,8 +122,8 @@ def resume_source(path: str, log=print) -> tuple[str | None, dict, dict]:
     """(verified checkpoint, or None for a run that died before its first one; the run's flags; their
     path fingerprints) of --resume PATH."""
     p = os.path.abspath(path.rstrip("/") or "/")
-    args_file = os.path.join(p, "args.json")
-    run = p if not re.match(rf"^\.?{PREFIX}", os.path.basename(p)) else os.path.dirname(p)
+    name = os.path.basename(p)
+    run = p if not re.match(rf"^\.?{PREFIX}", name) else os.path.dirname(p)
     odd = sorted(n for n in _listdir(run) if re.match(rf"^\.?{PREFIX}0\d+", n))
     if odd:
         raise ConfigError(
@@ -151,12 +131,9 @@ def resume_source(path: str, log=print) -> tuple[str | None, dict, dict]:
             "writes (checkpoint-N has no leading zeros), so which iteration it holds is ambiguous: "
             "rename it to checkpoint-N, or move it out of the run folder"
         )
-    if (
-        os.path.isdir(p)
-        and not _CKPT_RE.match(os.path.basename(p))
-        and not list_checkpoints(p, interrupted=True)
-        and os.path.lexists(args_file)
-    ):
+    args_file = os.path.join(p, "args.json")
+    no_checkpoint = not _CKPT_RE.match(name) and not list_checkpoints(p, interrupted=True)
+    if no_checkpoint and os.path.lexists(args_file):  # (args.json exists: p is a folder)
         try:
             return None, read_json(args_file), {}
         except (OSError, ValueError) as e:
@@ -258,11 +235,9 @@ def hold_run_folder(run_dir: str) -> None:
     try:  # O_NOFOLLOW: a .lock link planted after the check above is refused, never truncated
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        fix = (
-            _LINK_FIX
-            if e.errno == errno.ELOOP
-            else "remove it, or fix its permissions (a run creates its lock as a plain file)"
-        )
+        fix = "remove it, or fix its permissions (a run creates its lock as a plain file)"
+        if e.errno == errno.ELOOP:
+            fix = _LINK_FIX
         raise ConfigError(
             f"cannot open the run folder's lock {path} ({e.__class__.__name__}: "
             f"{e.strerror or e}): {fix}"
@@ -341,11 +316,8 @@ def resolve_run_dir(
         args.resume, print if is_main else (lambda *_: None)
     )
     source_folder = os.path.dirname(ckpt) if ckpt else os.path.abspath(args.resume.rstrip("/"))
-    if (
-        "run_name" in given
-        and not args.resume_override
-        and args.run_name != os.path.basename(source_folder)
-    ):
+    renamed = "run_name" in given and args.run_name != os.path.basename(source_folder)
+    if renamed and not args.resume_override:
         raise ConfigError(
             f"--run-name {args.run_name} names a new run folder, which only --resume-override "
             f"starts: drop --run-name to continue {source_folder} in place"

@@ -11,6 +11,7 @@ import sys
 import threading
 
 from common.plumbing.checkpoint import continue_hint
+from common.plumbing.run_folder import run_outputs
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # the handlers the process had before the set-up installed its own (Run.finish puts them back)
@@ -67,8 +68,6 @@ def setup_reached(run_dir: str) -> None:
 
 
 def _setup_hint() -> str:
-    from common.plumbing.run_folder import run_outputs
-
     run_dir = _setup_state["run_dir"]
     if run_dir and run_outputs(run_dir):
         return continue_hint(run_dir)
