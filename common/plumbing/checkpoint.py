@@ -77,8 +77,11 @@ def checkpoint_dir(run_dir: str, iteration: int) -> str:
 
 
 def _sha256(path: str) -> str:
+    h = hashlib.sha256()  # read in blocks (hashlib.file_digest needs Python 3.11)
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _fsync(path: str) -> None:
