@@ -351,9 +351,8 @@ if __name__ == "__main__":
         # step. Then the fast EMA follows theta (E12).
         samples = {k: v.to(h.device) for k, v in ro.transitions.items()}  # x0, adv, prompt_index
         T, sigma_of = args.train_timesteps, sigmas.to(h.device)
-        gen = torch.Generator(h.device).manual_seed(  # the rollout's seed + 500: its own stream
-            args.seed * 1_000_003 + iteration * 1009 + h.rank + 500
-        )
+        train_seed = args.seed * 1_000_003 + iteration * 1009 + h.rank + 500  # the rollout's + 500
+        gen = torch.Generator(h.device).manual_seed(train_seed)  # the training noise's own stream
         stats = awm_stats(args)
         # the images in a random order, cut into the optimizer steps (CleanRL's minibatches): every
         # rank has as many images, so each runs as many micro-batches and the ranks' means weigh

@@ -282,9 +282,8 @@ if __name__ == "__main__":
         samples = {k: v.to(h.device) for k, v in ro.transitions.items()}  # x0, r, prompt_index
         n, L = args.images_per_rank, args.trained_steps
         sigma_of = sigmas.to(h.device)
-        gen = torch.Generator(h.device).manual_seed(  # the rollout's seed + 500: its own stream
-            args.seed * 1_000_003 + iteration * 1009 + h.rank + 500
-        )
+        train_seed = args.seed * 1_000_003 + iteration * 1009 + h.rank + 500  # the rollout's + 500
+        gen = torch.Generator(h.device).manual_seed(train_seed)  # the training noise's own stream
         # each image trains at L of the T timesteps, drawn without replacement (a random order)
         order = torch.rand(n, args.num_steps, generator=gen, device=h.device).argsort(1)
         step_index = order[:, :L].flatten()  # row i * L + k: image i's k-th timestep

@@ -135,8 +135,7 @@ def completion_schedule(k: int, lam: int, num_steps: int, official: bool = False
     k+1, k+1+λ, ..., and a last, shorter Euler step to num_steps when λ does not divide the rest, so
     every image is a finished ODE solution. official=True copies the released code: one fine step
     k+1 -> k+2, then every λ-th index from k+2, its image x0_hat = x - sigma v at the last call (an
-    Euler step to sigma = 0: the last index becomes num_steps). Both: ceil((T-k-1)/λ) model
-    calls."""
+    Euler step to sigma = 0: the last index becomes num_steps). Both: ceil((T-k-1)/λ) calls."""
     if official:
         idx = [k + 1] + list(range(k + 2, num_steps + 1, lam))
         return idx[:-1] + [num_steps] if len(idx) > 1 else idx

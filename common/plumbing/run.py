@@ -446,8 +446,7 @@ class Run:
         red = stats.reduce(self.world_size, self.device)
         self.counts.update({k: v + int(red.get(k, 0)) for k, v in self.counts.items()})
         metrics.update(rollout.metrics, **self.counts, nfe=training_nfe(self.counts))
-        if metrics["iteration"] == 0:
-            metrics.update(self.first_row)
+        metrics.update(self.first_row if metrics["iteration"] == 0 else {})
         for k, default in stats.defaults.items():  # the means; those named in PER_STEP per step too
             metrics[LOGGED_AS.get(k, k)] = red.get(k, default)
         for k in PER_STEP:
