@@ -251,13 +251,16 @@ class Backbone:
     def encode(self, prompts: list[str]) -> PromptEmbeds:
         """Prompt embeddings, without a graph (one would break multi-timestep backward passes)."""
         if self.kind == "flux":
-            emb, pooled, text_ids = self.pipe.encode_prompt(
-                prompts, None, device=self.device, max_sequence_length=self.max_sequence_length
-            )
-            return PromptEmbeds(emb.to(self.dtype), pooled.to(self.dtype), text_ids=text_ids)
+            return self._encode_flux(prompts)
         # SD3; Flow-GRPO's negative prompt is the empty string, encoded once and broadcast
         (emb, pooled), (neg, neg_pooled) = (self._encode_sd3(p) for p in (prompts, [""]))
         return PromptEmbeds(emb, pooled, neg, neg_pooled)
+
+    def _encode_flux(self, prompts: list[str]) -> PromptEmbeds:
+        emb, pooled, text_ids = self.pipe.encode_prompt(
+            prompts, None, device=self.device, max_sequence_length=self.max_sequence_length
+        )
+        return PromptEmbeds(emb.to(self.dtype), pooled.to(self.dtype), text_ids=text_ids)
 
     def _encode_sd3(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         emb, _, pooled, _ = self.pipe.encode_prompt(
