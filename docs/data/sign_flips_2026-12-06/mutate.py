@@ -81,8 +81,9 @@ CASES = {
             (
                 "per_step_advantages",
                 "densegrpo.py",
-                "advantages = per_step_advantages(dR, group, args.global_std, args.std_eps)",
-                "advantages = -per_step_advantages(dR, group, args.global_std, args.std_eps)",
+                # the function itself since 2026-12-06 16:00 (its call became `adv(dR)`, a partial)
+                "    return torch.stack(\n        [group_advantages(dR[:, j], group, global_std, eps)",
+                "    return -torch.stack(\n        [group_advantages(dR[:, j], group, global_std, eps)",
             ),
             (
                 "loss",
