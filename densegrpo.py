@@ -628,7 +628,7 @@ def optimizer_steps(state: torch.Tensor, keep: torch.Tensor, block: torch.Tensor
     """(states, kept transitions on all ranks) of each optimizer step: per pass and update block
     (G²RPO: one per branch step), the block's states (a row, or G²RPO's G branches of one latent)
     shuffled, kept first, cut into --optimizer-steps-per-iteration parts. A forward is a collective
-    under DDP and FSDP: each rank trains as many states as the one keeping most (weight-0 fill)."""
+    under DDP and FSDP: every rank trains as many as the rank keeping most (padding weighs 0)."""
     for _, b in product(range(args.num_inner_epochs), range(int(block.max()) + 1)):
         states = state[block == b].unique()
         has_kept = torch.zeros(int(state.max()) + 1, dtype=torch.bool, device=state.device)

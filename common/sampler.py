@@ -28,9 +28,10 @@ scripts/train_sd3_GRPO_Guard.py), for the SDE step (E3) with step std s = std_de
   (E7) log r_hat = s (log r + |mu - mu_old|^2 / (2 s^2)),
        log r = log pi(x_next) - log pi_old(x_next)
 DPM-Solver++(2M) on the predicted clean sample (Lu et al. 2022, arXiv 2211.01095; the released
-DiffusionNFT code's rollout sampler, `solver="dpm2"`, "modified from MixGRPO"): with alpha = 1 - sigma,
-the half log-SNR lambda(sigma) = log((1 - sigma) / sigma), sigma = sigmas[j], sigma' = sigmas[j + 1],
-h = lambda(sigma') - lambda(sigma), h0 = lambda(sigma) - lambda(sigmas[j - 1]):
+DiffusionNFT code's rollout sampler, `solver="dpm2"`, "modified from MixGRPO"): with
+alpha = 1 - sigma, the half log-SNR lambda(sigma) = log((1 - sigma) / sigma), sigma = sigmas[j],
+sigma' = sigmas[j + 1], h = lambda(sigma') - lambda(sigma),
+h0 = lambda(sigma) - lambda(sigmas[j - 1]):
   (E8) x' = (sigma' / sigma) x - alpha' (e^-h - 1) (D0 + D1 / 2),
        D0 = x0_hat_j,  D1 = (h / h0) (x0_hat_j - x0_hat_{j-1}),  x0_hat from (E4)
 All math runs in float32 whatever the model dtype: bf16 loses too much precision in the

@@ -109,7 +109,7 @@ class Stats:
         self.firsts.update({k: float(v) for k, v in values.items() if k not in self.firsts})
 
     def reduce(self, world_size: int, device) -> dict:
-        """{name, name/per_step, name/weight, name/max, name/min, total}, over all ranks."""
+        """{name, name/per_step: {step: mean}, name/weight, /max, /min, total}, over all ranks."""
         names, counted = sorted(self.sums), sorted(self.totals)
         totals = torch.tensor([self.totals[k] for k in counted], dtype=torch.float64)
         flat = torch.cat([self.sums[k].flatten() for k in names] + [totals]).to(device)
