@@ -288,7 +288,7 @@ def test_a_run_started_in_one_clone_resumes_from_another(tmp_path):
 # ============================================================ what a resume knows about the folder (issue #57)
 @pytest.fixture(scope="module")
 def finished(tiny_sd3, tmp_path_factory):
-    """A finished 1-iteration flowgrpo run whose evaluation prompts came from a pipe (`<(...)`, /dev/fd/63)."""
+    """A finished 1-iteration flowgrpo run whose evaluation prompts came from a pipe (`<(...)`, /dev/fd/N)."""
     out = tmp_path_factory.mktemp("finished")
     prompts = write_prompts(
         out / "p.txt", ["a photo of a red circle", "a photo of two blue squares"]
@@ -307,28 +307,50 @@ def finished(tiny_sd3, tmp_path_factory):
 PIPED = ["a photo of a red circle", "a photo of a blue square"]
 
 
-def pipe(prompts, fd=63) -> str:
-    """What bash's `<(printf ...)` gives a script: /dev/fd/63, a pipe that holds `prompts` and is read once."""
+_PIPE_FD: list[
+    int
+] = []  # the descriptor every pipe() takes, chosen once and kept open (no other file gets it)
+
+
+def pipe(prompts) -> str:
+    """What bash's `<(printf ...)` gives a script: /dev/fd/N (bash's N is 63), a pipe that holds `prompts` and is
+    read once. N is the first descriptor from 63 that no open file uses, chosen once, then reused: dup2 onto a
+    descriptor in use swaps the pipe in under that file, whose close (or collection) then closes the pipe before
+    the script reads it (CI, 2026-12-06: "--eval-prompts '/dev/fd/63' does not exist")."""
+    if not _PIPE_FD:
+        fd = 63
+        while _is_open(fd):
+            fd += 1
+        _PIPE_FD.append(fd)
     r, w = os.pipe()
     os.write(w, ("\n".join(prompts) + "\n").encode())
     os.close(w)
-    os.dup2(r, fd)
+    os.dup2(r, _PIPE_FD[0])
     os.close(r)
-    return f"/dev/fd/{fd}"
+    return f"/dev/fd/{_PIPE_FD[0]}"
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def test_a_resume_compares_piped_evaluation_prompts_by_content(finished, no_model_load):
-    """The run read its --eval-prompts from a pipe, and so does the resume: the same name (/dev/fd/63) with other
+    """The run read its --eval-prompts from a pipe, and so does the resume: the same name (/dev/fd/N) with other
     prompts is a changed flag (it was not compared: the resume trained on and wrote rows on other prompts); the same
     prompts pass the check (the run is then refused only because it asks for no more iterations)."""
     run, flags = finished["run"], list(finished["flags"])
     before = open(os.path.join(run, "metrics.jsonl")).read()
-    flags[-1] = pipe(["a photo of two green triangles", "a photo of a red circle"])
+    path = flags[-1] = pipe(["a photo of two green triangles", "a photo of a red circle"])
+    assert path == finished["flags"][-1]  # the same name as the run's
     with pytest.raises(SystemExit) as e:
         run_main(SCRIPT, *flags, "--num-iterations", "2", "--resume", run)
     assert str(e.value.code) == (
         f"error: --resume {run}/checkpoint-1 was trained with other experiment-defining flags: --eval-prompts "
-        "'/dev/fd/63' -> '/dev/fd/63 (other content)'; drop them to continue that run with its own values, or add "
+        f"'{path}' -> '{path} (other content)'; drop them to continue that run with its own values, or add "
         "--resume-override to start a new run folder from its weights"
     )
     flags[-1] = pipe(PIPED)
