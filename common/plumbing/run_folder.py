@@ -35,14 +35,25 @@ from common.plumbing.utils import read_metrics_lines
 
 # Flags that may differ between a run and its resume: none changes the samples or the updates of
 # the iterations still to come. Anything else is experiment-defining (a new flag is, by default).
-MAY_CHANGE_ON_RESUME = {"num_iterations", "save_every", "keep_checkpoints", "output_dir"}
-MAY_CHANGE_ON_RESUME |= {"run_name", "exp_name", "resume", "resume_override", "resumed_from"}
-MAY_CHANGE_ON_RESUME |= {"track", "wandb_project_name", "wandb_entity"}
-MAY_CHANGE_ON_RESUME |= {"gradient_checkpointing"}  # memory, not results
-# eval_every: the evaluation protocol itself (prompts, steps, seeds, guidance) is compared; the batch
-# sizes: the same images (decode_batch_size: to float rounding); guard_rewards: logged at evaluation
-# only, never trained on
-MAY_CHANGE_ON_RESUME |= {"eval_every", "eval_batch_size", "decode_batch_size", "guard_rewards"}
+MAY_CHANGE_ON_RESUME = {
+    "num_iterations",
+    "save_every",
+    "keep_checkpoints",
+    "eval_every",  # the evaluation protocol itself (prompts, steps, seeds, guidance) is compared
+    "eval_batch_size",  # the same images
+    "decode_batch_size",  # the same images to float rounding
+    "guard_rewards",  # logged at evaluation only, never trained on
+    "gradient_checkpointing",  # memory, not results
+    "output_dir",
+    "run_name",
+    "exp_name",
+    "resume",
+    "resume_override",
+    "resumed_from",
+    "track",
+    "wandb_project_name",
+    "wandb_entity",
+}
 # Derived by check_args from compared flags: comparing them would repeat a difference already named.
 DERIVED = {"images_per_iteration", "images_per_rank", "prompts_per_rank", "trained_steps"}
 # They change the trained weights' shape: no checkpoint loads into another shape, override or not.
@@ -52,8 +63,17 @@ NOT_ADOPTED = {"resume", "resume_override", "run_name", "output_dir"}
 LOCK_FILE = ".lock"  # {run_dir}/.lock: flock-ed by the one process that writes the run folder
 # What a run writes into its folder: a folder holding any of these holds a run (a launcher's own
 # files beside them, such as harness.json and stdout.log, are not a run).
-RUN_OUTPUTS = ("args.json", "metrics.jsonl", "samples", "wandb", "checkpoint-*", ".checkpoint-*")
-RUN_OUTPUTS += ("learning_curve.png", "steps_heatmap.png", "before_after.png")  # report.py's
+RUN_OUTPUTS = (
+    "args.json",
+    "metrics.jsonl",
+    "samples",
+    "wandb",
+    "checkpoint-*",
+    ".checkpoint-*",
+    "learning_curve.png",
+    "steps_heatmap.png",
+    "before_after.png",
+)
 _LINK_FIX = (
     "a run writes and deletes only its own files, never through a link: replace the link with a "
     "copy of what it points to (or remove it), then run again; nothing was written"
