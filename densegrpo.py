@@ -176,8 +176,9 @@ def check_args(args: Args, world_size: int) -> None:
         "calibration_iterations": Rule(
             0, integer=True, why="0: no calibration, psi = --noise-level"
         ),
+        # sampled together: past MAX_BATCH a typo (10**20 was a traceback after the model loaded)
         "calibration_trajectories": Rule(
-            1, integer=True, why="trajectories per calibration iteration"
+            1, MAX_BATCH, integer=True, why="trajectories per calibration iteration"
         ),
         "calibration_step": Rule(
             0, lo_open=True, why="epsilon_2, the largest move of psi per iteration"
@@ -186,9 +187,6 @@ def check_args(args: Args, world_size: int) -> None:
     }
     for name, rule in calibration.items():
         check_flag(args, name, rule)
-    # sampled together: past MAX_BATCH a typo (10**20 was a traceback after the model loaded)
-    why = "trajectories per calibration iteration"
-    check_flag(args, "calibration_trajectories", Rule(hi=MAX_BATCH, integer=True, why=why))
     if args.psi_file is not None and not os.path.isfile(args.psi_file):
         what = "is a folder" if os.path.isdir(args.psi_file) else "does not exist"
         raise ConfigError(

@@ -64,7 +64,7 @@ CASES = [  # script, flags ({name} = a file of _files), what the line must say
     (
         "densegrpo.py",
         ["--calibration-trajectories", "0"],
-        "--calibration-trajectories 0: must be an integer >= 1",
+        "--calibration-trajectories 0: must be an integer in [1, 1e+06]",
     ),
     (
         "densegrpo.py",
