@@ -413,6 +413,21 @@ def test_a_complete_json_of_the_wrong_shape_falls_back_to_the_previous_checkpoin
     )
 
 
+def test_a_rotation_killed_mid_delete_is_tidied_by_the_next_save(tmp_path, monkeypatch):
+    """A kill after a rotated checkpoint was renamed for deletion, before its files were gone, leaves a .del folder:
+    the next save deletes it (a checkpoint-N.del was never tidied: a whole checkpoint's disk, kept forever)."""
+    run = str(tmp_path / "run")
+    for i in (1, 2):
+        ck.save_checkpoint(run, tiny_state(i), tiny_weights(i), keep=1)
+        if i == 1:  # the next rotation is "killed" between its rename and its delete
+            monkeypatch.setattr(ck.shutil, "rmtree", lambda *a, **k: None)
+    left = sorted(os.listdir(run))
+    assert len(left) == 2 and left[-1] == "checkpoint-2" and left[0].endswith(".del"), left
+    monkeypatch.undo()
+    ck.save_checkpoint(run, tiny_state(3), tiny_weights(3), keep=1)
+    assert sorted(os.listdir(run)) == ["checkpoint-3"]
+
+
 def _tiny_model(seed=0):
     """A trained state as a script holds it: params, AdamW after a step, an EMA and an old policy (DiffusionNFT)."""
     from common.policy import EMA

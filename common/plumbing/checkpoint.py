@@ -125,9 +125,10 @@ def _complete(run_dir: str, quick: bool = False) -> list[tuple[int, str]]:
 
 
 def _remove(path: str) -> None:
-    """Rename to .del (atomic), then delete: a kill mid-delete never leaves a half-deleted folder
-    that still looks complete."""
-    trash = path if path.endswith(".del") else path + ".del"
+    """Rename to a hidden .del name (atomic), then delete: a kill mid-delete leaves no half-deleted
+    folder that still looks complete, and the next save's `_tidy` deletes what it left."""
+    head, name = os.path.split(path)
+    trash = path if name.endswith(".del") else os.path.join(head, f".{name.lstrip('.')}.del")
     os.replace(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
 
