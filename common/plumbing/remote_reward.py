@@ -191,7 +191,12 @@ def load_metadata(path: str) -> dict[str, dict]:
 
 
 class _Retry(Exception):
-    """A failure worth trying again (busy, restarting, slow, not yet up): (message, reason)."""
+    """A failure worth trying again (busy, restarting, slow, not yet up); `reason`: what the
+    connection said, for the start-up check's line (the message, unless given)."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 class _Scores(Future):
@@ -246,7 +251,7 @@ class RemoteReward:
             )
         except _Retry as e:
             raise ValueError(
-                f"{self._where()}: no server answers ({e.args[1]}): start it (e.g. `python -m "
+                f"{self._where()}: no server answers ({e.reason}): start it (e.g. `python -m "
                 "common.plumbing.reward_server --reward toyworld --port 8000`) or fix the URL in --reward"
             ) from None
         if self.spec.wire == "flowgrpo":  # it answers: enough for flow_grpo's (POST only)
@@ -349,7 +354,7 @@ class RemoteReward:
                 try:
                     return self._post_once(url, body, kind, s.timeout)
                 except _Retry as e:
-                    last = e.args[0]
+                    last = str(e)
                 if attempt > s.retries or cancel.is_set() or cancel.wait(delay):
                     break
                 delay *= 2
@@ -375,7 +380,7 @@ class RemoteReward:
             )
         detail += f": {_error_text(reply)}"
         if status in RETRIED_STATUSES:
-            raise _Retry(detail, detail)
+            raise _Retry(detail)
         hint = ""
         if self.spec.wire == "flowgrpo" and self.metadata is None:
             hint = (
@@ -414,14 +419,14 @@ class RemoteReward:
             # read() with a length: a reply cut short is IncompleteRead; without: up to the cap
             reply = r.read() if size is not None and size <= cap else r.read(cap + 1)[:cap]
             if watchdog.fired:  # cut at the deadline: what was read may look whole, and is not
-                raise _Retry(within, within)
+                raise _Retry(within)
             if r.status == 200 and size is None and len(reply) >= cap:
                 raise RemoteRewardError(_too_big(self._where(), cap + 1))
             return r.status, r.reason, r.headers, reply
         # refused, reset, cut short, late, ... (ValueError: a host name idna cannot encode)
         except (OSError, http.client.HTTPException, ValueError) as e:
             if watchdog.fired or isinstance(e, TimeoutError):
-                raise _Retry(within, within) from None
+                raise _Retry(within) from None
             raise _Retry(f"no reply ({_reason(e)})", _reason(e)) from None
         finally:
             watchdog.cancel()
