@@ -192,9 +192,9 @@ def sde_step_with_logprob(
 def cps_step(velocity, sample, sigma, sigma_next, noise_level, prev_sample=None, generator=None):
     """Coefficients-preserving sampling (E6) and the released code's log-prob of where it lands.
 
-    Arguments and returns as `sde_step_with_logprob`; here std_dev_t IS the step's std s (no |dt| factor, and no
-    singularity at sigma = 1). a = noise_level in [0, 1]; a = 1 puts all of sigma_next into fresh
-    noise (mean = (1 - sigma_next) x0_hat).
+    Arguments and returns as `sde_step_with_logprob`; here std_dev_t IS the step's std s (no |dt|
+    factor, and no singularity at sigma = 1). a = noise_level in [0, 1]; a = 1 puts all of
+    sigma_next into fresh noise (mean = (1 - sigma_next) x0_hat).
 
     log_prob is what the released code computes (Flow-GRPO's sd3_sde_with_logprob.py with
     sde_type="cps", and FlowCPS's own): -(x_next - mean)^2 averaged over the non-batch dims, "all
